@@ -1,0 +1,104 @@
+"""KV pool and the cache write (SGLang's ``set_kv_buffer``).
+
+The pool of one layer is SGLang's ``k_buffer`` / ``v_buffer``: ``[num_slots, Hkv, D]``. Slot 0 is
+reserved: padded tokens write there. Attention reads the paged view ``[num_slots // page_size,
+page_size, Hkv, D]`` (a free reshape, see ``paged_view``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """One layer's KV pool (functional: a write returns a new pool)."""
+
+    k: jax.Array  # [num_slots, Hkv, D]
+    v: jax.Array  # [num_slots, Hkv, Dv]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[0]
+
+    @classmethod
+    def zeros(cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype, v_head_dim: Optional[int] = None):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        return cls(
+            jnp.zeros((num_slots, num_kv_heads, head_dim), dtype),
+            jnp.zeros((num_slots, num_kv_heads, v_head_dim), dtype),
+        )
+
+
+def paged_view(buf: jax.Array, page_size: int) -> jax.Array:
+    """``[num_slots, Hkv, D]`` -> ``[num_slots // page_size, page_size, Hkv, D]``."""
+    num_slots = buf.shape[0]
+    if num_slots % page_size:
+        raise ValueError(f"{num_slots=} must be a multiple of {page_size=}: size the pool in whole pages")
+    return buf.reshape(num_slots // page_size, page_size, *buf.shape[1:])
+
+
+def _store(buf, loc, x, scale):
+    if x.shape[1:] != buf.shape[1:]:
+        raise ValueError(f"{x.shape=} must be [num_tokens, *{buf.shape[1:]}] to be written into the pool")
+    if jnp.dtype(buf.dtype) in [jnp.dtype(d) for d in FP8_DTYPES]:
+        x = x.astype(jnp.float32)
+        if scale is not None:
+            x = x / jnp.asarray(scale, jnp.float32)
+        finfo = jnp.finfo(buf.dtype)
+        x = jnp.clip(x, float(finfo.min), float(finfo.max))
+    # Padded tokens all target slot 0, which is reserved; out-of-range slots are dropped.
+    return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
+
+
+def set_kv_buffer(
+    pool: KVPool,
+    out_cache_loc: jax.Array,  # i32[T]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, Dv]
+    *,
+    k_scale: Optional[float] = None,
+    v_scale: Optional[float] = None,
+) -> KVPool:
+    """Write new keys/values at ``out_cache_loc`` and return the updated pool.
+
+    In place when the caller jits with the pool donated (``donate_argnums``). fp8 pools store
+    ``k / k_scale`` (``v / v_scale``) saturated to the fp8 range, as SGLang does; attention then
+    passes ``k_descale=k_scale``.
+
+    Args:
+      pool: the layer's pool.
+      out_cache_loc: destination slot per token; padded tokens carry slot 0 (reserved).
+      k, v: new keys and values.
+      k_scale, v_scale: fp8 quantisation scales (ignored for non-fp8 pools).
+
+    Returns:
+      The pool with the new tokens written.
+    """
+    if out_cache_loc.ndim != 1 or out_cache_loc.shape[0] != k.shape[0]:
+        raise ValueError(f"{out_cache_loc.shape=} must be [num_tokens] matching {k.shape=}")
+    if out_cache_loc.dtype != jnp.int32:
+        raise ValueError(f"{out_cache_loc.dtype=} must be int32 (convert once per step, not per layer)")
+    # A slot outside the pool writes nothing (never another slot); validate_out_cache_loc reports it.
+    loc = jnp.where(out_cache_loc < 0, pool.num_slots, out_cache_loc)
+    return KVPool(_store(pool.k, loc, k, k_scale), _store(pool.v, loc, v, v_scale))
+
+
+def validate_out_cache_loc(out_cache_loc, num_slots: int) -> None:
+    """Host-side check that every destination slot exists (tests and debug mode only)."""
+    import numpy as np
+
+    loc = np.asarray(out_cache_loc)
+    bad = np.nonzero((loc < 0) | (loc >= num_slots))[0]
+    if bad.size:
+        raise ValueError(
+            f"out_cache_loc[{bad[0]}]={loc[bad[0]]} is outside the pool's [0, {num_slots}) slots: "
+            "allocate slots from the pool before the step"
+        )
