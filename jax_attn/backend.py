@@ -1,0 +1,193 @@
+"""The JAX face of the library: plan once per step, run attention per layer.
+
+    backend = FlashAttentionBackend(req_to_token, page_size=16, max_context_len=4096)
+    md = backend.plan(batch)                        # once per step (host padding + jitted planner)
+    out, pool = backend.forward(q, k, v, layer, pool, md)   # per layer, inside the model's jit
+
+``forward`` is pure: it returns the new pool (in place under ``jit`` with the pool donated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_attn import planner
+from jax_attn.attention import attention, resolve_impl
+from jax_attn.batch import ForwardBatch, pad_batch
+from jax_attn.kv_cache import KVPool, paged_view, set_kv_buffer
+from jax_attn.metadata import AttentionMetadata, ForwardMode
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    """Per-layer knobs of SGLang's ``RadixAttention`` (static: hashable, part of the jit key)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: Optional[int] = None
+    scaling: Optional[float] = None  # softmax scale; None = head_dim ** -0.5
+    logit_cap: float = 0.0
+    sliding_window_size: int = -1  # -1 = full attention; else FA3 window (size, 0)
+    is_cross_attention: bool = False
+    k_scale: Optional[float] = None  # fp8 pools: stored k = k / k_scale
+    v_scale: Optional[float] = None
+    layer_id: int = 0
+
+    def __post_init__(self):
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+
+    @property
+    def window_size(self):
+        return (self.sliding_window_size, 0) if self.sliding_window_size >= 0 else (-1, -1)
+
+
+class FlashAttentionBackend:
+    """SGLang's FlashAttention backend for JAX model code.
+
+    Args:
+      req_to_token: ``i32[max_reqs, max_context_len]`` request table (row 0 reserved).
+      page_size: tokens per KV page.
+      max_context_len: longest sequence (bounds the page-table width).
+      impl: attention implementation (``jax_attn.attention.IMPLS``).
+      deterministic: one KV split per sequence, so a request's output is bitwise independent
+        of the rest of the batch (SGLang's ``enable_deterministic_inference``).
+      max_encoder_len: static bound on encoder lengths for cross attention (0 = none).
+    """
+
+    def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
+                 impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0):
+        self.req_to_token = jnp.asarray(req_to_token, jnp.int32)
+        self.page_size = page_size
+        ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
+        self.max_pages = -(-ctx // page_size)
+        self.impl = resolve_impl(impl)
+        self.deterministic = deterministic
+        self.max_encoder_len = max_encoder_len
+
+    # ---- planning -------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch, *, bs: Optional[int] = None,
+             num_tokens: Optional[int] = None) -> AttentionMetadata:
+        """Plan one step; pads to ``bs`` rows / ``num_tokens`` tokens first when given."""
+        if bs is not None:
+            batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
+        return plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch))
+
+    def plan_static(self, batch: ForwardBatch) -> "PlanKey":
+        """The static part of a plan (mode, sizes): the compile-cache key of a step."""
+        spec = batch.spec_info
+        if spec is not None and spec.topk > 1:
+            raise NotImplementedError(
+                f"{batch.forward_mode.name} with topk={spec.topk} (tree/cascade speculative decoding) "
+                "is not implemented yet; use topk=1"
+            )
+        return PlanKey(
+            mode=batch.forward_mode, batch_size=batch.batch_size, num_tokens=batch.num_tokens,
+            q_len_per_req=batch.q_len_per_req(), kv_offset=_kv_offset(batch),
+            page_size=self.page_size, max_pages=self.max_pages,
+            has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
+        )
+
+    # ---- per layer ------------------------------------------------------------------------
+    def forward(self, q, k, v, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *,
+                sinks=None, save_kv_cache: bool = True, return_lse: bool = False):
+        """Write this step's K/V (optional) and attend. ``q [T, Hq*D]`` or ``[T, Hq, D]``.
+
+        Returns ``(out [T, Hq * Dv], new_pool)`` (and LSE ``f32[T, Hq]`` when ``return_lse``).
+        """
+        if md.mode == ForwardMode.IDLE:
+            dv = layer.v_head_dim or layer.head_dim
+            out = jnp.zeros((0, layer.num_q_heads * dv), q.dtype)
+            return (out, pool, jnp.zeros((0, layer.num_q_heads), jnp.float32)) if return_lse else (out, pool)
+        t = q.shape[0]
+        q = q.reshape(t, layer.num_q_heads, layer.head_dim)
+        if save_kv_cache and k is not None:
+            k = k.reshape(t, layer.num_kv_heads, layer.head_dim)
+            v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
+            pool = set_kv_buffer(pool, md.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        res = self._attend(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
+        out = res[0] if return_lse else res
+        out = out.reshape(t, -1)
+        return (out, pool, res[1]) if return_lse else (out, pool)
+
+    forward_extend = forward
+    forward_decode = forward
+
+    def _attend(self, q, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *, sinks, return_lse):
+        fp8 = pool.k.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+        kw = dict(
+            softcap=layer.logit_cap, sinks=sinks, softmax_scale=layer.scaling, return_lse=return_lse,
+            k_descale=layer.k_scale if fp8 else None, v_descale=layer.v_scale if fp8 else None,
+        )
+        if self.impl != "reference":
+            kw["num_splits"] = 1 if self.deterministic else None
+        if layer.is_cross_attention:
+            if md.encoder is None:
+                raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
+            enc = md.encoder
+            enc_md = dataclasses.replace(
+                md, cache_seqlens=enc.encoder_lens, cu_seqlens_k=enc.encoder_cu_seqlens_k,
+                page_table=enc.encoder_page_table, page_size=1, max_pages=enc.max_encoder_len, schedule=None,
+            )
+            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), enc_md, impl=self.impl,
+                             causal=False, **kw)
+        return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
+                         impl=self.impl, causal=True, window_size=layer.window_size, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKey:
+    """Everything static about a step's plan; equal keys share one compiled executable."""
+
+    mode: ForwardMode
+    batch_size: int
+    num_tokens: int
+    q_len_per_req: int
+    kv_offset: int
+    page_size: int
+    max_pages: int
+    has_encoder: bool
+    max_encoder_len: int
+
+
+def _kv_offset(batch: ForwardBatch) -> int:
+    """Target verify adds the draft tokens; draft decode (decode with spec_info) adds step_id + 1."""
+    spec = batch.spec_info
+    if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+        return spec.num_draft_tokens
+    if batch.forward_mode == ForwardMode.DECODE and spec is not None:
+        return spec.step_id + 1
+    return 0
+
+
+def batch_arrays(batch: ForwardBatch):
+    """The device inputs of a plan, in ``plan_arrays`` order (int32 numpy)."""
+    ext = batch.extend_seq_lens
+    if batch.forward_mode.is_draft_extend():
+        ext = batch.spec_info.accept_length + 1
+    return (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, ext, batch.encoder_lens)
+
+
+def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cache_loc,
+                extend_seq_lens=None, encoder_lens=None) -> AttentionMetadata:
+    """Dispatch to the planner of ``key.mode`` (traceable: capture and replay call this too)."""
+    enc = dict(encoder_lens=encoder_lens, max_encoder_len=key.max_encoder_len) if key.has_encoder else {}
+    common = dict(page_size=key.page_size, max_pages=key.max_pages, **enc)
+    if key.mode == ForwardMode.IDLE:
+        return planner.plan_idle(page_size=key.page_size, max_pages=key.max_pages)
+    if key.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        return planner.plan_uniform(
+            req_to_token, req_pool_indices, seq_lens, out_cache_loc, q_len_per_req=key.q_len_per_req,
+            kv_offset=key.kv_offset, mode=key.mode, **common,
+        )
+    if extend_seq_lens is None:
+        raise ValueError(f"{key.mode.name} needs extend_seq_lens (or spec_info.accept_length)")
+    return planner.plan_extend(
+        req_to_token, req_pool_indices, seq_lens, extend_seq_lens, out_cache_loc,
+        max_q_len=key.num_tokens, mode=key.mode, **common,
+    )

@@ -1,0 +1,99 @@
+"""Host-side description of one step (SGLang's ``ForwardBatch`` fields) and bucket padding.
+
+Padding follows SGLang's CUDA-graph rules: padded rows get ``seq_len = SEQ_LEN_FILL_VALUE``,
+request row 0 (reserved) and output slot 0 (reserved); padded extend rows get zero new tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jax_attn.metadata import ForwardMode
+
+SEQ_LEN_FILL_VALUE = 1  # get_cuda_graph_seq_len_fill_value()
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecInfo:
+    """The speculative-decoding fields the planners read (EAGLE's ``spec_info``)."""
+
+    topk: int = 1
+    num_draft_tokens: int = 0  # queries per request in target verify
+    step_id: int = 0  # draft decode (DECODE with spec_info): kv offset = step_id + 1
+    accept_length: Optional[np.ndarray] = None  # i32[bs], draft extend
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    """One step's batch on the host (numpy int32), SGLang names.
+
+    ``seq_lens`` count every KV token including this step's new ones, except in target verify,
+    where SGLang passes the committed length and the draft tokens are added by the planner.
+    """
+
+    forward_mode: ForwardMode
+    req_pool_indices: np.ndarray  # i32[bs]
+    seq_lens: np.ndarray  # i32[bs]
+    out_cache_loc: np.ndarray  # i32[num_tokens]
+    extend_seq_lens: Optional[np.ndarray] = None  # i32[bs]; extend modes
+    encoder_lens: Optional[np.ndarray] = None  # i32[bs]; cross attention
+    spec_info: Optional[SpecInfo] = None
+
+    def __post_init__(self):
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "encoder_lens"):
+            x = getattr(self, name)
+            if x is not None:
+                object.__setattr__(self, name, np.asarray(x, np.int32))
+        if self.req_pool_indices.shape != self.seq_lens.shape:
+            raise ValueError(f"{self.req_pool_indices.shape=} must equal {self.seq_lens.shape=}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+    def q_len_per_req(self) -> int:
+        """Queries per request for uniform modes (decode, draft decode, verify)."""
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
+            return self.spec_info.num_draft_tokens
+        return 1
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> Optional[int]:
+    """Smallest bucket >= n, or None when n exceeds every bucket."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:
+    if x is None:
+        return None
+    out = np.full((size,) + x.shape[1:], fill, np.int32)
+    out[: x.shape[0]] = x
+    return out
+
+
+def pad_batch(batch: ForwardBatch, bs: int, num_tokens: int) -> ForwardBatch:
+    """Pad to ``bs`` rows and ``num_tokens`` tokens with SGLang's fill rules."""
+    if bs < batch.batch_size or num_tokens < batch.num_tokens:
+        raise ValueError(f"cannot pad {batch.batch_size=}, {batch.num_tokens=} down to {bs=}, {num_tokens=}")
+    spec = batch.spec_info
+    if spec is not None and spec.accept_length is not None:
+        spec = dataclasses.replace(spec, accept_length=_pad(spec.accept_length, bs, 0))
+    return dataclasses.replace(
+        batch,
+        req_pool_indices=_pad(batch.req_pool_indices, bs, 0),
+        seq_lens=_pad(batch.seq_lens, bs, SEQ_LEN_FILL_VALUE),
+        out_cache_loc=_pad(batch.out_cache_loc, num_tokens, 0),
+        extend_seq_lens=_pad(batch.extend_seq_lens, bs, 0),
+        encoder_lens=_pad(batch.encoder_lens, bs, 0),
+        spec_info=spec,
+    )

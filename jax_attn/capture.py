@@ -1,0 +1,118 @@
+"""Capture / replay: one ahead-of-time compiled executable per (plan key, bucket).
+
+The JAX counterpart of SGLang's CUDA-graph runner. A *step function*
+``step_fn(md, token_inputs, *args) -> (token_outputs, other_outputs)`` (a whole model step, or a
+single attention call) is composed with the planner, padded to a batch bucket and compiled once:
+
+    runner = StepRunner(backend, step_fn, donate_argnums=(1,))
+    runner.capture(example_batch_for(bs) for bs in (1, 2, 4, 8), token_inputs, *args)
+    token_out, other_out = runner.replay(batch, token_inputs, *args)
+
+``token_inputs`` / ``token_outputs`` are pytrees whose leaves have the token axis first; replay
+pads them (zeros) and slices the outputs back. Replay and the eager path run the same function.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_attn.backend import FlashAttentionBackend, PlanKey, batch_arrays, plan_arrays
+from jax_attn.batch import DEFAULT_BATCH_BUCKETS, ForwardBatch, bucket_for, pad_batch
+
+_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jax_attn", "xla")
+
+
+def enable_persistent_cache(path: str = _CACHE_DIR) -> None:
+    """Turn on JAX's persistent compilation cache (kept across processes), unless already set."""
+    if jax.config.jax_compilation_cache_dir is None:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
+def _pad_tokens(tree, num_tokens: int):
+    def pad(x):
+        x = jnp.asarray(x)
+        extra = num_tokens - x.shape[0]
+        return x if extra == 0 else jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+    return jax.tree.map(pad, tree)
+
+
+class StepRunner:
+    """Compiled executables per bucket for one step function (see module docstring).
+
+    Args:
+      backend: the planning backend (page size, request table, planner choice).
+      step_fn: ``step_fn(md, token_inputs, *args) -> (token_outputs, other_outputs)``.
+      batch_buckets: padded batch sizes; a larger batch runs eagerly (said once).
+      donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
+    """
+
+    def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
+                 batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = ()):
+        self.backend = backend
+        self.step_fn = step_fn
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        donate = tuple(3 + i for i in donate_argnums)  # after (req_to_token, plan inputs, tokens)
+        self._jit = jax.jit(self._full, static_argnums=0, donate_argnums=tuple(d + 1 for d in donate))
+        self.executables: dict = {}
+        self.trace_count = 0
+        self._warned_eager = False
+
+    def _full(self, key: PlanKey, req_to_token, plan_inputs, token_inputs, *args):
+        self.trace_count += 1  # Python side effect: runs once per trace
+        md = plan_arrays(key, req_to_token, *plan_inputs)
+        return self.step_fn(md, token_inputs, *args)
+
+    def _padded(self, batch: ForwardBatch):
+        bs = bucket_for(batch.batch_size, self.batch_buckets)
+        if bs is None:
+            return None
+        per_req = batch.num_tokens // max(batch.batch_size, 1)
+        return pad_batch(batch, bs, bs * per_req)
+
+    def capture(self, batches: Iterable[ForwardBatch], token_inputs, *args, verbose: bool = True):
+        """Compile one executable per batch (already at a bucket size) ahead of time."""
+        enable_persistent_cache()
+        for batch in batches:
+            padded = self._padded(batch)
+            key = self.backend.plan_static(padded)
+            t0 = time.perf_counter()
+            lowered = self._jit.lower(key, self.backend.req_to_token, batch_arrays(padded),
+                                      _pad_tokens(token_inputs, padded.num_tokens), *args)
+            self.executables[key] = lowered.compile()
+            if verbose:
+                print(f"captured {key.mode.name} bs={key.batch_size} tokens={key.num_tokens} "
+                      f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def replay(self, batch: ForwardBatch, token_inputs, *args):
+        """Pad to the bucket, run the captured executable, slice token outputs to the real tokens."""
+        padded = self._padded(batch)
+        key = None if padded is None else self.backend.plan_static(padded)
+        exe = self.executables.get(key)
+        if exe is None:
+            if not self._warned_eager:
+                print(f"no captured executable for {batch.forward_mode.name} bs={batch.batch_size}: "
+                      "running eagerly (compiles per shape)", file=sys.stderr)
+                self._warned_eager = True
+            return self.eager(batch, token_inputs, *args)
+        n = batch.num_tokens
+        tok_out, other = exe(self.backend.req_to_token, batch_arrays(padded),
+                             _pad_tokens(token_inputs, padded.num_tokens), *args)
+        return jax.tree.map(lambda x: x[:n], tok_out), other
+
+    def eager(self, batch: ForwardBatch, token_inputs, *args):
+        """Run unpadded through ``jax.jit`` (compiles once per distinct shape)."""
+        key = self.backend.plan_static(batch)
+        return self._jit(key, self.backend.req_to_token, batch_arrays(batch), token_inputs, *args)
+
+
+def as_int32(x) -> np.ndarray:
+    """Host int arrays (e.g. int64 from an engine) to int32, once per step."""
+    return np.asarray(x, np.int32)
