@@ -60,6 +60,14 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.shape[0])
 
+    def tokens_per_req_bound(self) -> Optional[int]:
+        """Static tokens per request when the mode is capturable (uniform or draft extend), else None."""
+        if self.forward_mode.is_draft_extend():
+            return self.spec_info.num_draft_tokens or None
+        if self.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            return self.q_len_per_req()
+        return None
+
     def q_len_per_req(self) -> int:
         """Queries per request for uniform modes (decode, draft decode, verify)."""
         if self.forward_mode == ForwardMode.TARGET_VERIFY:

@@ -72,9 +72,9 @@ class StepRunner:
 
     def _padded(self, batch: ForwardBatch):
         bs = bucket_for(batch.batch_size, self.batch_buckets)
-        if bs is None:
+        per_req = batch.tokens_per_req_bound()
+        if bs is None or per_req is None:
             return None
-        per_req = batch.num_tokens // max(batch.batch_size, 1)
         return pad_batch(batch, bs, bs * per_req)
 
     def capture(self, batches: Iterable[ForwardBatch], token_inputs, *args, verbose: bool = True):
@@ -82,6 +82,9 @@ class StepRunner:
         enable_persistent_cache()
         for batch in batches:
             padded = self._padded(batch)
+            if padded is None:
+                raise ValueError(f"{batch.forward_mode.name} bs={batch.batch_size} is not capturable: "
+                                 f"modes with a static token count per request only, bs <= {self.batch_buckets[-1]}")
             key = self.backend.plan_static(padded)
             t0 = time.perf_counter()
             lowered = self._jit.lower(key, self.backend.req_to_token, batch_arrays(padded),
@@ -97,7 +100,7 @@ class StepRunner:
         key = None if padded is None else self.backend.plan_static(padded)
         exe = self.executables.get(key)
         if exe is None:
-            if not self._warned_eager:
+            if not self._warned_eager and batch.tokens_per_req_bound() is not None:
                 print(f"no captured executable for {batch.forward_mode.name} bs={batch.batch_size}: "
                       "running eagerly (compiles per shape)", file=sys.stderr)
                 self._warned_eager = True

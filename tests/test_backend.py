@@ -1,0 +1,199 @@
+"""Backend contract: replay (padded, captured) equals eager and the reference for every mode;
+no retrace inside a bucket; bitwise in deterministic mode; idle and error paths."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_attn.backend import FlashAttentionBackend, LayerParams
+from jax_attn.batch import ForwardBatch, SpecInfo
+from jax_attn.capture import StepRunner
+from jax_attn.kv_cache import KVPool, paged_view
+from jax_attn.metadata import ForwardMode
+from jax_attn.reference import paged_attention_reference
+
+HQ, HKV, D = 4, 2, 16
+MAX_CTX = 48
+LAYER = LayerParams(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
+
+def make_table(num_reqs, page_size, seed):
+    """req_to_token with shuffled pages per row (row 0 / page 0 reserved), and the slot count."""
+    pages_per = -(-MAX_CTX // page_size)
+    order = np.random.default_rng(seed).permutation(np.arange(1, num_reqs * pages_per + 1))
+    table = np.zeros((num_reqs + 1, MAX_CTX), np.int32)
+    for r in range(num_reqs):
+        pages = order[r * pages_per:(r + 1) * pages_per]
+        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:MAX_CTX]
+    return table, (num_reqs * pages_per + 1) * page_size
+
+
+def make_pool(num_slots, table, rows, kv_lens, rng):
+    """Random K/V in the slots the batch owns (its committed tokens); NaN everywhere else but slot 0."""
+    k = np.full((num_slots, HKV, D), np.nan, np.float32)
+    v = np.full((num_slots, HKV, D), np.nan, np.float32)
+    k[0] = v[0] = 0.0
+    for r, n in zip(rows, kv_lens):
+        s = table[r, :n]
+        k[s] = rng.standard_normal((n, HKV, D))
+        v[s] = rng.standard_normal((n, HKV, D))
+    return KVPool(jnp.asarray(k), jnp.asarray(v))
+
+
+def make_batch(mode, rows, committed, table, rng, *, num_draft=3, step_id=1):
+    """A batch of ``mode`` on top of ``committed`` KV tokens per request."""
+    bs = len(rows)
+    spec = None
+    if mode == "decode":
+        q_lens, fm = np.ones(bs, np.int32), ForwardMode.DECODE
+    elif mode == "draft_decode":
+        q_lens, fm = np.ones(bs, np.int32), ForwardMode.DECODE
+        spec = SpecInfo(step_id=step_id)
+    elif mode == "verify":
+        q_lens, fm = np.full(bs, num_draft, np.int32), ForwardMode.TARGET_VERIFY
+        spec = SpecInfo(num_draft_tokens=num_draft)
+    elif mode == "draft_extend":
+        acc = rng.integers(0, num_draft, bs).astype(np.int32)
+        q_lens, fm = acc + 1, ForwardMode.DRAFT_EXTEND
+        spec = SpecInfo(accept_length=acc, num_draft_tokens=num_draft)
+    else:  # extend with prefix
+        q_lens, fm = rng.integers(1, 6, bs).astype(np.int32), ForwardMode.EXTEND
+    # New tokens sit right after the tokens already in the cache (draft decode: after the
+    # step_id earlier draft tokens). Verify and draft decode pass the committed length.
+    start = prior_tokens(mode, committed, step_id)
+    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, start, q_lens)])
+    seq_lens = committed if mode in ("verify", "draft_decode") else start + q_lens
+    ext = q_lens if mode == "extend" else None
+    return ForwardBatch(fm, rows, seq_lens, loc, extend_seq_lens=ext, spec_info=spec), q_lens
+
+
+def prior_tokens(mode, committed, step_id=1):
+    return committed + (step_id if mode == "draft_decode" else 0)
+
+
+def attn_step(backend):
+    def step(md, tok, pool):
+        out, pool = backend.forward(tok["q"], tok["k"], tok["v"], LAYER, pool, md)
+        return out, pool
+    return step
+
+
+def expected(pool, table, rows, fb, q_lens, tok, page_size, kv_offset):
+    """Write the new K/V with numpy, then the reference over the true (unpadded) batch."""
+    k, v = np.array(pool.k), np.array(pool.v)
+    k[fb.out_cache_loc] = np.asarray(tok["k"]).reshape(-1, HKV, D)
+    v[fb.out_cache_loc] = np.asarray(tok["v"]).reshape(-1, HKV, D)
+    kv_lens = fb.seq_lens + kv_offset
+    width = -(-MAX_CTX // page_size)
+    pt = table[rows][:, ::page_size][:, :width] // page_size if page_size > 1 else table[rows]
+    return paged_attention_reference(
+        jnp.asarray(tok["q"]).reshape(-1, HQ, D), paged_view(jnp.asarray(k), page_size), paged_view(jnp.asarray(v), page_size),
+        jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        jnp.asarray(pt), page_size=page_size,
+    )
+
+
+def rand_tokens(rng, n):
+    return dict(q=jnp.asarray(rng.standard_normal((n, HQ * D)), jnp.float32),
+                k=jnp.asarray(rng.standard_normal((n, HKV * D)), jnp.float32),
+                v=jnp.asarray(rng.standard_normal((n, HKV * D)), jnp.float32))
+
+
+KV_OFFSET = {"decode": 0, "draft_decode": 2, "verify": 3, "draft_extend": 0, "extend": 0}
+
+
+CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("verify", 4), ("draft_extend", 4)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("mode,page_size", CASES)
+def test_replay_equals_eager_and_reference(mode, page_size, impl):
+    rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
+    table, num_slots = make_table(16, page_size, seed=3)
+    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl)
+    runner = StepRunner(backend, attn_step(backend), batch_buckets=(8, 16), donate_argnums=())
+    # Capture at bucket 8 with one set of lengths ...
+    rows0 = np.arange(1, 9, dtype=np.int32)
+    fb0, q0 = make_batch(mode, rows0, rng.integers(5, 20, 8).astype(np.int32), table, rng)
+    pool0 = make_pool(num_slots, table, rows0, np.full(8, 40), rng)
+    runner.capture([fb0], rand_tokens(rng, fb0.num_tokens), pool0, verbose=False)
+    # ... then replay batches of 5 (bucket 8) and 13 (bucket 16, not captured: eager).
+    for bs in (5, 13):
+        rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
+        committed = rng.integers(1, 30, bs).astype(np.int32)
+        fb, q_lens = make_batch(mode, rows, committed, table, rng)
+        pool = make_pool(num_slots, table, rows, prior_tokens(mode, committed), rng)
+        tok = rand_tokens(rng, fb.num_tokens)
+        traces = runner.trace_count
+        got, new_pool = runner.replay(fb, tok, pool)
+        if bs <= 8:
+            assert runner.trace_count == traces, "replay inside a captured bucket must not retrace"
+        eager = runner.eager(fb, tok, pool)[0] if bs <= 8 else got
+        want = expected(pool, table, rows, fb, q_lens, tok, page_size, KV_OFFSET[mode])
+        got, eager = np.asarray(got), np.asarray(eager)
+        assert got.shape == (fb.num_tokens, HQ * D)
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, eager, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got.reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
+        # The step's K/V landed in the pool; slots of other requests are untouched.
+        np.testing.assert_array_equal(np.asarray(new_pool.k)[fb.out_cache_loc],
+                                      np.asarray(tok["k"]).reshape(-1, HKV, D))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_extend_with_prefix_eager(impl):
+    rng = np.random.default_rng(7)
+    table, num_slots = make_table(6, 4, seed=1)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl=impl)
+    runner = StepRunner(backend, attn_step(backend))
+    rows = np.array([3, 1, 5], np.int32)
+    committed = np.array([0, 9, 17], np.int32)
+    fb, q_lens = make_batch("extend", rows, committed, table, rng)
+    pool = make_pool(num_slots, table, rows, committed, rng)
+    tok = rand_tokens(rng, fb.num_tokens)
+    got, _ = runner.eager(fb, tok, pool)
+    want = expected(pool, table, rows, fb, q_lens, tok, 4, 0)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_deterministic_replay_is_bitwise_batch_invariant():
+    rng = np.random.default_rng(11)
+    table, num_slots = make_table(16, 4, seed=2)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="triton",
+                                    deterministic=True)
+    runner = StepRunner(backend, attn_step(backend), batch_buckets=(4, 8))
+    rows = np.arange(1, 9, dtype=np.int32)
+    committed = rng.integers(3, 40, 8).astype(np.int32)
+    pool = make_pool(num_slots, table, rows, committed, rng)
+    fb, _ = make_batch("decode", rows, committed, table, rng)
+    tok = rand_tokens(rng, 8)
+    runner.capture([fb, dataclasses.replace(fb, req_pool_indices=rows[:4], seq_lens=fb.seq_lens[:4],
+                                            out_cache_loc=fb.out_cache_loc[:4])],
+                   tok, pool, verbose=False)
+    full, _ = runner.replay(fb, tok, pool)
+    # Request 2 alone (bucket 4, padded with 3 dummy rows) must be bitwise the same.
+    one = dataclasses.replace(fb, req_pool_indices=rows[2:3], seq_lens=fb.seq_lens[2:3],
+                              out_cache_loc=fb.out_cache_loc[2:3])
+    alone, _ = runner.replay(one, jax.tree.map(lambda x: x[2:3], tok), pool)
+    np.testing.assert_array_equal(np.asarray(full)[2:3], np.asarray(alone))
+
+
+def test_idle_and_errors():
+    table, _ = make_table(2, 1, seed=0)
+    backend = FlashAttentionBackend(table, page_size=1, max_context_len=MAX_CTX, impl="reference")
+    idle = ForwardBatch(ForwardMode.IDLE, np.zeros(0), np.zeros(0), np.zeros(0))
+    md = backend.plan(idle)
+    pool = KVPool.zeros(MAX_CTX * 3, HKV, D, jnp.float32)
+    out, same = backend.forward(jnp.zeros((0, HQ * D)), jnp.zeros((0, HKV * D)), jnp.zeros((0, HKV * D)),
+                                LAYER, pool, md)
+    assert out.shape == (0, HQ * D) and same is pool
+    with pytest.raises(NotImplementedError, match="topk"):
+        backend.plan(ForwardBatch(ForwardMode.TARGET_VERIFY, [1], [4], [1, 2], spec_info=SpecInfo(topk=2)))
+    with pytest.raises(NotImplementedError, match="mosaic"):
+        FlashAttentionBackend(table, impl="mosaic")
+    with pytest.raises(ValueError, match="multiple"):
+        LayerParams(num_q_heads=6, num_kv_heads=4, head_dim=8)
