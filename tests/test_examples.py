@@ -24,5 +24,5 @@ def test_decode_example_check_detects_wrong_tokens():
     worst, mism = decode_llama.check_against_dense(cfg, params, [prompt], [good], [logits], 1e-4)
     assert mism == 0 and worst < 1e-5
     bad = [(good[0] + 1) % cfg.vocab]
-    _, mism = decode_llama.check_against_dense(cfg, params, [prompt], [bad], [logits + 1.0], 1e-4)
+    _, mism = decode_llama.check_against_dense(cfg, params, [prompt], [bad], [[dense[5] + 1.0]], 1e-4)
     assert mism == 1
