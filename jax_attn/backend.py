@@ -10,16 +10,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_attn import planner
+from jax_attn import spec as spec_plan
 from jax_attn.attention import attention, resolve_impl
 from jax_attn.batch import ForwardBatch, pad_batch
 from jax_attn.kv_cache import KVPool, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
+from jax_attn.reference import merge_state_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +84,19 @@ class FlashAttentionBackend:
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""
         spec = batch.spec_info
-        if spec is not None and spec.topk > 1:
-            raise NotImplementedError(
-                f"{batch.forward_mode.name} with topk={spec.topk} (tree/cascade speculative decoding) "
-                "is not implemented yet; use topk=1"
-            )
+        tree = spec is not None and spec.is_tree()
+        if tree and batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+            raise NotImplementedError(f"{batch.forward_mode.name} with topk={spec.topk}: only target verify and "
+                                      "draft decode have a tree (cascade) form")
+        if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY and spec.draft_mask is None:
+            raise ValueError("tree target verify needs spec_info.draft_mask (see spec.draft_mask_from_custom_mask)")
         return PlanKey(
             mode=batch.forward_mode, batch_size=batch.batch_size, num_tokens=batch.num_tokens,
             q_len_per_req=batch.q_len_per_req(), kv_offset=_kv_offset(batch),
             page_size=self.page_size, max_pages=self.max_pages,
             has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
+            topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
+            step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa),
         )
 
     # ---- per layer ------------------------------------------------------------------------
@@ -110,7 +116,10 @@ class FlashAttentionBackend:
             k = k.reshape(t, layer.num_kv_heads, layer.head_dim)
             v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
             pool = set_kv_buffer(pool, md.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        res = self._attend(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
+        if isinstance(md, spec_plan.CascadeMetadata):
+            res = self._attend_tree(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
+        else:
+            res = self._attend(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
         out = res[0] if return_lse else res
         out = out.reshape(t, -1)
         return (out, pool, res[1]) if return_lse else (out, pool)
@@ -118,14 +127,28 @@ class FlashAttentionBackend:
     forward_extend = forward
     forward_decode = forward
 
-    def _attend(self, q, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *, sinks, return_lse):
+    def _attend_tree(self, q, layer: LayerParams, pool: KVPool, md, *, sinks, return_lse):
+        kw = self._features(layer, pool)
+        if self.impl == "reference":
+            merge = merge_state_reference
+        else:
+            from jax_attn.kernels.merge_state import merge_state as merge
+        return spec_plan.cascade_attention(
+            q, paged_view(pool.k, md.prefix.page_size), paged_view(pool.v, md.prefix.page_size),
+            paged_view(pool.k, 1), paged_view(pool.v, 1), md,
+            attend=functools.partial(attention, impl=self.impl), merge=merge,
+            window_size=layer.window_size, sinks=sinks, return_lse=return_lse, **kw)
+
+    def _features(self, layer: LayerParams, pool: KVPool) -> dict:
         fp8 = pool.k.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
-        kw = dict(
-            softcap=layer.logit_cap, sinks=sinks, softmax_scale=layer.scaling, return_lse=return_lse,
-            k_descale=layer.k_scale if fp8 else None, v_descale=layer.v_scale if fp8 else None,
-        )
+        kw = dict(softcap=layer.logit_cap, softmax_scale=layer.scaling,
+                  k_descale=layer.k_scale if fp8 else None, v_descale=layer.v_scale if fp8 else None)
         if self.impl != "reference":
             kw["num_splits"] = 1 if self.deterministic else None
+        return kw
+
+    def _attend(self, q, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *, sinks, return_lse):
+        kw = dict(self._features(layer, pool), sinks=sinks, return_lse=return_lse)
         if layer.is_cross_attention:
             if md.encoder is None:
                 raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
@@ -153,6 +176,10 @@ class PlanKey:
     max_pages: int
     has_encoder: bool
     max_encoder_len: int
+    topk: int = 1  # > 1: tree (cascade) plan
+    num_steps: int = 1
+    step_id: int = 0
+    with_swa: bool = False
 
 
 def _kv_offset(batch: ForwardBatch) -> int:
@@ -160,7 +187,7 @@ def _kv_offset(batch: ForwardBatch) -> int:
     spec = batch.spec_info
     if batch.forward_mode == ForwardMode.TARGET_VERIFY:
         return spec.num_draft_tokens
-    if batch.forward_mode == ForwardMode.DECODE and spec is not None:
+    if batch.forward_mode == ForwardMode.DECODE and spec is not None and not spec.is_tree():
         return spec.step_id + 1
     return 0
 
@@ -170,12 +197,24 @@ def batch_arrays(batch: ForwardBatch):
     ext = batch.extend_seq_lens
     if batch.forward_mode.is_draft_extend():
         ext = batch.spec_info.accept_length + 1
-    return (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, ext, batch.encoder_lens)
+    mask = None if batch.spec_info is None else batch.spec_info.draft_mask
+    return (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, ext, batch.encoder_lens, mask)
 
 
 def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cache_loc,
-                extend_seq_lens=None, encoder_lens=None) -> AttentionMetadata:
-    """Dispatch to the planner of ``key.mode`` (traceable: capture and replay call this too)."""
+                extend_seq_lens=None, encoder_lens=None, draft_mask=None):
+    """Dispatch to the planner of ``key.mode`` (traceable: capture and replay call this too).
+
+    Returns ``AttentionMetadata``, or ``spec.CascadeMetadata`` for tree (topk > 1) steps.
+    """
+    if key.topk > 1:
+        if key.mode == ForwardMode.TARGET_VERIFY:
+            return spec_plan.plan_verify_tree(
+                req_to_token, req_pool_indices, seq_lens, out_cache_loc, draft_mask, num_draft=key.q_len_per_req,
+                page_size=key.page_size, max_pages=key.max_pages, with_swa=key.with_swa)
+        return spec_plan.plan_draft_decode_tree(
+            req_to_token, req_pool_indices, seq_lens, out_cache_loc, topk=key.topk, step_id=key.step_id,
+            num_steps=key.num_steps, page_size=key.page_size, max_pages=key.max_pages)
     enc = dict(encoder_lens=encoder_lens, max_encoder_len=key.max_encoder_len) if key.has_encoder else {}
     common = dict(page_size=key.page_size, max_pages=key.max_pages, **enc)
     if key.mode == ForwardMode.IDLE:

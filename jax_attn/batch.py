@@ -26,6 +26,12 @@ class SpecInfo:
     num_draft_tokens: int = 0  # queries per request in target verify
     step_id: int = 0  # draft decode (DECODE with spec_info): kv offset = step_id + 1
     accept_length: Optional[np.ndarray] = None  # i32[bs], draft extend
+    num_steps: int = 1  # draft steps; tree draft decode's out_cache_loc is [bs, topk, num_steps]
+    draft_mask: Optional[np.ndarray] = None  # bool[bs, N, N]; tree verify (see spec.draft_mask_from_custom_mask)
+    with_swa: bool = False  # tree verify: also build the sliding-window table
+
+    def is_tree(self) -> bool:
+        return self.topk > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +64,14 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.out_cache_loc.shape[0])
+        return int(self.out_cache_loc.shape[0]) // self.cache_locs_per_token()
+
+    def is_tree_draft_decode(self) -> bool:
+        return self.forward_mode == ForwardMode.DECODE and self.spec_info is not None and self.spec_info.is_tree()
+
+    def cache_locs_per_token(self) -> int:
+        """Tree draft decode carries every draft step's slots: ``num_steps`` per query token."""
+        return self.spec_info.num_steps if self.is_tree_draft_decode() else 1
 
     def tokens_per_req_bound(self) -> Optional[int]:
         """Static tokens per request when the mode is capturable (uniform or draft extend), else None."""
@@ -72,7 +85,7 @@ class ForwardBatch:
         """Queries per request for uniform modes (decode, draft decode, verify)."""
         if self.forward_mode == ForwardMode.TARGET_VERIFY:
             return self.spec_info.num_draft_tokens
-        return 1
+        return self.spec_info.topk if self.is_tree_draft_decode() else 1
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> Optional[int]:
@@ -96,11 +109,15 @@ def pad_batch(batch: ForwardBatch, bs: int, num_tokens: int) -> ForwardBatch:
     spec = batch.spec_info
     if spec is not None and spec.accept_length is not None:
         spec = dataclasses.replace(spec, accept_length=_pad(spec.accept_length, bs, 0))
+    if spec is not None and spec.draft_mask is not None:
+        mask = np.zeros((bs,) + spec.draft_mask.shape[1:], bool)  # padded rows see no draft token
+        mask[: batch.batch_size] = spec.draft_mask
+        spec = dataclasses.replace(spec, draft_mask=mask)
     return dataclasses.replace(
         batch,
         req_pool_indices=_pad(batch.req_pool_indices, bs, 0),
         seq_lens=_pad(batch.seq_lens, bs, SEQ_LEN_FILL_VALUE),
-        out_cache_loc=_pad(batch.out_cache_loc, num_tokens, 0),
+        out_cache_loc=_pad(batch.out_cache_loc, num_tokens * batch.cache_locs_per_token(), 0),
         extend_seq_lens=_pad(batch.extend_seq_lens, bs, 0),
         encoder_lens=_pad(batch.encoder_lens, bs, 0),
         spec_info=spec,

@@ -37,8 +37,9 @@ def enable_persistent_cache(path: str = _CACHE_DIR) -> None:
 
 
 def _pad_tokens(tree, num_tokens: int):
+    """Zero-pad (or, for capture examples, cut) every leaf's token axis to ``num_tokens``."""
     def pad(x):
-        x = jnp.asarray(x)
+        x = jnp.asarray(x)[:num_tokens]
         extra = num_tokens - x.shape[0]
         return x if extra == 0 else jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
     return jax.tree.map(pad, tree)

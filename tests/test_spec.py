@@ -1,0 +1,204 @@
+"""Tree (topk > 1) speculative decoding: cascade == one attention with the full tree mask."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jax_attn.backend import FlashAttentionBackend, LayerParams
+from jax_attn.batch import ForwardBatch, SpecInfo
+from jax_attn.capture import StepRunner
+from jax_attn.kv_cache import KVPool
+from jax_attn.metadata import ForwardMode
+from jax_attn.spec import draft_mask_from_custom_mask
+
+HQ, HKV, D, CTX = 4, 2, 16, 40
+
+
+def chain(n):
+    return np.tril(np.ones((n, n), bool))
+
+
+def star(n):
+    m = np.eye(n, dtype=bool)
+    m[:, 0] = True
+    return m
+
+
+def two_branches():  # 0 -> {1, 2}, 1 -> 3, 2 -> 4
+    m = np.eye(5, dtype=bool)
+    m[1:, 0] = True
+    m[3, 1] = m[4, 2] = True
+    return m
+
+
+def setup(rows, committed, n_new, page_size, seed):
+    rng = np.random.default_rng(seed)
+    num_reqs = int(max(rows))
+    pages_per = -(-CTX // page_size)
+    order = rng.permutation(np.arange(1, num_reqs * pages_per + 1))
+    table = np.zeros((num_reqs + 1, CTX), np.int32)
+    for r in range(num_reqs):
+        pages = order[r * pages_per:(r + 1) * pages_per]
+        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:CTX]
+    num_slots = (num_reqs * pages_per + 1) * page_size
+    k = np.full((num_slots, HKV, D), np.nan, np.float32)
+    v = np.full((num_slots, HKV, D), np.nan, np.float32)
+    k[0] = v[0] = 0
+    for r, n in zip(rows, committed):
+        k[table[r, :n]] = rng.standard_normal((n, HKV, D))
+        v[table[r, :n]] = rng.standard_normal((n, HKV, D))
+    q = rng.standard_normal((n_new, HQ, D)).astype(np.float32)
+    kn = rng.standard_normal((n_new, HKV, D)).astype(np.float32)
+    vn = rng.standard_normal((n_new, HKV, D)).astype(np.float32)
+    return table, KVPool(jnp.asarray(k), jnp.asarray(v)), q, kn, vn
+
+
+def dense_tree_oracle(q, keys, vals, positions, qpos, window=-1):
+    """float64 attention of one query over an explicit key list (positions for the window)."""
+    g = HQ // HKV
+    out = np.zeros((HQ, D))
+    for h in range(HQ):
+        kk, vv = keys[:, h // g].astype(np.float64), vals[:, h // g].astype(np.float64)
+        s = kk @ q[h].astype(np.float64) * D**-0.5
+        vis = np.ones(len(s), bool) if window < 0 else positions >= qpos - window
+        p = np.exp(s[vis] - s[vis].max())
+        out[h] = p @ vv[vis] / p.sum()
+    return out
+
+
+def run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=-1):
+    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=CTX, impl=impl)
+    md = backend.plan(fb)
+    layer = LayerParams(HQ, HKV, D, sliding_window_size=window)
+    out, new_pool = backend.forward(jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), layer, pool, md)
+    return np.asarray(out).reshape(-1, HQ, D), new_pool
+
+
+def verify_batch(rows, committed, masks, table):
+    n = masks[0].shape[0]
+    loc = np.concatenate([table[r, c:c + n] for r, c in zip(rows, committed)])
+    spec = SpecInfo(topk=2, num_draft_tokens=n, draft_mask=np.stack(masks), with_swa=True)
+    return ForwardBatch(ForwardMode.TARGET_VERIFY, rows, committed, loc, spec_info=spec)
+
+
+def verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=-1):
+    k, v = np.array(pool.k), np.array(pool.v)
+    n = masks[0].shape[0]
+    want = []
+    for b, (r, c, m) in enumerate(zip(rows, committed, masks)):
+        for i in range(n):
+            sel = np.nonzero(m[i])[0]
+            keys = np.concatenate([k[table[r, :c]], kn[b * n + sel]])
+            vals = np.concatenate([v[table[r, :c]], vn[b * n + sel]])
+            pos = np.concatenate([np.arange(c), c + np.arange(len(sel))])
+            want.append(dense_tree_oracle(q[b * n + i], keys, vals, pos, c + len(sel) - 1, window))
+    return np.stack(want)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("tree,page_size", [("chain", 1), ("star", 4), ("branches", 1)])
+def test_tree_verify_equals_full_mask(impl, tree, page_size):
+    mask = {"chain": chain(4), "star": star(4), "branches": two_branches()}[tree]
+    rows, committed = np.array([2, 1], np.int32), np.array([9, 17], np.int32)
+    n = mask.shape[0]
+    table, pool, q, kn, vn = setup(rows, committed, 2 * n, page_size, seed=n)
+    fb = verify_batch(rows, committed, [mask, mask[::-1, ::-1] & mask.T[::-1, ::-1] | np.eye(n, dtype=bool)], table)
+    masks = list(fb.spec_info.draft_mask)
+    got, new_pool = run_backend(impl, table, pool, fb, q, kn, vn, page_size)
+    want = verify_oracle(rows, committed, masks, table, pool, kn, vn, q)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(new_pool.k)[fb.out_cache_loc], kn)
+    # Sliding-window layer: the SWA table path, window positions along the tree depth.
+    got_w, _ = run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=5)
+    want_w = verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=5)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
+
+
+def test_chain_tree_equals_uniform_verify_and_batch_of_two_equals_two_runs():
+    rows, committed = np.array([1, 2], np.int32), np.array([7, 12], np.int32)
+    table, pool, q, kn, vn = setup(rows, committed, 8, 4, seed=5)
+    fb = verify_batch(rows, committed, [chain(4), chain(4)], table)
+    tree, _ = run_backend("reference", table, pool, fb, q, kn, vn, 4)
+    uni = ForwardBatch(ForwardMode.TARGET_VERIFY, rows, committed, fb.out_cache_loc,
+                       spec_info=SpecInfo(topk=1, num_draft_tokens=4))
+    flat, _ = run_backend("reference", table, pool, uni, q, kn, vn, 4)
+    np.testing.assert_allclose(tree, flat, rtol=1e-5, atol=1e-5)
+    for b in range(2):
+        one = verify_batch(rows[b:b + 1], committed[b:b + 1], [chain(4)], table)
+        alone, _ = run_backend("reference", table, pool, one, q[4 * b:4 * b + 4], kn[4 * b:4 * b + 4],
+                               vn[4 * b:4 * b + 4], 4)
+        np.testing.assert_allclose(alone, tree[4 * b:4 * b + 4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_tree_draft_decode(impl):
+    rows, committed = np.array([1, 2], np.int32), np.array([6, 11], np.int32)
+    topk, steps, step_id = 2, 3, 1
+    table, pool, q, kn, vn = setup(rows, committed, 4, 1, seed=9)
+    # Branch slots: [B, K, S] beyond each request's committed tokens.
+    loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(rows, committed)])
+    k, v = np.array(pool.k), np.array(pool.v)
+    rng = np.random.default_rng(1)
+    prev = loc[:, :, :step_id].reshape(-1)  # earlier draft steps already in the cache
+    k[prev] = rng.standard_normal((prev.size, HKV, D))
+    v[prev] = rng.standard_normal((prev.size, HKV, D))
+    pool = KVPool(jnp.asarray(k), jnp.asarray(v))
+    spec = SpecInfo(topk=topk, num_steps=steps, step_id=step_id)
+    fb = ForwardBatch(ForwardMode.DECODE, rows, committed, loc.reshape(-1), spec_info=spec)
+    got, _ = run_backend(impl, table, pool, fb, q, kn, vn, 1)
+    want = []
+    for b, (r, c) in enumerate(zip(rows, committed)):
+        for br in range(topk):
+            t = b * topk + br
+            own = loc[b, br, :step_id]
+            keys = np.concatenate([k[table[r, :c]], k[own], kn[t:t + 1]])
+            vals = np.concatenate([v[table[r, :c]], v[own], vn[t:t + 1]])
+            want.append(dense_tree_oracle(q[t], keys, vals, None, None))
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verify_replay_equals_eager():
+    table, pool, _, _, _ = setup(np.arange(1, 7), np.full(6, 10), 1, 1, seed=2)
+    backend = FlashAttentionBackend(table, page_size=1, max_context_len=CTX, impl="triton")
+    layer = LayerParams(HQ, HKV, D)
+
+    def step(md, tok, pool):
+        return backend.forward(tok["q"], tok["k"], tok["v"], layer, pool, md)
+
+    runner = StepRunner(backend, step, batch_buckets=(4,))
+    rng = np.random.default_rng(3)
+
+    def batch(rows, lens):
+        return verify_batch(rows, lens, [two_branches()] * len(rows), table)
+
+    def tokens(n):
+        return {x: jnp.asarray(rng.standard_normal((n, HQ if x == "q" else HKV, D)), jnp.float32) for x in "qkv"}
+
+    runner.capture([batch(np.arange(1, 5, dtype=np.int32), np.full(4, 8, np.int32))], tokens(20), pool,
+                   verbose=False)
+    traces = runner.trace_count
+    fb = batch(np.array([5, 3, 6], np.int32), np.array([4, 13, 9], np.int32))
+    tok = tokens(15)
+    got, _ = runner.replay(fb, tok, pool)
+    assert runner.trace_count == traces
+    eager, _ = runner.eager(fb, tok, pool)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_draft_mask_from_sglang_custom_mask_is_padding_safe():
+    seq_lens = np.array([3, 5], np.int32)
+    n = 3
+    blocks, want = [], []
+    rng = np.random.default_rng(0)
+    for L in seq_lens:
+        m = rng.random((n, n)) < 0.5
+        want.append(m)
+        blocks.append(np.concatenate([np.ones((n, L), bool), m], 1).reshape(-1))
+    flat = np.concatenate(blocks + [np.ones(7, bool)])  # padded tail must never be read as mask
+    got = draft_mask_from_custom_mask(jnp.asarray(flat), jnp.asarray(seq_lens), num_draft=n)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+    # A padded row (seq_len 1, past the real mask) reads nothing: all False.
+    got = draft_mask_from_custom_mask(jnp.asarray(flat[: sum(b.size for b in blocks)]),
+                                      jnp.asarray(np.array([3, 5, 1], np.int32)), num_draft=n)
+    assert not np.asarray(got)[2].any()
