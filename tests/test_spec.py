@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from jax_attn.backend import FlashAttentionBackend, LayerParams
@@ -202,3 +203,27 @@ def test_draft_mask_from_sglang_custom_mask_is_padding_safe():
     got = draft_mask_from_custom_mask(jnp.asarray(flat[: sum(b.size for b in blocks)]),
                                       jnp.asarray(np.array([3, 5, 1], np.int32)), num_draft=n)
     assert not np.asarray(got)[2].any()
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_multistep_plans_equal_single_step_plans(topk):
+    from jax_attn.multistep import plan_draft_steps
+    from jax_attn.planner import plan_uniform
+    from jax_attn.spec import plan_draft_decode_tree
+
+    rows, committed = np.array([2, 1], np.int32), np.array([5, 9], np.int32)
+    table, _, _, _, _ = setup(rows, committed, 1, 4, seed=4)
+    steps, k = 3, max(topk, 1)
+    loc = np.concatenate([table[r, c:c + k * steps] for r, c in zip(rows, committed)]).astype(np.int32)
+    args = (jnp.asarray(table), jnp.asarray(rows), jnp.asarray(committed))
+    plans = plan_draft_steps(*args, jnp.asarray(loc), topk=topk, num_steps=steps, page_size=4, max_pages=10)
+    for step, got in enumerate(plans):
+        if topk > 1:
+            want = plan_draft_decode_tree(*args, jnp.asarray(loc), topk=topk, step_id=step, num_steps=steps,
+                                          page_size=4, max_pages=10)
+        else:
+            want = plan_uniform(*args, jnp.asarray(loc.reshape(-1, steps)[:, step]), kv_offset=step + 1,
+                                page_size=4, max_pages=10)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert jax.tree.structure(got) == jax.tree.structure(want)
