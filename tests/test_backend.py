@@ -192,7 +192,11 @@ def test_idle_and_errors():
                                 LAYER, pool, md)
     assert out.shape == (0, HQ * D) and same is pool
     with pytest.raises(NotImplementedError, match="topk"):
-        backend.plan(ForwardBatch(ForwardMode.TARGET_VERIFY, [1], [4], [1, 2], spec_info=SpecInfo(topk=2)))
+        backend.plan(ForwardBatch(ForwardMode.DRAFT_EXTEND, [1], [4], [1, 2],
+                                  spec_info=SpecInfo(topk=2, accept_length=np.array([1]))))
+    with pytest.raises(ValueError, match="draft_mask"):
+        backend.plan(ForwardBatch(ForwardMode.TARGET_VERIFY, [1], [4], [1, 2],
+                                  spec_info=SpecInfo(topk=2, num_draft_tokens=2)))
     with pytest.raises(NotImplementedError, match="mosaic"):
         FlashAttentionBackend(table, impl="mosaic")
     with pytest.raises(ValueError, match="multiple"):

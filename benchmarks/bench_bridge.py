@@ -1,0 +1,185 @@
+"""torch_bridge on the GPU: per-layer host overhead, and a 32-layer decode step vs native torch.
+
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 1]
+
+1. Host overhead of one bridge call (decode, batch 1, short context: the GPU work is negligible),
+   measured as back-to-back host time per call, and split into its parts (import q, compiled call,
+   export). Calls are enqueued without synchronising, so this is what a layer costs the CPU.
+2. Decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/8 heads, d=128, bf16,
+   ``--layers`` layers), batch ``--batch`` at context ``--ctx``: through the bridge (paged pool,
+   plan replayed per step) vs the same model with SDPA on a contiguous KV cache. Also attention
+   alone (the per-layer calls of one step). Every row is measured in this process; ratios are
+   bridge / native (lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import llama_torch as lt  # noqa: E402
+
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool,  # noqa: E402
+                          ModelConfig, ModelRunner, RadixAttention, ReqToTokenPool)
+
+
+def wall(fn, iters: int, warmup: int = 3) -> float:
+    """Seconds per call, back to back, synchronised at the ends only."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def host(fn, iters: int) -> float:
+    """Host seconds per call (no synchronisation inside the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = (time.perf_counter() - t0) / iters
+    torch.cuda.synchronize()
+    return dt
+
+
+def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int):
+    """Contiguous slots per request (page order does not change the work); row 0 / page 0 reserved."""
+    r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device="cuda")
+    r2t[1:] = (page_size + torch.arange(batch * ctx, dtype=torch.int32, device="cuda")).view(batch, ctx)
+    pool = MHATokenToKVPool.create(page_size + batch * ctx, num_layers, cfg.n_kv_heads, cfg.head_dim,
+                                   torch.bfloat16, "cuda")
+    for b in pool.k_buffer + pool.v_buffer:
+        b.normal_()
+    return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device="cuda")
+
+
+def decode_batch(runner, backend, batch: int, ctx: int):
+    rows = torch.arange(1, batch + 1, device="cuda")
+    lens = torch.full((batch,), ctx, device="cuda")
+    loc = runner.req_to_token_pool.req_to_token[rows, ctx - 1].long()
+    backend.init_forward_metadata_replay_cuda_graph(batch, rows, lens, None, None, ForwardMode.DECODE, None,
+                                                    None, out_cache_loc=loc)
+    return ForwardBatch(ForwardMode.DECODE, batch, rows, lens, loc, positions=lens - 1,
+                        token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
+
+
+def capture(backend, batch: int):
+    backend.init_cuda_graph_state(batch, batch)
+    z = torch.zeros(batch, dtype=torch.long, device="cuda")
+    backend.init_forward_metadata_capture_cuda_graph(batch, batch, z, z + 1, None, ForwardMode.DECODE, None)
+
+
+def bench_host_overhead(cfg, iters: int):
+    runner = make_runner(cfg, 1, 256, 1, 1)
+    backend = FlashAttentionBackend(runner)
+    capture(backend, 1)
+    fb = decode_batch(runner, backend, 1, 256)
+    layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
+    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    backend.forward(q, k, k, layer, fb)
+    rows = {
+        "bridge call, no KV write": host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
+        "bridge call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
+        "torch set_kv_buffer alone": host(lambda: runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k), iters),
+    }
+    exe = next(iter(backend._step_exes.values()))
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    views = (backend.importer.view(kb), backend.importer.view(vb), None)
+    q3 = q.view(1, cfg.n_heads, cfg.head_dim)
+    jq = backend.importer(q3)
+    leaves = backend._step.leaves
+    out = exe(jq, *views, *leaves)
+    rows["  part: import q (DLPack, stream-ordered)"] = host(lambda: backend.importer(q3), iters)
+    rows["  part: jax.dlpack.from_dlpack (for comparison)"] = host(lambda: jax.dlpack.from_dlpack(q3), iters)
+    rows["  part: compiled JAX call"] = host(lambda: exe(jq, *views, *leaves), iters)
+    rows["  part: export (torch.from_dlpack)"] = host(lambda: torch.from_dlpack(out), iters)
+    rows["  chain: import + call + export"] = host(
+        lambda: torch.from_dlpack(exe(backend.importer(q3), *views, *leaves)), iters)
+    rows["per-step plan (replay hook)"] = host(lambda: decode_batch(runner, backend, 1, 256), iters)
+    print("\n## host time per call (us), decode batch 1, ctx 256")
+    for name, s in rows.items():
+        print(f"{name:48s} {1e6 * s:8.1f}")
+    del backend, runner
+
+
+def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
+    model = lt.TorchLlama(cfg, 0, "cuda")
+    tokens = torch.randint(0, cfg.vocab, (batch,), device="cuda")
+    results = {}
+    # Native: SDPA over a contiguous cache, every request at ctx keys.
+    kv = lt.ContiguousKV(cfg, batch, ctx, torch.bfloat16, "cuda")
+    kv.k.normal_(), kv.v.normal_()
+    kv.lens = torch.full((batch,), ctx - 1, device="cuda")
+    attend = kv.decode_attend(uniform_len=ctx)
+    results["native step"] = wall(lambda: model.forward(tokens, kv.lens, attend), iters)
+    qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+           for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
+    results["native attention x layers"] = wall(
+        lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)
+    del kv, attend
+    gc.collect()
+    torch.cuda.empty_cache()
+    # Bridge: paged pool, plan replayed per step.
+    runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
+    backend = FlashAttentionBackend(runner)
+    capture(backend, batch)
+
+    def step():
+        fb = decode_batch(runner, backend, batch, ctx)
+        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+    results["bridge step"] = wall(step, iters)
+    fb = decode_batch(runner, backend, batch, ctx)
+    q, k, v = (x.reshape(batch, -1) for x in qkv)
+    results["bridge attention x layers"] = wall(
+        lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
+    exe = next(iter(backend._step_exes.values()))
+    views = tuple(backend.importer.view(b) for b in runner.token_to_kv_pool.get_kv_buffer(0)) + (None,)
+    jq = backend.importer(qkv[0])
+    leaves = backend._step.leaves
+
+    def jax_only():
+        return [exe(jq, *views, *leaves) for _ in range(cfg.n_layers)][-1].block_until_ready()
+    results["JAX attention alone x layers"] = wall(jax_only, iters)
+    print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
+          f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms)")
+    for name, s in results.items():
+        print(f"{name:32s} {1e3 * s:8.2f}")
+    print(f"{'ratio step (bridge/native)':32s} {results['bridge step'] / results['native step']:8.2f}")
+    print(f"{'ratio attention (bridge/native)':32s} "
+          f"{results['bridge attention x layers'] / results['native attention x layers']:8.2f}")
+
+
+def main(batch=64, ctx=4096, layers=32, page_size=1, iters=10, host_iters=2000):
+    assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU"
+    print(f"device: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}")
+    cfg = dataclasses.replace(lt.CONFIGS["1b"], n_layers=layers)
+    bench_host_overhead(cfg, host_iters)
+    bench_decode(cfg, batch, ctx, page_size, iters)
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--host-iters", type=int, default=2000)
+    sys.exit(main(**vars(ap.parse_args())))

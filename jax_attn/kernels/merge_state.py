@@ -1,0 +1,177 @@
+"""Merging partial attention results over disjoint key sets (Pallas kernels, Triton lowering).
+
+A partial result is ``(o, lse)``: the softmax-weighted values over its keys and the natural-log
+sum of their exponentiated logits. An empty partial has ``lse = -inf`` and merges as a no-op;
+when every partial is empty the result is ``o = 0``, ``lse = -inf``.
+
+Dimension legend: T tokens, H heads, D head dim, S partials, R = T * H rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, next_pow2
+
+_NEG_INF = float("-inf")
+
+
+def load_rows(ref, rows, ok, other=0):
+    """Gathers ``ref[rows, :]`` -> [len(rows), ref.shape[1]]; rows where ``ok`` is False read ``other``.
+
+    ``ok=None`` reads every row; ``other=None`` leaves masked rows undefined. ``rows`` must be in range even where ``ok`` is False.
+    """
+    cols = jnp.arange(ref.shape[1], dtype=jnp.int32)
+    if ok is None:
+        return plgpu.load(ref.at[rows[:, None], cols[None, :]])
+    mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1]))
+    if other is None:  # masked rows are undefined
+        return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask)
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
+
+
+def store_rows(ref, rows, ok, val):
+    """Scatters ``val`` into ``ref[rows, :]`` where ``ok``; other rows write nothing."""
+    cols = jnp.arange(ref.shape[1], dtype=jnp.int32)
+    rows = jnp.where(ok, rows, ref.shape[0])  # out of range: dropped by the interpreter too
+    mask = jnp.broadcast_to(ok[:, None], val.shape)
+    plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=mask)
+
+
+def store_vec(ref, idx, ok, val):
+    """Scatters ``val`` into ``ref[idx]`` where ``ok``."""
+    plgpu.store(ref.at[jnp.where(ok, idx, ref.shape[0])], val, mask=ok)
+
+
+def _merge_rows(parts, block_rows: int, dim: int):
+    """Online merge of ``parts``: callables returning (o f32[BR, D], lse f32[BR])."""
+    acc = jnp.zeros((block_rows, dim), jnp.float32)
+    m = jnp.full((block_rows,), _NEG_INF, jnp.float32)
+    tot = jnp.zeros((block_rows,), jnp.float32)
+    for load in parts:
+        o_s, lse_s = load()
+        m_new = jnp.maximum(m, lse_s)
+        m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        w = jnp.exp(lse_s - m_use)
+        acc = acc * alpha[:, None] + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+        tot = tot * alpha + w
+        m = m_new
+    m_use = jnp.where(m == _NEG_INF, 0.0, m)
+    ok = tot > 0.0
+    safe = jnp.where(ok, tot, 1.0)
+    out = jnp.where(ok[:, None], acc / safe[:, None], 0.0)
+    lse = jnp.where(ok, m_use + jnp.log(safe), _NEG_INF)
+    return out, lse
+
+
+def _row_block(block_rows: int, num_rows: int):
+    rows = pl.program_id(0) * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    ok = rows < num_rows
+    return jnp.where(ok, rows, 0), ok
+
+
+def _splits_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int):
+    rows, ok = _row_block(block_rows, num_rows)
+    ns = plgpu.load(ns_ref.at[rows], mask=ok, other=0)
+
+    def part(s):
+        def load():
+            valid = ok & (s < ns)
+            idx = rows + s * num_rows
+            lse_s = plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+            o_s = load_rows(po_ref, jnp.where(valid, idx, 0), valid, 0.0)
+            return o_s.astype(jnp.float32), lse_s
+        return load
+
+    out, lse = _merge_rows([part(s) for s in range(num_splits)], block_rows, po_ref.shape[-1])
+    store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
+    store_vec(lse_ref, rows, ok, lse)
+
+
+def merge_splits(
+    partial_o,  # f32[S, R, D]
+    partial_lse,  # f32[S, R]
+    row_num_splits,  # i32[R]; row r merges partials [0, row_num_splits[r])
+    *,
+    out_dtype,
+    config: KernelConfig = DEFAULT_CONFIG,
+    interpret: bool = False,
+):
+    """Merges the kv-split partials of ``paged_attention``; rows with 0 splits give (0, -inf)."""
+    s, r, d = partial_o.shape
+    br = config.merge_block_rows
+    kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br)
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((r, d), out_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
+        grid=(pl.cdiv(r, br),),
+        compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
+        interpret=interpret,
+        name="merge_splits",
+    )(partial_o.reshape(s * r, d), partial_lse.reshape(s * r), row_num_splits.astype(jnp.int32))
+
+
+def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref, *, num_rows: int, block_rows: int):
+    rows, ok = _row_block(block_rows, num_rows)
+
+    def part(o_in, l_in):
+        def load():
+            lse_s = plgpu.load(l_in.at[rows], mask=ok, other=_NEG_INF)
+            o_s = load_rows(o_in, rows, ok)
+            return o_s.astype(jnp.float32), lse_s.astype(jnp.float32)
+        return load
+
+    out, lse = _merge_rows([part(oa_ref, la_ref), part(ob_ref, lb_ref)], block_rows, o_ref.shape[-1])
+    store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
+    store_vec(lse_ref, rows, ok, lse)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def merge_state(
+    o_a,  # [T, H, D]
+    lse_a,  # f32[T, H]
+    o_b,  # [T, H, D]
+    lse_b,  # f32[T, H]
+    *,
+    config: KernelConfig | None = None,
+    interpret: bool | None = None,
+):
+    """Merges two partial attention results over disjoint key sets (SGLang's ``merge_state``).
+
+    Args:
+      o_a, o_b: partial outputs, same shape and dtype.
+      lse_a, lse_b: their natural-log softmax denominators; ``-inf`` marks an empty partial.
+      config: ``merge_block_rows`` / ``merge_num_warps`` are used.
+      interpret: run the Pallas interpreter; None = only on CPU.
+
+    Returns:
+      ``(o [T, H, D] in o_a.dtype, lse f32[T, H])``.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if o_a.ndim != 3 or o_a.shape != o_b.shape or o_a.dtype != o_b.dtype:
+        raise ValueError(f"{o_a.shape=} {o_a.dtype=} and {o_b.shape=} {o_b.dtype=} must match and be [T, H, D]")
+    if lse_a.shape != o_a.shape[:2] or lse_b.shape != o_a.shape[:2]:
+        raise ValueError(f"{lse_a.shape=} and {lse_b.shape=} must be {o_a.shape[:2]} ([T, H], e.g. softmax_lse.T)")
+    t, h, d = o_a.shape
+    if d != next_pow2(d):
+        raise ValueError(f"head dim {d=} must be a power of 2 for the merge kernel")
+    r = t * h
+    br = config.merge_block_rows
+    kernel = functools.partial(_pair_kernel, num_rows=r, block_rows=br)
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((r, d), o_a.dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
+        grid=(max(1, pl.cdiv(r, br)),),
+        compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
+        interpret=interpret,
+        name="merge_state",
+    )(o_a.reshape(r, d), lse_a.reshape(r).astype(jnp.float32), o_b.reshape(r, d), lse_b.reshape(r).astype(jnp.float32))
+    return o.reshape(t, h, d), lse.reshape(t, h)

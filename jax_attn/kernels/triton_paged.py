@@ -1,0 +1,432 @@
+"""Ragged paged attention: a Pallas kernel lowered through Triton (any page size, GQA, split-KV).
+
+Each program handles one kv head and one work tile (sequence, query block, kv split) from a
+``WorkSchedule``. Its M rows are (query token, query head of this kv head) pairs, so grouped
+query heads share every key block. Query rows are gathered from ``q`` seen as ``[T * Hq, D]``;
+key rows from the cache seen as ``[num_slots * Hkv, D]`` through the page table, one row per key,
+which works for any page size including 1.
+
+Dimension legend:
+  T query tokens, B sequences, P page-table width, Hq / Hkv query / kv heads, G = Hq // Hkv,
+  D / Dv key / value head dims, S kv splits (static bound), N work tiles (static bound),
+  M tile rows, R = T * Hq output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, choose_block_q, tile_rows
+from jax_attn.kernels.merge_state import load_rows, merge_splits, store_rows, store_vec
+from jax_attn.kernels.schedule import build_schedule, static_num_splits
+from jax_attn.metadata import AttentionMetadata, WorkSchedule
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Trace-time constants of one kernel instance."""
+
+    num_tokens: int  # T
+    num_q_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    page_size: int
+    max_pages: int  # P
+    block_q: int
+    block_k: int
+    rows: int  # M
+    split_mode: bool
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    scale: float
+    has_sinks: bool
+    has_k_descale: bool
+    has_v_descale: bool
+    compute_dtype: jnp.dtype  # dtype of the dot operands
+    fast_exp2: bool  # ex2.approx through inline PTX (compiled GPU kernels only)
+    fp8_kv: bool  # 1-byte caches: masked loads get no fill value (Triton cannot cast one)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _kv_range(st: _Static, q_len, k_len, q_block):
+    """[lo, hi) keys any row of the tile may see; lo aligned down to block_k."""
+    first = q_block * st.block_q  # first query of the tile within its sequence
+    last = jnp.minimum(first + st.block_q, q_len) - 1
+    shift = k_len - q_len  # qpos = shift + query index
+    left, right = st.window
+    hi = k_len
+    if st.causal:
+        hi = jnp.minimum(hi, shift + last + 1)
+    if right >= 0:
+        hi = jnp.minimum(hi, shift + last + right + 1)
+    lo = jnp.int32(0)
+    if left >= 0:
+        lo = jnp.maximum(shift + first - left, 0)
+        lo = (lo // st.block_k) * st.block_k
+    return lo, hi
+
+
+def _split_range(st: _Static, lo, hi, split, num_splits):
+    """This split's share [s_lo, s_hi) of [lo, hi), in whole key blocks."""
+    span = jnp.maximum(hi - lo, 0)
+    per = (span + num_splits - 1) // num_splits
+    chunk = ((per + st.block_k - 1) // st.block_k) * st.block_k
+    s_lo = lo + split * chunk
+    s_hi = jnp.minimum(hi, s_lo + chunk)
+    return s_lo, s_hi
+
+
+def _visible(st: _Static, keys, s_hi, qpos):
+    """bool[M, block_k] mask of keys each row sees."""
+    ok = (keys < s_hi)[None, :]
+    left, right = st.window
+    kp = keys[None, :]
+    qp = qpos[:, None]
+    if st.causal:
+        ok = ok & (kp <= qp)
+    if left >= 0:
+        ok = ok & (kp >= qp - left)
+    if right >= 0:
+        ok = ok & (kp <= qp + right)
+    return ok
+
+
+def _exp2(x, fast: bool):
+    if not fast:
+        return jnp.exp2(x)
+    [y] = plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return y
+
+
+def _dot(a, b, *, trans_b=False):
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
+
+
+def _attn_kernel(*refs, st: _Static):
+    """One (kv head, tile) program: online softmax over the tile's key range."""
+    (tile_seq_ref, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref, pt_ref,
+     q_ref, k_ref, v_ref, *rest) = refs
+    kd_ref = rest.pop(0) if st.has_k_descale else None
+    vd_ref = rest.pop(0) if st.has_v_descale else None
+    sinks_ref = rest.pop(0) if st.has_sinks else None
+    if not st.split_mode:
+        rest = rest[2:]  # the aliased output initial values
+    o_ref, lse_ref = rest
+
+    h = pl.program_id(0)
+    n = pl.program_id(1)
+    seq = tile_seq_ref[n]
+
+    @pl.when(seq >= 0)
+    def _():
+        _attn_tile(st, h, n, seq, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
+                   pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref)
+
+
+def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
+               pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref):
+    g_count, hq, hkv = st.group, st.num_q_heads, st.num_kv_heads
+    q_block = tile_qb_ref[n]
+    split = tile_split_ref[n]
+    q_start = cu_q_ref[b]
+    q_len = cu_q_ref[b + 1] - q_start
+    k_len = seqlens_ref[b]
+
+    rows = jnp.arange(st.rows, dtype=jnp.int32)
+    tok_in_tile = rows // g_count
+    head = h * g_count + rows % g_count  # query head of each row
+    q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
+    row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len)
+    q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
+    shift = k_len - q_len  # qpos = shift + query index (bottom-right aligned)
+    q = load_rows(q_ref, q_row, row_ok).astype(st.compute_dtype)
+
+    lo, hi = _kv_range(st, q_len, k_len, q_block)
+    s_lo, s_hi = _split_range(st, lo, hi, split, seq_splits_ref[b])
+    first = shift + q_block * st.block_q
+    last = shift + jnp.minimum(q_block * st.block_q + st.block_q, q_len) - 1
+    bounds = _block_bounds(st, s_lo, s_hi, first, last)
+
+    k_scale = st.scale  # natural-log domain; LOG2E is applied after the softcap
+    if st.has_k_descale:
+        k_scale = k_scale * kd_ref[b * hkv + h]
+    kv = (pt_ref, k_ref, v_ref, b, h)
+    acc, m, l = _key_loop(st, q, shift + q_idx, kv, k_scale, s_lo, s_hi, bounds)
+
+    sink = None
+    if st.has_sinks:
+        sink = jnp.where(split == 0, plgpu.load(sinks_ref.at[head]) * LOG2E, _NEG_INF)
+    v_scale = vd_ref[b * hkv + h] if st.has_v_descale else None
+    out, lse = _finish(acc, m, l, sink, v_scale)
+    out_row = q_row
+    if st.split_mode:
+        out_row = q_row + split * (st.num_tokens * hq)
+    store_rows(o_ref, out_row, row_ok, out.astype(o_ref.dtype))
+    store_vec(lse_ref, out_row, row_ok, lse)
+
+
+def _block_bounds(st: _Static, s_lo, s_hi, first_qpos, last_qpos):
+    """Key-block indices (i_lo, i_hi, n): blocks [i_lo, i_hi) need no mask for any row of the tile."""
+    bk = st.block_k
+    left, right = st.window
+    n = jnp.maximum((s_hi - s_lo + bk - 1) // bk, 0)
+    i_lo = jnp.int32(0)
+    if left >= 0:
+        i_lo = (jnp.maximum(last_qpos - left - s_lo, 0) + bk - 1) // bk
+    bound = s_hi
+    if st.causal:
+        bound = jnp.minimum(bound, first_qpos + 1)
+    if right >= 0:
+        bound = jnp.minimum(bound, first_qpos + right + 1)
+    i_lo = jnp.minimum(i_lo, n)
+    i_hi = jnp.clip(jnp.maximum(bound - s_lo, 0) // bk, i_lo, n)
+    return i_lo, i_hi, n
+
+
+def _key_loop(st: _Static, q, qpos, kv, k_scale, s_lo, s_hi, bounds):
+    """Online softmax (base 2) over key blocks; returns (acc f32[M, Dv], m f32[M], l f32[M])."""
+    pt_ref, k_ref, v_ref, b, h = kv
+    ps, hkv, bk = st.page_size, st.num_kv_heads, st.block_k
+    koffs = jnp.arange(bk, dtype=jnp.int32)
+
+    def load_kv(keys, kv_ok):
+        if kv_ok is None:
+            page = plgpu.load(pt_ref.at[b * st.max_pages + keys // ps])
+            kv_row = (page * ps + keys % ps) * hkv + h
+            return load_rows(k_ref, kv_row, None), load_rows(v_ref, kv_row, None)
+        page = plgpu.load(pt_ref.at[jnp.where(kv_ok, b * st.max_pages + keys // ps, 0)], mask=kv_ok, other=0)
+        kv_row = jnp.where(kv_ok, (page * ps + keys % ps) * hkv + h, 0)
+        fill = None if st.fp8_kv else 0
+        return load_rows(k_ref, kv_row, kv_ok, fill), load_rows(v_ref, kv_row, kv_ok, fill)
+
+    def make_body(masked: bool):
+        def body(it, carry):
+            acc, m, l = carry
+            keys = s_lo + it * bk + koffs
+            kv_ok = keys < s_hi if masked else None
+            k, v = load_kv(keys, kv_ok)
+            s = _dot(q, k.astype(st.compute_dtype), trans_b=True)  # [M, block_k] f32
+            if st.softcap > 0:
+                s = jnp.tanh(s * (k_scale / st.softcap)) * (st.softcap * LOG2E)
+                c = 1.0
+            else:
+                c = k_scale * LOG2E  # folded into the exponent: exp2(s * c - m)
+            if masked:
+                s = jnp.where(_visible(st, keys, s_hi, qpos), s, _NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+            m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+            alpha = _exp2(m - m_use, st.fast_exp2)
+            p = _exp2(s * c - m_use[:, None], st.fast_exp2)
+            l = l * alpha + jnp.sum(p, axis=1)
+            v = v.astype(st.compute_dtype)
+            if masked and kv_ok is not None and st.fp8_kv:
+                v = jnp.where(kv_ok[:, None], v, 0)  # fp8 masked loads have no fill value
+            acc = acc * alpha[:, None] + _dot(p.astype(st.compute_dtype), v)
+            return acc, m_new, l
+        return body
+
+    i_lo, i_hi, n = bounds
+    carry = (jnp.zeros((st.rows, v_ref.shape[-1]), jnp.float32),
+             jnp.full((st.rows,), _NEG_INF, jnp.float32),
+             jnp.zeros((st.rows,), jnp.float32))
+    carry = lax.fori_loop(0, i_lo, make_body(True), carry)
+    carry = lax.fori_loop(i_lo, i_hi, make_body(False), carry)
+    return lax.fori_loop(i_hi, n, make_body(True), carry)
+
+
+def _finish(acc, m, l, sink, v_scale):
+    """Adds the sink to the denominator, normalizes; returns (out f32[M, Dv], natural lse f32[M])."""
+    if sink is not None:
+        m_fin = jnp.maximum(m, sink)
+        m_use = jnp.where(m_fin == _NEG_INF, 0.0, m_fin)
+        alpha = jnp.exp2(m - m_use)
+        l = l * alpha + jnp.exp2(sink - m_use)
+        acc = acc * alpha[:, None]
+        m = m_fin
+    m_use = jnp.where(m == _NEG_INF, 0.0, m)
+    nonempty = l > 0.0
+    safe = jnp.where(nonempty, l, 1.0)
+    inv = jnp.where(nonempty, 1.0 / safe, 0.0)
+    if v_scale is not None:
+        inv = inv * v_scale
+    lse = jnp.where(nonempty, (m_use + jnp.log2(safe)) * LN2, _NEG_INF)
+    return acc * inv[:, None], lse
+
+
+def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks):
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ValueError(
+            f"{q.shape=} must be [T, Hq, D] and {k_cache.shape=}, {v_cache.shape=} must be "
+            "[num_pages, page_size, Hkv, D]; reshape a [num_slots, Hkv, D] pool to [num_slots // page_size, ...]"
+        )
+    num_pages, ps, hkv, d = k_cache.shape
+    if v_cache.shape[:3] != (num_pages, ps, hkv):
+        raise ValueError(f"{v_cache.shape=} must match {k_cache.shape=} except the last dim")
+    if q.shape[2] != d:
+        raise ValueError(f"{q.shape=} head dim must equal {k_cache.shape=}[-1]")
+    if q.shape[1] % hkv:
+        raise ValueError(f"{q.shape[1]=} query heads must be a multiple of {hkv=} kv heads")
+    if ps != md.page_size:
+        raise ValueError(f"{k_cache.shape=} has page size {ps}, metadata says {md.page_size}")
+    b = md.cache_seqlens.shape[0]
+    if md.cu_seqlens_q.shape != (b + 1,) or md.page_table.ndim != 2 or md.page_table.shape[0] != b:
+        raise ValueError(f"{md.cu_seqlens_q.shape=} / {md.page_table.shape=} disagree with {b=} sequences")
+    for name in ("cache_seqlens", "cu_seqlens_q", "page_table"):
+        if getattr(md, name).dtype != jnp.int32:
+            raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}; cast with .astype(jnp.int32)")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"{sinks.shape=} must be ({q.shape[1]},), one logit per query head")
+
+
+def _descale_rows(descale, batch: int, hkv: int):
+    """None / scalar / [B, Hkv] descale -> None or f32[B * Hkv]."""
+    if descale is None:
+        return None
+    d = jnp.asarray(descale, jnp.float32)
+    if d.ndim == 0:
+        return jnp.full((batch * hkv,), d)
+    if d.shape != (batch, hkv):
+        raise ValueError(f"descale shape {d.shape} must be () or (batch, num_kv_heads)=({batch}, {hkv})")
+    return d.reshape(-1)
+
+
+def _schedule_for(md, q, hkv, config, num_splits) -> WorkSchedule:
+    if md.schedule is not None:
+        return md.schedule
+    t, hq, _ = q.shape
+    block_q = choose_block_q(config, hq // hkv, md.max_q_len)
+    s = static_num_splits(num_tokens=t, num_kv_heads=hkv, block_q=block_q, num_splits=num_splits, config=config)
+    return build_schedule(
+        md.cache_seqlens, md.cu_seqlens_q, num_tokens=t, max_q_len=md.max_q_len, block_q=block_q,
+        max_splits=s, num_kv_heads=hkv, force_splits=num_splits is not None, num_sms=config.num_sms,
+        min_kv_per_split=config.min_kv_per_split,
+    )
+
+
+def _row_num_splits(md, sched: WorkSchedule, num_tokens: int, hq: int):
+    """i32[T * Hq]: splits to merge for each output row (0 for padding tokens)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    b = md.cache_seqlens.shape[0]
+    seq = jnp.searchsorted(md.cu_seqlens_q, t, side="right").astype(jnp.int32) - 1
+    valid = (seq >= 0) & (t < md.cu_seqlens_q[b])
+    ns = jnp.where(valid, sched.seq_num_splits[jnp.clip(seq, 0, b - 1)], 0)
+    return jnp.repeat(ns, hq)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "window_size", "softcap", "softmax_scale", "return_lse", "num_splits",
+                     "config", "interpret"),
+)
+def paged_attention(
+    q,  # [T, Hq, D]
+    k_cache,  # [num_pages, page_size, Hkv, D]
+    v_cache,  # [num_pages, page_size, Hkv, Dv]
+    md: AttentionMetadata,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks=None,  # f32[Hq]
+    k_descale=None,  # None, scalar or f32[B, Hkv]
+    v_descale=None,  # None, scalar or f32[B, Hkv]
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    config: KernelConfig | None = None,
+    interpret: bool | None = None,
+):
+    """Ragged-query attention over a paged KV cache (SGLang / FA3 semantics, see DESIGN.md).
+
+    Args:
+      q: queries; token ``t`` of sequence ``b`` lies in ``[cu_seqlens_q[b], cu_seqlens_q[b+1])``.
+      k_cache, v_cache: paged pools; fp8 (float8_e4m3fn) pools are upcast and descaled.
+      md: the step's metadata (lengths, page table, static bounds); ``md.schedule`` is used when set.
+      causal: bottom-right aligned causal mask.
+      window_size: ``(left, right)`` inclusive sliding window, -1 = unbounded.
+      softcap: if > 0, logits become ``softcap * tanh(logits / softcap)``.
+      sinks: per-query-head sink logits added to the softmax denominator.
+      k_descale, v_descale: fp8 dequantization factors.
+      softmax_scale: defaults to ``D ** -0.5``.
+      return_lse: also return the natural-log softmax denominator.
+      num_splits: None = heuristic split-KV; 1 = no split (deterministic, batch invariant);
+        n > 1 = exactly n kv splits per sequence.
+      config: tile sizes and compiler knobs.
+      interpret: run the Pallas interpreter; None = only on CPU.
+
+    Returns:
+      ``out [T, Hq, Dv]`` in ``q.dtype`` (zeros for padding tokens), and ``lse f32[T, Hq]``
+      (``-inf`` for padding tokens) when ``return_lse``.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    _check_inputs(q, k_cache, v_cache, md, sinks)
+    t, hq, d = q.shape
+    num_pages, ps, hkv, dv = v_cache.shape
+    batch, max_pages = md.page_table.shape
+    sched = _schedule_for(md, q, hkv, config, num_splits)
+    decode = md.max_q_len <= 1 and sched.block_q == 1
+    block_k, num_warps, num_stages = config.tile_params(decode)
+    compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    st = _Static(
+        num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
+        block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, hq // hkv),
+        split_mode=sched.max_splits > 1, causal=causal, window=tuple(int(w) for w in window_size),
+        softcap=float(softcap), scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
+        has_sinks=sinks is not None, has_k_descale=k_descale is not None,
+        has_v_descale=v_descale is not None, compute_dtype=jnp.dtype(compute_dtype),
+        fast_exp2=config.fast_exp2 and not interpret, fp8_kv=k_cache.dtype.itemsize == 1,
+    )
+    inputs = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
+              md.cache_seqlens, md.cu_seqlens_q, md.page_table.reshape(-1),
+              q.reshape(t * hq, d), k_cache.reshape(-1, d), v_cache.reshape(-1, dv)]
+    for extra in (_descale_rows(k_descale, batch, hkv), _descale_rows(v_descale, batch, hkv)):
+        if extra is not None:
+            inputs.append(extra)
+    if sinks is not None:
+        inputs.append(jnp.asarray(sinks, jnp.float32))
+    rows_out = t * hq * (sched.max_splits if st.split_mode else 1)
+    o_dtype = jnp.float32 if st.split_mode else q.dtype
+    out_shape = [jax.ShapeDtypeStruct((rows_out, dv), o_dtype), jax.ShapeDtypeStruct((rows_out,), jnp.float32)]
+    aliases = {}
+    if not st.split_mode:  # rows no tile writes (padding tokens) keep these values
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+        inputs += [jnp.zeros((rows_out, dv), q.dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32)]
+    o, lse = pl.pallas_call(
+        functools.partial(_attn_kernel, st=st),
+        out_shape=out_shape,
+        grid=(hkv, sched.tile_seq.shape[0]),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_m{st.rows}_k{block_k}",
+    )(*inputs)
+    if st.split_mode:
+        o, lse = merge_splits(
+            o.reshape(sched.max_splits, t * hq, dv), lse.reshape(sched.max_splits, t * hq),
+            _row_num_splits(md, sched, t, hq), out_dtype=q.dtype, config=config, interpret=interpret,
+        )
+    out = o.reshape(t, hq, dv)
+    if return_lse:
+        return out, lse.reshape(t, hq)
+    return out

@@ -1,0 +1,318 @@
+"""torch_bridge contract on torch CPU tensors: equals the reference and the JAX backend per mode;
+capture/replay equals eager with re-planned lengths and never retraces; in-place KV writes are seen
+through the cached views; error paths leave the cache unchanged. GPU checks carry ``gpu``."""
+
+import numpy as np
+import pytest
+import torch
+
+import jax.numpy as jnp
+
+from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.backend import LayerParams
+from jax_attn.batch import ForwardBatch as JaxBatch
+from jax_attn.batch import SpecInfo as JaxSpec
+from jax_attn.kv_cache import KVPool, paged_view
+from jax_attn.reference import paged_attention_reference
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
+                          ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
+
+HQ, HKV, D = 4, 2, 16
+MAX_CTX = 48
+NUM_DRAFT, STEP_ID = 3, 1
+KV_OFFSET = {"decode": 0, "draft_decode": STEP_ID + 1, "verify": NUM_DRAFT, "draft_extend": 0, "extend": 0}
+
+
+def make_runner(num_reqs, page_size, seed, impl="reference", device="cpu"):
+    """Shuffled pages per request row (row 0 / page 0 reserved); NaN pools except slot 0."""
+    pages_per = -(-MAX_CTX // page_size)
+    order = np.random.default_rng(seed).permutation(np.arange(1, num_reqs * pages_per + 1))
+    table = np.zeros((num_reqs + 1, MAX_CTX), np.int32)
+    for r in range(num_reqs):
+        pages = order[r * pages_per:(r + 1) * pages_per]
+        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:MAX_CTX]
+    num_slots = (num_reqs * pages_per + 1) * page_size
+    pool = MHATokenToKVPool.create(num_slots, 2, HKV, D, torch.float32, device)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.fill_(float("nan"))
+        buf[0] = 0.0
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, ModelConfig(MAX_CTX),
+                         page_size=page_size, server_args=ServerArgs(speculative_num_draft_tokens=NUM_DRAFT),
+                         attention_impl=impl)
+    return runner, table
+
+
+def fill_committed(runner, table, rows, kv_lens, rng, layer_id=0):
+    """Random K/V in each request's first ``kv_lens`` positions."""
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(layer_id)
+    for r, n in zip(rows, kv_lens):
+        s = torch.from_numpy(table[r, :n].astype(np.int64)).to(kb.device)
+        kb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(kb.device)
+        vb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(kb.device)
+
+
+def make_batch(mode, rows, committed, table, rng, runner):
+    """SGLang-style batch (int64 tensors) of ``mode`` on top of ``committed`` tokens per request."""
+    bs = len(rows)
+    spec, ext, fm = None, None, ForwardMode.EXTEND
+    if mode in ("decode", "draft_decode"):
+        q_lens, fm = np.ones(bs, np.int64), ForwardMode.DECODE
+        spec = SpecInfo() if mode == "draft_decode" else None
+    elif mode == "verify":
+        q_lens, fm = np.full(bs, NUM_DRAFT, np.int64), ForwardMode.TARGET_VERIFY
+        spec = SpecInfo(draft_token_num=NUM_DRAFT)
+    elif mode == "draft_extend":
+        acc = rng.integers(0, NUM_DRAFT, bs)
+        q_lens, fm = acc + 1, ForwardMode.DRAFT_EXTEND
+        spec = SpecInfo(accept_length=torch.from_numpy(acc.astype(np.int32)), draft_token_num=NUM_DRAFT)
+    else:
+        q_lens = rng.integers(1, 6, bs)
+        ext = torch.from_numpy(q_lens.astype(np.int64))
+    start = committed + (STEP_ID if mode == "draft_decode" else 0)
+    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, start, q_lens)]).astype(np.int64)
+    seq_lens = committed if mode in ("verify", "draft_decode") else start + q_lens
+    fb = ForwardBatch(fm, bs, torch.from_numpy(np.asarray(rows, np.int64)), torch.from_numpy(seq_lens.astype(np.int64)),
+                      torch.from_numpy(loc), extend_seq_lens=ext, spec_info=spec,
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    return fb, q_lens.astype(np.int32), start
+
+
+def rand_qkv(rng, n):
+    def t(h):
+        return torch.from_numpy(rng.standard_normal((n, h * D)).astype(np.float32))
+    return t(HQ), t(HKV), t(HKV)
+
+
+def layer(layer_id=0, **kw):
+    return RadixAttention(HQ, D, D**-0.5, HKV, layer_id, **kw)
+
+
+def reference(runner, table, fb, q_lens, q, mode, page_size, layer_id=0, **kw):
+    """Reference over the pool as torch left it (after the bridge wrote this step's K/V)."""
+    kb, vb = (jnp.asarray(b.numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(layer_id))
+    rows = fb.req_pool_indices.numpy()
+    kv_lens = fb.seq_lens.numpy().astype(np.int32) + KV_OFFSET[mode]
+    width = -(-MAX_CTX // page_size)
+    pt = table[rows][:, ::page_size][:, :width] // page_size if page_size > 1 else table[rows]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = paged_attention_reference(jnp.asarray(q.numpy()).reshape(-1, HQ, D), paged_view(kb, page_size),
+                                    paged_view(vb, page_size), jnp.asarray(kv_lens), jnp.asarray(cu),
+                                    jnp.asarray(pt), page_size=page_size, **kw)
+    return np.asarray(out).reshape(q.shape[0], HQ * D)
+
+
+def jax_backend_out(runner, table, fb, q, mode, page_size, impl="reference"):
+    """The JAX backend on the same batch, pool read back from torch (no write: already written)."""
+    jb = JaxBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl)
+    spec = None
+    if fb.spec_info is not None:
+        acc = fb.spec_info.accept_length
+        spec = JaxSpec(num_draft_tokens=NUM_DRAFT, step_id=STEP_ID,
+                       accept_length=None if acc is None else acc.numpy())
+    batch = JaxBatch(ForwardMode(fb.forward_mode), fb.req_pool_indices.numpy(), fb.seq_lens.numpy(),
+                     fb.out_cache_loc.numpy(), None if fb.extend_seq_lens is None else fb.extend_seq_lens.numpy(),
+                     spec_info=spec)
+    pool = KVPool(*(jnp.asarray(b.numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0)))
+    out, _ = jb.forward(jnp.asarray(q.numpy()), None, None, LayerParams(HQ, HKV, D), pool, jb.plan(batch),
+                        save_kv_cache=False)
+    return np.asarray(out)
+
+
+MODES = ["extend", "decode", "draft_decode", "verify", "draft_extend"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference_and_jax_backend(mode, page_size):
+    rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
+    runner, table = make_runner(8, page_size, seed=page_size)
+    backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
+    rows = np.array([3, 1, 6, 2], np.int32)
+    committed = np.array([0 if mode == "extend" else 4, 9, 17, 30], np.int64)
+    fb, q_lens, start = make_batch(mode, rows, committed, table, rng, runner)
+    fill_committed(runner, table, rows, start, rng)
+    q, k, v = rand_qkv(rng, int(q_lens.sum()))
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, layer(), fb)
+    assert got.shape == (q.shape[0], HQ * D) and got.dtype == torch.float32
+    got = got.numpy()
+    assert np.all(np.isfinite(got))
+    kb = runner.token_to_kv_pool.k_buffer[0]
+    np.testing.assert_array_equal(kb[fb.out_cache_loc].numpy(), k.reshape(-1, HKV, D).numpy())
+    np.testing.assert_allclose(got, reference(runner, table, fb, q_lens, q, mode, page_size), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, jax_backend_out(runner, table, fb, q, mode, page_size), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_options_sinks_window_softcap_and_triton():
+    """Sliding window, logit cap and sinks reach the kernel; the Pallas kernel path (interpret) agrees."""
+    rng = np.random.default_rng(5)
+    runner, table = make_runner(6, 4, seed=9, impl="triton")
+    backend = FlashAttentionBackend(runner)
+    rows = np.array([2, 5, 1], np.int32)
+    fb, q_lens, start = make_batch("extend", rows, np.array([3, 11, 20], np.int64), table, rng, runner)
+    fill_committed(runner, table, rows, start, rng)
+    q, k, v = rand_qkv(rng, int(q_lens.sum()))
+    sinks = torch.from_numpy(rng.standard_normal(HQ).astype(np.float32))
+    lay = layer(logit_cap=5.0, sliding_window_size=7)
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, lay, fb, sinks=sinks).numpy()
+    want = reference(runner, table, fb, q_lens, q, "extend", 4, softcap=5.0, window_size=(7, 0),
+                     sinks=jnp.asarray(sinks.numpy()))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode,page_size", [("decode", 1), ("verify", 4), ("draft_extend", 4), ("draft_decode", 4)])
+def test_capture_replay_equals_eager_no_retrace(mode, page_size):
+    rng = np.random.default_rng(hash(("cap", mode, page_size)) % 2**31)
+    runner, table = make_runner(16, page_size, seed=3)
+    backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
+    per_req = NUM_DRAFT if mode in ("verify", "draft_extend") else 1
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    # Capture bucket 8 (SGLang's capture inputs: fill values), then the capture run.
+    fb8, _, _ = make_batch(mode, np.arange(1, 9), np.full(8, 5, np.int64), table, rng, runner)
+    backend.init_forward_metadata_capture_cuda_graph(8, 8 * per_req, fb8.req_pool_indices, fb8.seq_lens, None,
+                                                     fb8.forward_mode, fb8.spec_info)
+    qc, kc, vc = rand_qkv(rng, 8 * per_req)
+    backend.forward(qc, kc, vc, layer(), fb8, save_kv_cache=False)
+    traces = backend.trace_count
+    for bs in (5, 8):  # re-planned lengths, raw (unpadded) inputs
+        rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
+        fb, q_lens, start = make_batch(mode, rows, rng.integers(1, 30, bs), table, rng, runner)
+        fill_committed(runner, table, rows, start, rng)
+        n_tok = int(q_lens.sum())
+        q, k, v = rand_qkv(rng, n_tok)
+        runner.token_to_kv_pool.set_kv_buffer(layer(), fb.out_cache_loc, k, v)
+        backend.init_forward_metadata_replay_cuda_graph(8, fb.req_pool_indices, fb.seq_lens, None, None,
+                                                        fb.forward_mode, fb.spec_info, None)
+        if mode == "draft_extend":  # replay runs the padded token layout, as SGLang's graph runner does
+            pad = 8 * per_req - n_tok
+            got = backend.forward(torch.cat([q, q.new_zeros(pad, q.shape[1])]), None, None, layer(), fb,
+                                  save_kv_cache=False)[:n_tok]
+        else:
+            got = backend.forward(q, None, None, layer(), fb, save_kv_cache=False)
+        assert backend.trace_count == traces, "replay inside a captured bucket must not retrace"
+        backend.init_forward_metadata(fb)
+        eager = backend.forward(q, None, None, layer(), fb, save_kv_cache=False)
+        np.testing.assert_allclose(got.numpy(), eager.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.numpy(), reference(runner, table, fb, q_lens, q, mode, page_size),
+                                   rtol=1e-4, atol=1e-4)
+        traces = backend.trace_count
+
+
+def test_inplace_kv_write_is_seen_through_cached_view():
+    rng = np.random.default_rng(1)
+    runner, table = make_runner(4, 4, seed=0)
+    backend = FlashAttentionBackend(runner)
+    rows = np.array([1, 2], np.int32)
+    fb, q_lens, start = make_batch("decode", rows, np.array([6, 13], np.int64), table, rng, runner)
+    fill_committed(runner, table, rows, start, rng)
+    q, k, v = rand_qkv(rng, 2)
+    backend.init_forward_metadata(fb)
+    first = backend.forward(q, k, v, layer(), fb).numpy()
+    views = dict(backend.importer._views)
+    kb = runner.token_to_kv_pool.k_buffer[0]
+    assert any(x.unsafe_buffer_pointer() == kb.data_ptr() for x in views.values())
+    k2, v2 = k * 3.0, v - 1.0  # same slots, new values: torch writes in place
+    second = backend.forward(q, k2, v2, layer(), fb).numpy()
+    assert backend.importer._views.keys() == views.keys(), "pools must be imported once, not per call"
+    assert not np.allclose(first, second)
+    np.testing.assert_allclose(second, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+    kb[torch.from_numpy(table[1, :3].astype(np.int64))] += 1.0  # a direct torch write, no bridge call
+    third = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
+    np.testing.assert_allclose(third, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(second[0], third[0])
+
+
+def _bits(t):
+    return t.view(torch.int32).clone()
+
+
+def test_errors_leave_cache_unchanged():
+    rng = np.random.default_rng(2)
+    runner, table = make_runner(4, 1, seed=0)
+    backend = FlashAttentionBackend(runner)
+    fb, q_lens, start = make_batch("extend", np.array([1, 2], np.int32), np.array([2, 5], np.int64), table, rng, runner)
+    q, k, v = rand_qkv(rng, int(q_lens.sum()))
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(q, k, v, layer(), fb)
+    backend.init_forward_metadata(fb)
+    before = [_bits(b) for b in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer]
+    bad = [(q[:, :-1], k, v), (q, k[:, :-2], v), (q, k, v[:-1]), (q[:-1], k[:-1], v[:-1])]
+    for bq, bk, bv in bad:
+        with pytest.raises(ValueError, match="must"):
+            backend.forward(bq, bk, bv, layer(), fb)
+    with pytest.raises(ValueError, match="pool buffers"):
+        backend.forward(q, k, v, RadixAttention(HQ, D, 1.0, 1, 0), fb)
+    with pytest.raises(NotImplementedError, match="MLA"):
+        backend.forward(q, k, v, layer(), fb, q_rope=q)
+    after = [_bits(b) for b in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a rejected call must not write the cache"
+    # Modes and hooks.
+    tree = ForwardBatch(ForwardMode.TARGET_VERIFY, 1, fb.req_pool_indices[:1], fb.seq_lens[:1],
+                        fb.out_cache_loc[:NUM_DRAFT], spec_info=SpecInfo(topk=4, draft_token_num=NUM_DRAFT))
+    with pytest.raises(NotImplementedError, match="cascade speculative decoding"):
+        backend.init_forward_metadata(tree)
+    with pytest.raises(ValueError, match="not capturable"):
+        backend.init_cuda_graph_state(4, 64)
+        backend.init_forward_metadata_capture_cuda_graph(4, 16, fb.req_pool_indices, fb.seq_lens, None,
+                                                         ForwardMode.EXTEND, None)
+    with pytest.raises(ValueError, match="no captured plan"):
+        backend.init_forward_metadata_replay_cuda_graph(2, fb.req_pool_indices, fb.seq_lens, None, None,
+                                                        ForwardMode.DECODE, None, None)
+    idle = ForwardBatch(ForwardMode.IDLE, 0, fb.seq_lens[:0], fb.seq_lens[:0], fb.seq_lens[:0])
+    backend.init_forward_metadata(idle)
+    assert backend.forward(q[:0], k[:0], v[:0], layer(), idle).shape == (0, HQ * D)
+    runner.req_to_token_pool.req_to_token = runner.req_to_token_pool.req_to_token.long()
+    with pytest.raises(ValueError, match="int32"):
+        FlashAttentionBackend(runner)
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_forward_inside_cuda_graph_capture_raises(monkeypatch):
+    """Stand-in for a capture on CPU; the real capture runs in the gpu test below."""
+    rng = np.random.default_rng(3)
+    runner, table = make_runner(2, 1, seed=0)
+    backend = FlashAttentionBackend(runner)
+    fb, q_lens, _ = make_batch("decode", np.array([1], np.int32), np.array([3], np.int64), table, rng, runner)
+    backend.init_forward_metadata(fb)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="outside the captured region"):
+        backend.forward(*rand_qkv(rng, 1), layer(), fb)
+
+
+@pytest.mark.gpu
+def test_gpu_nondefault_stream_and_graph_capture():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(4)
+    runner, table = make_runner(8, 4, seed=1, impl="auto", device="cuda")
+    backend = FlashAttentionBackend(runner)
+    rows = np.array([3, 1, 6, 2], np.int32)
+    fb, q_lens, start = make_batch("extend", rows, np.array([4, 9, 17, 30], np.int64), table, rng, runner)
+    fb.req_pool_indices, fb.seq_lens = fb.req_pool_indices.cuda(), fb.seq_lens.cuda()
+    fb.out_cache_loc, fb.extend_seq_lens = fb.out_cache_loc.cuda(), fb.extend_seq_lens.cuda()
+    fill_committed(runner, table, rows, start, rng)
+    q, k, v = (x.cuda() for x in rand_qkv(rng, int(q_lens.sum())))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy so unordered reads would see stale data
+        kk, vv, qq = k * 2.0, v + 1.0, q * 0.5  # produced on the side stream
+        backend.init_forward_metadata(fb)
+        junk = [torch.randn(1 << 20, device="cuda") for _ in range(8)]  # concurrent allocations
+        out = backend.forward(qq, kk, vv, layer(), fb)
+        out = out * 1.0  # consumed on the side stream
+        del junk
+    torch.cuda.synchronize()
+    pool = runner.token_to_kv_pool
+    cpu = ModelRunner(runner.req_to_token_pool, MHATokenToKVPool([b.cpu() for b in pool.k_buffer],
+                                                                 [b.cpu() for b in pool.v_buffer]), ModelConfig(MAX_CTX))
+    fb_cpu = ForwardBatch(fb.forward_mode, 4, fb.req_pool_indices.cpu(), fb.seq_lens.cpu(), fb.out_cache_loc.cpu())
+    np.testing.assert_array_equal(cpu.token_to_kv_pool.k_buffer[0][fb_cpu.out_cache_loc].numpy(),
+                                  kk.cpu().reshape(-1, HKV, D).numpy())
+    want = reference(cpu, table, fb_cpu, q_lens, qq.cpu(), "extend", 4)
+    np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-2, atol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="outside the captured region"):
+        with torch.cuda.graph(graph):
+            backend.forward(qq, None, None, layer(), fb, save_kv_cache=False)

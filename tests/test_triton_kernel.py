@@ -1,0 +1,189 @@
+"""Tests of the Pallas (Triton-lowered) paged attention, its schedule and the merge kernels.
+
+CPU: the Pallas interpreter on tiny shapes. GPU (``-m gpu``): compiled kernels on real shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jax_attn.kernels.config import KernelConfig, choose_block_q, tile_rows
+from jax_attn.kernels.merge_state import merge_state
+from jax_attn.kernels.schedule import build_schedule, max_num_tiles, plan_schedule
+from jax_attn.kernels.triton_paged import paged_attention
+from jax_attn.reference import merge_state_reference, paged_attention_reference
+from tests.attention_cases import CPU_CASES, GPU_CASES, build_inputs, check_attention, compare
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+
+
+# ----------------------------------------------------------------------------- attention cases
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_attention_interpret(case):
+    err = check_attention(paged_attention, case, interpret=True)
+    if case.dtype == "float32":
+        assert err < 2e-5, f"interpreted f32 should be near exact, got {err:.2e}"
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_attention_gpu(case):
+    check_attention(paged_attention, case)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_small_cases_gpu(case):
+    check_attention(paged_attention, case)
+
+
+# ----------------------------------------------------------------------------- ragged batches
+_BUCKET_B, _BUCKET_T, _KV_MAX = 4, 24, 60
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 40)), min_size=1, max_size=_BUCKET_B),
+       st.sampled_from([1, 4]), st.integers(0, 2**16))
+def test_ragged_batches(seqs, page_size, seed):
+    """Random ragged batches inside one bucket (one compile per page size)."""
+    seq_lens = tuple((q, q + extra) for q, extra in seqs)
+    seq_lens = tuple((q, max(k, 1)) for q, k in seq_lens)
+    n_tokens = sum(q for q, _ in seq_lens)
+    case = dataclasses.replace(
+        CPU_CASES[0], name="ragged", seq_lens=seq_lens, page_size=page_size, pad_tokens=_BUCKET_T - n_tokens,
+        pad_rows=_BUCKET_B - len(seq_lens), spare_pages=2,
+    )
+    q, k, v, md, kw = build_inputs(case, seed)
+    # Put every draw in the same static bucket so that the kernel compiles once.
+    pages = -(-_KV_MAX // page_size) + 1
+    table = jnp.zeros((_BUCKET_B, pages), jnp.int32).at[:, : md.page_table.shape[1]].set(md.page_table)
+    md = dataclasses.replace(md, page_table=table, max_pages=pages, max_q_len=8)
+    fixed_pages = _BUCKET_B * pages + 4
+    nan_pages = jnp.full((fixed_pages - k.shape[0], *k.shape[1:]), jnp.nan, k.dtype)
+    k, v = jnp.concatenate([k, nan_pages]), jnp.concatenate([v, nan_pages])
+    out, lse = paged_attention(q, k, v, md, interpret=True, **kw)
+    ref, ref_lse = paged_attention_reference(q, k, v, md.cache_seqlens, md.cu_seqlens_q, table,
+                                             page_size=page_size, **kw)
+    compare(out, ref, tol=2e-5, what="ragged out")
+    assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+
+
+# ----------------------------------------------------------------------------- contracts
+def test_attached_schedule_and_no_retrace():
+    """A planner-attached schedule gives the same result; new lengths in the bucket do not retrace."""
+    case = CPU_CASES[8]  # mixed
+    q, k, v, md, kw = build_inputs(case, 1)
+    cfg = KernelConfig()
+    sched = plan_schedule(md, num_q_heads=case.heads[0], num_kv_heads=case.heads[1], config=cfg, num_splits=2)
+    md2 = dataclasses.replace(md, schedule=sched)
+    a = paged_attention(q, k, v, md, num_splits=2, interpret=True, **kw)
+    b = paged_attention(q, k, v, md2, num_splits=2, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    traces = paged_attention._cache_size()
+    shorter = dataclasses.replace(md, cache_seqlens=md.cache_seqlens - 1)
+    paged_attention(q, k, v, shorter, num_splits=2, interpret=True, **kw)
+    assert paged_attention._cache_size() == traces, "changing lengths inside a bucket must not retrace"
+
+
+def test_deterministic_batch_invariant():
+    """num_splits=1: a request's output is bitwise the same whatever else is in the batch."""
+    base = dataclasses.replace(CPU_CASES[8], num_splits=1)
+    q, k, v, md, kw = build_inputs(base, 3)
+    full = paged_attention(q, k, v, md, num_splits=1, interpret=True, **kw)[0]
+    alone = dataclasses.replace(base, seq_lens=base.seq_lens[2:3])
+    q2, k2, v2, md2, kw2 = build_inputs(alone, 3)
+    # Rebuild the same request's data inside the single-request batch.
+    start = int(md.cu_seqlens_q[2])
+    ql, kl = base.seq_lens[2]
+    q2 = q2.at[:ql].set(q[start:start + ql])
+    k2, v2 = k, v
+    md2 = dataclasses.replace(md2, page_table=md.page_table[2:3, : md2.page_table.shape[1]], max_q_len=md.max_q_len)
+    one = paged_attention(q2, k2, v2, md2, num_splits=1, interpret=True, **kw2)[0]
+    np.testing.assert_array_equal(np.asarray(one[:ql]), np.asarray(full[start:start + ql]))
+
+
+# ----------------------------------------------------------------------------- schedule / config
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 3000)), min_size=1, max_size=6),
+       st.integers(1, 8), st.integers(1, 4), st.booleans())
+def test_schedule_covers_every_tile_once(seqs, block_q, max_splits, force):
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    k_lens = np.array([k for _, k in seqs], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + 2
+    s = build_schedule(jnp.asarray(k_lens), jnp.asarray(cu), num_tokens=t, max_q_len=max(int(q_lens.max()), 1),
+                       block_q=block_q, max_splits=max_splits, num_kv_heads=2, force_splits=force, num_sms=16,
+                       min_kv_per_split=256)
+    ns = np.asarray(s.seq_num_splits)
+    assert ((ns >= 1) & (ns <= max_splits)).all()
+    if force:
+        assert (ns == max_splits).all()
+    want = {(b, qb, sp) for b in range(len(seqs)) for qb in range(-(-q_lens[b] // block_q)) for sp in range(ns[b])}
+    seq, qb, sp = (np.asarray(x) for x in (s.tile_seq, s.tile_q_block, s.tile_split))
+    got = [(int(a), int(b), int(c)) for a, b, c in zip(seq, qb, sp) if a >= 0]
+    assert len(got) == len(set(got)) and set(got) == want
+    assert int(s.num_tiles) == len(want) and (seq[len(want):] == -1).all()
+    assert seq.shape[0] == max_num_tiles(num_tokens=t, batch_size=len(seqs), max_q_len=max(int(q_lens.max()), 1),
+                                         block_q=block_q, max_splits=max_splits)
+
+
+def test_config_checks_and_tiles():
+    with pytest.raises(ValueError, match="power of 2"):
+        KernelConfig(block_k=48)
+    with pytest.raises(ValueError, match=">= 16"):
+        KernelConfig(block_m=8)
+    cfg = KernelConfig(block_m=128)
+    assert choose_block_q(cfg, 7, 1) == 1 and tile_rows(1, 7) == 16
+    assert choose_block_q(cfg, 7, 500) == 18 and tile_rows(18, 7) == 128
+    assert choose_block_q(cfg, 4, 4) == 4 and tile_rows(4, 4) == 16
+
+
+def test_input_checks():
+    q, k, v, md, kw = build_inputs(CPU_CASES[0])
+    with pytest.raises(ValueError, match="query heads must be a multiple"):
+        paged_attention(q[:, :3], k, v, md, interpret=True)
+    with pytest.raises(ValueError, match="page size"):
+        paged_attention(q, k.reshape(-1, 8, *k.shape[2:]), v.reshape(-1, 8, *v.shape[2:]), md, interpret=True)
+
+
+# ----------------------------------------------------------------------------- merge_state
+def _merge_inputs(seed, t=13, h=3, d=32, dtype=jnp.float32, empty=0.3):
+    rng = np.random.default_rng(seed)
+    o_a, o_b = (jnp.asarray(rng.standard_normal((t, h, d)), dtype) for _ in range(2))
+    la, lb = (rng.standard_normal((t, h)).astype(np.float32) * 3 for _ in range(2))
+    la[rng.random((t, h)) < empty] = -np.inf
+    lb[rng.random((t, h)) < empty] = -np.inf
+    la[0, :] = lb[0, :] = -np.inf  # both empty
+    return o_a, jnp.asarray(la), o_b, jnp.asarray(lb)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merge_state_interpret(dtype):
+    o_a, la, o_b, lb = _merge_inputs(0, dtype=jnp.dtype(dtype))
+    o_a = o_a.at[1].set(jnp.nan)  # garbage in an empty partition must not leak
+    la = la.at[1].set(-jnp.inf)
+    o, lse = merge_state(o_a, la, o_b, lb, interpret=True)
+    ro, rl = merge_state_reference(o_a, la, o_b, lb)
+    compare(o, ro, tol=1e-5 if dtype == "float32" else 1e-2, what="merge out")
+    assert (np.isneginf(lse) == np.isneginf(rl)).all() and not np.asarray(o[0], np.float32).any()
+    fin = np.isfinite(np.asarray(rl))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_merge_state_gpu():
+    o_a, la, o_b, lb = _merge_inputs(1, t=1000, h=32, d=128, dtype=jnp.bfloat16)
+    o, lse = merge_state(o_a, la, o_b, lb)
+    ro, rl = merge_state_reference(o_a, la, o_b, lb)
+    compare(o, ro, tol=1e-2, what="merge out")
+    assert (np.isneginf(lse) == np.isneginf(rl)).all()

@@ -1,0 +1,113 @@
+"""Zero-copy torch <-> JAX hand-off with stream ordering.
+
+Import (torch -> JAX): ``torch.Tensor.__dlpack__(stream=s)`` is called with the stream JAX uses
+for external ready events, so torch records an event on its *current* stream and makes ``s``
+wait on it; the imported buffer's definition event then orders JAX's computation after every
+torch kernel queued so far on torch's current stream (including KV-pool writes queued before
+the import). Without a stream (CPU) torch's work is already complete.
+
+Export (JAX -> torch): ``torch.from_dlpack(jax_array)`` passes torch's current stream to
+``jax.Array.__dlpack__``, which makes that stream wait until the array is ready (on CPU it blocks
+until the computation finished). The exported tensor is therefore safe on torch's current stream.
+
+Persistent tensors (KV pools, ``req_to_token``, sinks) are imported once and their views cached by
+``(data_ptr, shape, strides, dtype, device)``; JAX only ever reads them (no donation), so torch
+keeps ownership. The cache holds the DLPack capsule, which keeps the torch storage alive.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import jax
+import torch
+
+try:  # the fast path skips jax.dlpack.from_dlpack's Python checks (~10 us instead of ~80 us)
+    from jax._src import xla_bridge as _xla_bridge
+    from jax._src.lib import _jax as _jaxlib
+except ImportError:  # pragma: no cover - other jax versions
+    _xla_bridge = _jaxlib = None
+
+_KDL_CPU, _KDL_CUDA = 1, 2
+_CPU_ALIGN = 64
+
+
+def check_not_capturing() -> None:
+    """Raise if torch is capturing a CUDA graph: a JAX computation cannot be captured."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "torch_bridge attention was called inside an active torch.cuda.graph capture. JAX "
+            "computations cannot be captured into a torch CUDA graph, and the graph would silently "
+            "skip attention. Run attention outside the captured region: disable CUDA graphs in the "
+            "engine (SGLang: --disable-cuda-graph) and use the bridge's capture/replay hooks, which "
+            "compile per batch bucket ahead of time instead."
+        )
+
+
+class Importer:
+    """Imports torch tensors of one device into JAX without copying, stream-ordered."""
+
+    def __init__(self, device: torch.device):
+        device = torch.device(device)
+        self.dl_type = _KDL_CUDA if device.type == "cuda" else _KDL_CPU
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 0
+        self.stream: Optional[int] = None
+        self.jax_device = None
+        if _xla_bridge is not None:
+            backend = _xla_bridge.get_backend("cuda" if device.type == "cuda" else "cpu")
+            self.jax_device = backend.device_from_local_hardware_id(index)
+            try:
+                self.stream = self.jax_device.get_stream_for_external_ready_events()
+            except Exception:  # UNIMPLEMENTED on CPU
+                self.stream = None
+        self._views: Dict[Tuple, jax.Array] = {}
+
+    def __call__(self, t: torch.Tensor) -> jax.Array:
+        """A JAX view of ``t`` (contiguous), ordered after work queued on torch's current stream."""
+        if self.dl_type == _KDL_CPU and t.data_ptr() % _CPU_ALIGN:
+            t = t.clone()  # XLA's CPU client views only 64-byte aligned memory (torch allocates so)
+        if self.jax_device is None:
+            return jax.dlpack.from_dlpack(t, copy=False)
+        capsule = t.__dlpack__(stream=self.stream) if self.stream is not None else t.__dlpack__()
+        return _jaxlib.dlpack_managed_tensor_to_buffer(capsule, self.jax_device, self.stream, False,
+                                                        self.dl_type)
+
+    def view(self, t: torch.Tensor, strict: bool = True) -> jax.Array:
+        """The cached JAX view of a persistent tensor (imported on first use only).
+
+        ``strict=False`` (small read-only parameters such as sinks): a tensor that cannot be
+        viewed in place is imported per call instead of raising.
+        """
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        v = self._views.get(key)
+        if v is None:
+            aligned = self.dl_type != _KDL_CPU or t.data_ptr() % _CPU_ALIGN == 0
+            if not strict and not (aligned and t.is_contiguous()):
+                return self(t.contiguous())
+            if not t.is_contiguous():
+                raise ValueError(f"{t.shape=} with strides {t.stride()} must be contiguous to be viewed "
+                                 "zero-copy; allocate the pool as one dense tensor per layer")
+            if self.dl_type == _KDL_CPU and t.data_ptr() % _CPU_ALIGN:
+                raise ValueError(f"a persistent CPU buffer at {t.data_ptr():#x} is not {_CPU_ALIGN}-byte "
+                                 "aligned, so JAX cannot view it; allocate it with torch (e.g. .clone())")
+            v = self(t)
+            if t.numel() and v.unsafe_buffer_pointer() != t.data_ptr():
+                raise RuntimeError("DLPack import copied a persistent buffer; in-place writes would be lost")
+            self._views[key] = v
+        return v
+
+    def clear(self) -> None:
+        """Forget cached views (after the engine reallocates its pools)."""
+        self._views.clear()
+
+
+def export(x: jax.Array) -> torch.Tensor:
+    """JAX array -> torch tensor (zero copy), ready for use on torch's current stream."""
+    return torch.from_dlpack(x)
+
+
+def to_int32(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
+    """Concatenate index tensors (any int dtype) into one flat int32 tensor: one import per step."""
+    parts = [t.reshape(-1).to(torch.int32) for t in tensors if t is not None]
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()

@@ -1,0 +1,180 @@
+"""Small stand-ins for the SGLang objects the bridge reads, with SGLang's attribute names.
+
+An engine that runs SGLang passes its own objects (duck typing); an engine without SGLang builds
+these. The bridge reads exactly the attributes listed here and nothing else:
+
+``ModelRunner``
+  ``req_to_token_pool.req_to_token`` (``torch.int32 [max_reqs, max_context_len]``, persistent),
+  ``token_to_kv_pool`` (the default pool of ``forward_batch.token_to_kv_pool``), ``page_size``,
+  ``model_config.context_len``, ``server_args.speculative_num_draft_tokens``,
+  ``server_args.enable_deterministic_inference``; optional ``attention_impl`` (jax_attn ``impl``).
+``ForwardBatch``
+  ``forward_mode``, ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``,
+  ``extend_seq_lens`` (extend modes), ``encoder_lens`` (must be None), ``spec_info``,
+  ``token_to_kv_pool``.
+``spec_info`` (EAGLE inputs)
+  ``topk``, ``draft_token_num`` (target verify), ``accept_length`` (draft extend).
+``RadixAttention`` layer
+  ``tp_q_head_num``, ``tp_k_head_num``, ``tp_v_head_num``, ``head_dim``, ``v_head_dim``,
+  ``scaling``, ``logit_cap``, ``sliding_window_size``, ``is_cross_attention``, ``layer_id``,
+  ``k_scale_float`` / ``v_scale_float`` (or ``k_scale`` / ``v_scale``).
+``token_to_kv_pool``
+  ``get_kv_buffer(layer_id) -> (k_buffer, v_buffer)`` of ``[num_slots, Hkv, D]`` persistent
+  tensors, and ``set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)``.
+
+Index tensors may be int64 (as SGLang keeps them); the bridge converts them once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+import torch
+
+from jax_attn.metadata import ForwardMode
+
+__all__ = [
+    "ForwardMode", "ModelConfig", "ServerArgs", "ReqToTokenPool", "MHATokenToKVPool", "ModelRunner",
+    "SpecInfo", "ForwardBatch", "RadixAttention",
+]
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    context_len: int
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    speculative_num_draft_tokens: Optional[int] = None
+    enable_deterministic_inference: bool = False
+
+
+@dataclasses.dataclass
+class ReqToTokenPool:
+    """Request rows -> KV slots. Row 0 is reserved for padded batch entries."""
+
+    req_to_token: torch.Tensor  # i32[max_reqs, max_context_len]
+
+    @classmethod
+    def create(cls, max_reqs: int, max_context_len: int, device="cpu") -> "ReqToTokenPool":
+        return cls(torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device))
+
+
+@dataclasses.dataclass
+class MHATokenToKVPool:
+    """Per-layer K/V buffers ``[num_slots, Hkv, D]`` (slot 0 reserved), written by torch."""
+
+    k_buffer: List[torch.Tensor]
+    v_buffer: List[torch.Tensor]
+
+    @classmethod
+    def create(cls, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
+               device="cpu", v_head_dim: Optional[int] = None) -> "MHATokenToKVPool":
+        dv = head_dim if v_head_dim is None else v_head_dim
+        return cls([torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                    for _ in range(num_layers)],
+                   [torch.zeros(num_slots, num_kv_heads, dv, dtype=dtype, device=device)
+                    for _ in range(num_layers)])
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int):
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                      k_scale: Optional[float] = None, v_scale: Optional[float] = None) -> None:
+        """Write ``cache_k/cache_v [T, Hkv * D]`` at slots ``loc [T]`` (fp8 pools store x / scale)."""
+        kb, vb = self.get_kv_buffer(layer.layer_id)
+        cache_k = cache_k.reshape(-1, *kb.shape[1:])
+        cache_v = cache_v.reshape(-1, *vb.shape[1:])
+        if cache_k.dtype != kb.dtype:
+            if k_scale is not None:
+                cache_k = cache_k / k_scale
+            if v_scale is not None:
+                cache_v = cache_v / v_scale
+            cache_k, cache_v = cache_k.to(kb.dtype), cache_v.to(vb.dtype)
+        kb[loc] = cache_k
+        vb[loc] = cache_v
+
+
+@dataclasses.dataclass
+class ModelRunner:
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    model_config: ModelConfig
+    page_size: int = 1
+    server_args: ServerArgs = dataclasses.field(default_factory=ServerArgs)
+    attention_impl: str = "auto"  # jax_attn impl: "auto", "triton" or "reference"
+    device: str = "cpu"
+
+
+@dataclasses.dataclass
+class SpecInfo:
+    """EAGLE's ``EagleVerifyInput`` / ``EagleDraftInput`` fields the bridge reads."""
+
+    topk: int = 1
+    draft_token_num: int = 0  # queries per request in target verify
+    accept_length: Optional[torch.Tensor] = None  # i32[bs]; draft extend
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """One step. ``seq_lens`` include this step's tokens, except in target verify (committed)."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    req_pool_indices: torch.Tensor  # i64/i32[bs]
+    seq_lens: torch.Tensor  # i64/i32[bs]
+    out_cache_loc: torch.Tensor  # i64/i32[num_tokens]
+    extend_seq_lens: Optional[torch.Tensor] = None  # [bs]; extend modes
+    positions: Optional[torch.Tensor] = None  # [num_tokens]; read by models, not by the bridge
+    spec_info: Optional[Any] = None
+    encoder_lens: Optional[torch.Tensor] = None
+    token_to_kv_pool: Optional[MHATokenToKVPool] = None
+    req_to_token_pool: Optional[ReqToTokenPool] = None
+    attn_backend: Optional[Any] = None
+
+
+@dataclasses.dataclass
+class RadixAttention:
+    """One attention layer's static description (SGLang's ``RadixAttention`` attributes)."""
+
+    num_heads: int
+    head_dim: int
+    scaling: float
+    num_kv_heads: int
+    layer_id: int
+    logit_cap: float = 0.0
+    v_head_dim: int = -1
+    sliding_window_size: int = -1
+    is_cross_attention: bool = False
+    k_scale_float: Optional[float] = None
+    v_scale_float: Optional[float] = None
+
+    def __post_init__(self):
+        if self.v_head_dim < 0:
+            self.v_head_dim = self.head_dim
+
+    @property
+    def tp_q_head_num(self) -> int:
+        return self.num_heads
+
+    @property
+    def tp_k_head_num(self) -> int:
+        return self.num_kv_heads
+
+    @property
+    def tp_v_head_num(self) -> int:
+        return self.num_kv_heads
+
+    def forward(self, q, k, v, forward_batch: ForwardBatch, save_kv_cache: bool = True, **kw):
+        """As SGLang: ``forward_batch.attn_backend.forward(q, k, v, self, forward_batch, ...)``."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache, **kw)
+
+    __call__ = forward
