@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one go: gpu-marked tests, the 1B-class example decode, the
+# host-overhead figure and the kernel benchmark. Logs go to $OUT (default ./out).
+# Usage (repo root, peers fetched into .peers by ../shared/tools/get_peers.sh):
+#   bash benchmarks/run_gpu_suite.sh [tests|example|host|bench|all]...
+set -uo pipefail
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+what="${*:-all}"
+status=()
+run() {  # name, command...
+  local name="$1"; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  status+=("| $name | rc=$rc | $((SECONDS - t0)) s |")
+}
+has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
+has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider
+has example && run example python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16
+has host && run host python3 benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20
+has bench && run bench python3 benchmarks/bench_attention.py
+nvidia-smi --query-gpu=name --format=csv,noheader
+printf '%s\n' "| step | result | time |" "|---|---|---|" "${status[@]}"
