@@ -94,21 +94,30 @@ def test_attached_schedule_and_no_retrace():
     assert paged_attention._cache_size() == traces, "changing lengths inside a bucket must not retrace"
 
 
-def test_deterministic_batch_invariant():
+def _check_batch_invariance(interpret):
     """num_splits=1: a request's output is bitwise the same whatever else is in the batch."""
     base = dataclasses.replace(CPU_CASES[8], num_splits=1)
     q, k, v, md, kw = build_inputs(base, 3)
-    full = paged_attention(q, k, v, md, num_splits=1, interpret=True, **kw)[0]
+    full = paged_attention(q, k, v, md, num_splits=1, interpret=interpret, **kw)[0]
     alone = dataclasses.replace(base, seq_lens=base.seq_lens[2:3])
-    q2, k2, v2, md2, kw2 = build_inputs(alone, 3)
-    # Rebuild the same request's data inside the single-request batch.
+    q2, _, _, md2, kw2 = build_inputs(alone, 3)
+    # The same request (queries, cache pages) alone in a batch of one, same static q bound.
     start = int(md.cu_seqlens_q[2])
-    ql, kl = base.seq_lens[2]
+    ql, _ = base.seq_lens[2]
     q2 = q2.at[:ql].set(q[start:start + ql])
-    k2, v2 = k, v
     md2 = dataclasses.replace(md2, page_table=md.page_table[2:3, : md2.page_table.shape[1]], max_q_len=md.max_q_len)
-    one = paged_attention(q2, k2, v2, md2, num_splits=1, interpret=True, **kw2)[0]
+    one = paged_attention(q2, k, v, md2, num_splits=1, interpret=interpret, **kw2)[0]
     np.testing.assert_array_equal(np.asarray(one[:ql]), np.asarray(full[start:start + ql]))
+
+
+def test_deterministic_batch_invariant():
+    _check_batch_invariance(interpret=True)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_deterministic_batch_invariant_gpu():
+    _check_batch_invariance(interpret=False)
 
 
 # ----------------------------------------------------------------------------- schedule / config

@@ -1,8 +1,8 @@
 """Work schedule of the paged attention kernel, built on device.
 
-A tile is one (sequence, query block, kv split). Tiles are listed sequence by sequence; within a
-sequence the last query block (the one that sees the most keys under causal masking) comes first.
-The list is padded with ``-1`` to a static bound so the kernel grid never changes inside a bucket.
+A tile is one (sequence, query block, kv split). Tiles are listed by estimated work, most keys
+first (a longest-processing-time order that keeps the last wave of programs short). The list is
+padded with ``-1`` to a static bound so the kernel grid never changes inside a bucket.
 
 Dimension legend: B sequences, N tiles (static bound).
 """
@@ -96,11 +96,15 @@ def build_schedule(
     ns = splits[seq_c]
     q_block = q_blocks[seq_c] - 1 - local // ns
     split = local % ns
+    # Longest tiles first (keys seen under causal masking, per split) so the last wave is short.
+    k_len, q_len = cache_seqlens[seq_c], q_lens[seq_c]
+    cost = jnp.minimum(k_len, k_len - q_len + (q_block + 1) * block_q) // ns
+    order = jnp.argsort(-jnp.where(valid, cost, -1), stable=True)
     neg = jnp.full((n,), -1, jnp.int32)
     return WorkSchedule(
-        tile_seq=jnp.where(valid, seq_c, neg),
-        tile_q_block=jnp.where(valid, q_block, neg),
-        tile_split=jnp.where(valid, split, neg),
+        tile_seq=jnp.where(valid, seq_c, neg)[order],
+        tile_q_block=jnp.where(valid, q_block, neg)[order],
+        tile_split=jnp.where(valid, split, neg)[order],
         seq_num_splits=splits,
         num_tiles=ends[-1] if batch else jnp.int32(0),
         block_q=block_q,
@@ -118,6 +122,23 @@ def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sm
     return jnp.clip(jnp.minimum(want, by_len), 1, max_splits).astype(jnp.int32)
 
 
+def row_num_splits(
+    cache_seqlens: jax.Array,  # i32[B]
+    cu_seqlens_q: jax.Array,  # i32[B + 1]
+    seq_num_splits: jax.Array,  # i32[B]
+    *,
+    num_tokens: int,
+    num_heads: int,
+) -> jax.Array:
+    """i32[T * H]: kv splits to merge for each (token, head) output row; 0 for padding tokens."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    b = cache_seqlens.shape[0]
+    seq = jnp.searchsorted(cu_seqlens_q, t, side="right").astype(jnp.int32) - 1
+    valid = (seq >= 0) & (t < cu_seqlens_q[b])
+    ns = jnp.where(valid, seq_num_splits[jnp.clip(seq, 0, b - 1)], 0)
+    return jnp.repeat(ns, num_heads)
+
+
 def plan_schedule(
     md: AttentionMetadata,
     *,
@@ -125,17 +146,22 @@ def plan_schedule(
     num_kv_heads: int,
     config: KernelConfig,
     num_splits: int | None = None,
+    num_tokens: int | None = None,
 ) -> WorkSchedule:
-    """The schedule ``paged_attention`` would build for ``md`` (a planner may attach it once per step)."""
+    """The schedule ``paged_attention`` would build for ``md`` (a planner may attach it once per step).
+
+    ``num_tokens`` defaults to ``md.num_tokens``; pass it when the metadata leaves that at 0.
+    """
+    num_tokens = md.num_tokens if num_tokens is None else num_tokens
     group = num_q_heads // num_kv_heads
     block_q = choose_block_q(config, group, md.max_q_len)
     s = static_num_splits(
-        num_tokens=md.num_tokens, num_kv_heads=num_kv_heads, block_q=block_q, num_splits=num_splits, config=config
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q=block_q, num_splits=num_splits, config=config
     )
     return build_schedule(
         md.cache_seqlens,
         md.cu_seqlens_q,
-        num_tokens=md.num_tokens,
+        num_tokens=num_tokens,
         max_q_len=md.max_q_len,
         block_q=block_q,
         max_splits=s,

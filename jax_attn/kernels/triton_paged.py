@@ -24,10 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, choose_block_q, tile_rows
+from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, tile_rows
 from jax_attn.kernels.merge_state import load_rows, merge_splits, store_rows, store_vec
-from jax_attn.kernels.schedule import build_schedule, static_num_splits
-from jax_attn.metadata import AttentionMetadata, WorkSchedule
+from jax_attn.kernels.schedule import plan_schedule, row_num_splits
+from jax_attn.metadata import AttentionMetadata
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -295,6 +295,37 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks):
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}; cast with .astype(jnp.int32)")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"{sinks.shape=} must be ({q.shape[1]},), one logit per query head")
+    dv = v_cache.shape[-1]
+    if d < 16 or dv < 16 or d & (d - 1) or dv & (dv - 1):
+        raise ValueError(f"head dims {d=} {dv=} must be powers of 2 >= 16 (Triton block shapes); pad them")
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"{q.dtype=} must be bfloat16, float16 or float32")
+
+
+def _check_scale(softmax_scale):
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"{softmax_scale=} must be > 0 (the kernel folds it into exp2 of the max)")
+
+
+def _run_tiles(st: _Static, sched, inputs, dv: int, out_dtype, knobs, interpret: bool):
+    """The attention pallas_call: (o [R or S*R, Dv], lse f32[R or S*R]) with R = T * Hq."""
+    rows_out = st.num_tokens * st.num_q_heads * (sched.max_splits if st.split_mode else 1)
+    o_dtype = jnp.float32 if st.split_mode else out_dtype
+    out_shape = [jax.ShapeDtypeStruct((rows_out, dv), o_dtype), jax.ShapeDtypeStruct((rows_out,), jnp.float32)]
+    aliases = {}
+    if not st.split_mode:  # rows no tile writes (padding tokens) keep these values
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+        inputs = inputs + [jnp.zeros((rows_out, dv), o_dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32)]
+    num_warps, num_stages = knobs
+    return pl.pallas_call(
+        functools.partial(_attn_kernel, st=st),
+        out_shape=out_shape,
+        grid=(st.num_kv_heads, sched.tile_seq.shape[0]),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_m{st.rows}_k{st.block_k}",
+    )(*inputs)
 
 
 def _descale_rows(descale, batch: int, hkv: int):
@@ -307,29 +338,6 @@ def _descale_rows(descale, batch: int, hkv: int):
     if d.shape != (batch, hkv):
         raise ValueError(f"descale shape {d.shape} must be () or (batch, num_kv_heads)=({batch}, {hkv})")
     return d.reshape(-1)
-
-
-def _schedule_for(md, q, hkv, config, num_splits) -> WorkSchedule:
-    if md.schedule is not None:
-        return md.schedule
-    t, hq, _ = q.shape
-    block_q = choose_block_q(config, hq // hkv, md.max_q_len)
-    s = static_num_splits(num_tokens=t, num_kv_heads=hkv, block_q=block_q, num_splits=num_splits, config=config)
-    return build_schedule(
-        md.cache_seqlens, md.cu_seqlens_q, num_tokens=t, max_q_len=md.max_q_len, block_q=block_q,
-        max_splits=s, num_kv_heads=hkv, force_splits=num_splits is not None, num_sms=config.num_sms,
-        min_kv_per_split=config.min_kv_per_split,
-    )
-
-
-def _row_num_splits(md, sched: WorkSchedule, num_tokens: int, hq: int):
-    """i32[T * Hq]: splits to merge for each output row (0 for padding tokens)."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    b = md.cache_seqlens.shape[0]
-    seq = jnp.searchsorted(md.cu_seqlens_q, t, side="right").astype(jnp.int32) - 1
-    valid = (seq >= 0) & (t < md.cu_seqlens_q[b])
-    ns = jnp.where(valid, sched.seq_num_splits[jnp.clip(seq, 0, b - 1)], 0)
-    return jnp.repeat(ns, hq)
 
 
 @functools.partial(
@@ -381,10 +389,14 @@ def paged_attention(
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     _check_inputs(q, k_cache, v_cache, md, sinks)
+    _check_scale(softmax_scale)
     t, hq, d = q.shape
     num_pages, ps, hkv, dv = v_cache.shape
     batch, max_pages = md.page_table.shape
-    sched = _schedule_for(md, q, hkv, config, num_splits)
+    sched = md.schedule
+    if sched is None:
+        sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_splits=num_splits,
+                              num_tokens=t)
     decode = md.max_q_len <= 1 and sched.block_q == 1
     block_k, num_warps, num_stages = config.tile_params(decode)
     compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -405,26 +417,12 @@ def paged_attention(
             inputs.append(extra)
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
-    rows_out = t * hq * (sched.max_splits if st.split_mode else 1)
-    o_dtype = jnp.float32 if st.split_mode else q.dtype
-    out_shape = [jax.ShapeDtypeStruct((rows_out, dv), o_dtype), jax.ShapeDtypeStruct((rows_out,), jnp.float32)]
-    aliases = {}
-    if not st.split_mode:  # rows no tile writes (padding tokens) keep these values
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += [jnp.zeros((rows_out, dv), q.dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32)]
-    o, lse = pl.pallas_call(
-        functools.partial(_attn_kernel, st=st),
-        out_shape=out_shape,
-        grid=(hkv, sched.tile_seq.shape[0]),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"paged_attention_m{st.rows}_k{block_k}",
-    )(*inputs)
+    o, lse = _run_tiles(st, sched, inputs, dv, q.dtype, (num_warps, num_stages), interpret)
     if st.split_mode:
         o, lse = merge_splits(
             o.reshape(sched.max_splits, t * hq, dv), lse.reshape(sched.max_splits, t * hq),
-            _row_num_splits(md, sched, t, hq), out_dtype=q.dtype, config=config, interpret=interpret,
+            row_num_splits(md.cache_seqlens, md.cu_seqlens_q, sched.seq_num_splits, num_tokens=t, num_heads=hq),
+            out_dtype=q.dtype, config=config, interpret=interpret,
         )
     out = o.reshape(t, hq, dv)
     if return_lse:
