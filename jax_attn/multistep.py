@@ -35,16 +35,22 @@ def plan_draft_steps(
     ``CascadeMetadata`` (topk > 1), all sharing one committed-KV plan."""
     k = max(topk, 1)
     loc = draft_cache_loc.reshape(-1, num_steps)  # [B*K, S]
-    base = plan_uniform(req_to_token, req_pool_indices, seq_lens, loc[:, 0], q_len_per_req=k, kv_offset=0,
+    # topk <= 1: one plan covering the last step's keys; earlier steps mask the pages they don't use.
+    offset = num_steps if topk <= 1 else 0
+    base = plan_uniform(req_to_token, req_pool_indices, seq_lens, loc[:, 0], q_len_per_req=k, kv_offset=offset,
                         page_size=page_size, max_pages=max_pages, mode=ForwardMode.DECODE)
+    col = jnp.arange(max_pages, dtype=jnp.int32)[None]
     plans = []
     for step in range(num_steps):
         cur = loc[:, step]
         if topk <= 1:
-            lens = base.cache_seqlens + step + 1
+            lens = base.cache_seqlens - num_steps + step + 1
             cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
-            plans.append(dataclasses.replace(base, cache_seqlens=lens, cu_seqlens_k=cu_k, out_cache_loc=cur,
-                                             max_seqlen_k=base.max_seqlen_k + step + 1))
+            used = (lens[:, None] + page_size - 1) // page_size
+            plans.append(dataclasses.replace(
+                base, cache_seqlens=lens, cu_seqlens_k=cu_k, out_cache_loc=cur,
+                page_table=jnp.where(col < used, base.page_table, 0),
+                max_seqlen_k=base.max_seqlen_k - num_steps + step + 1))
         else:
             counts = jnp.full((loc.shape[0],), step + 1, jnp.int32)
             expand = _rows_md(counts, loc[:, : step + 1], cur, ForwardMode.DECODE)

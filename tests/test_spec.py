@@ -211,7 +211,7 @@ def test_multistep_plans_equal_single_step_plans(topk):
     from jax_attn.planner import plan_uniform
     from jax_attn.spec import plan_draft_decode_tree
 
-    rows, committed = np.array([2, 1], np.int32), np.array([5, 9], np.int32)
+    rows, committed = np.array([2, 1], np.int32), np.array([3, 9], np.int32)  # steps cross page edges
     table, _, _, _, _ = setup(rows, committed, 1, 4, seed=4)
     steps, k = 3, max(topk, 1)
     loc = np.concatenate([table[r, c:c + k * steps] for r, c in zip(rows, committed)]).astype(np.int32)

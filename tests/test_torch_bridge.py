@@ -250,7 +250,7 @@ def test_errors_leave_cache_unchanged():
     # Modes and hooks.
     tree = ForwardBatch(ForwardMode.TARGET_VERIFY, 1, fb.req_pool_indices[:1], fb.seq_lens[:1],
                         fb.out_cache_loc[:NUM_DRAFT], spec_info=SpecInfo(topk=4, draft_token_num=NUM_DRAFT))
-    with pytest.raises(NotImplementedError, match="cascade speculative decoding"):
+    with pytest.raises(ValueError, match="custom_mask"):
         backend.init_forward_metadata(tree)
     with pytest.raises(ValueError, match="not capturable"):
         backend.init_cuda_graph_state(4, 64)

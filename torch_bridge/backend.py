@@ -10,6 +10,27 @@ writes the step's K/V into its own pool (``set_kv_buffer``), ``q`` is imported, 
 through views imported once, one compiled executable runs, and the output is exported back.
 JAX never writes torch memory. See ``torch_bridge.dlpack`` for stream ordering.
 
+Tree speculative decoding (topk > 1) runs jax_attn's cascade (prefix pass + expand pass +
+``merge_state``):
+
+* target verify: ``spec_info.custom_mask`` is SGLang's flat bool tree mask (per request, ``N``
+  rows of ``seq_len + N`` columns, requests one after another). It joins the packed import as
+  int32 words, zero-padded to a static length (eager: the next power of two of its length;
+  capture/replay: ``bucket * N * (max_context_len + N)``), and the planner extracts the draft
+  columns on device (``jax_attn.spec.draft_mask_from_custom_mask``): no host sync. Sliding-window
+  layers need ``model_runner.sliding_window_size >= 0`` so the plan carries the SWA table.
+* draft decode: ``init_forward_metadata`` (and the replay hook) takes SGLang's full
+  ``out_cache_loc`` of every draft step, ``[bs, topk, num_steps]`` flattened (branch ``k`` of
+  request ``b`` writes step ``s`` at ``[b, k, s]``); ``forward`` accepts that same tensor or just
+  this step's ``[bs * topk]`` slots (SGLang's per-step ``out_cache_loc[step]``) and writes column
+  ``speculative_step_id``. topk <= 1 draft decode takes ``[bs]`` or ``[bs, 1, num_steps]`` alike.
+
+Cross attention: ``forward_batch.encoder_lens`` plans the encoder table (a request's
+``req_to_token`` row holds its encoder slots first); a layer with ``is_cross_attention`` writes
+its K/V at ``forward_batch.encoder_out_cache_loc`` and attends non-causally over the encoder
+tokens. The static bound ``max_encoder_len`` comes from the constructor or
+``model_runner.model_config.max_encoder_len``.
+
 CUDA graphs: a JAX computation cannot be captured by ``torch.cuda.graph``; a forward call during a
 capture raises. The capture/replay hooks instead compile the plan of each batch bucket ahead of
 time and replay pads the batch with SGLang's rules; attention executables are compiled by the
@@ -22,6 +43,7 @@ import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -30,7 +52,8 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams, PlanKey, plan_arrays
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
-from torch_bridge.dlpack import Importer, check_not_capturing, export, to_int32
+from jax_attn.spec import draft_mask_from_custom_mask
+from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -43,6 +66,23 @@ class _Step:
     treedef: Any  # AttentionMetadata's pytree structure (carries the static fields)
     leaves: Tuple[jax.Array, ...]  # AttentionMetadata's arrays
     real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
+    loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packing:
+    """Static layout of one step's packed int32 inputs (one import per step) and what to plan."""
+
+    key: PlanKey
+    num_locs: int  # out_cache_loc entries (tree draft decode: B * topk * num_steps)
+    has_ext: bool = False  # extend_seq_lens (extend modes)
+    has_enc: bool = False  # encoder_lens (cross attention)
+    mask_words: int = 0  # int32 words of the flat verify custom mask (tree verify)
+    all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
+
+    def sizes(self) -> Tuple[int, ...]:
+        b = self.key.batch_size
+        return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words)
 
 
 def to_mode(mode) -> ForwardMode:
@@ -62,14 +102,18 @@ class FlashAttentionBackend:
       model_runner: SGLang's ``ModelRunner`` or ``torch_bridge.types.ModelRunner`` (the attributes
         read are listed in ``torch_bridge.types``).
       skip_prefill: accepted for SGLang compatibility (draft backends); no effect here.
-      speculative_step_id: draft decode step: KV length = seq_lens + step_id + 1.
-      topk: EAGLE topk; > 1 (cascade speculative decoding) raises NotImplementedError on use.
-      speculative_num_steps: accepted for SGLang compatibility.
+      speculative_step_id: draft decode step: KV length = seq_lens + step_id + 1 (topk <= 1), or
+        the branch's draft slots of steps ``0..step_id`` (topk > 1).
+      topk: EAGLE topk; > 1 runs target verify and draft decode as tree (cascade) attention.
+      speculative_num_steps: draft steps (the last axis of tree draft decode's ``out_cache_loc``).
       impl: jax_attn implementation; default ``model_runner.attention_impl`` or ``"auto"``.
+      max_encoder_len: static bound on encoder lengths (cross attention); default
+        ``model_runner.model_config.max_encoder_len`` or 0 (no cross attention).
     """
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
-                 topk: int = 0, speculative_num_steps: int = 0, *, impl: Optional[str] = None):
+                 topk: int = 0, speculative_num_steps: int = 0, *, impl: Optional[str] = None,
+                 max_encoder_len: Optional[int] = None):
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
         self.speculative_step_id = speculative_step_id
@@ -78,17 +122,23 @@ class FlashAttentionBackend:
         self.page_size = int(getattr(model_runner, "page_size", 1))
         args = getattr(model_runner, "server_args", None)
         self.num_draft_tokens = int(getattr(args, "speculative_num_draft_tokens", None) or 0)
+        window = getattr(model_runner, "sliding_window_size", None)
+        self.with_swa = window is not None and window >= 0  # tree verify plans carry the SWA table
         r2t = model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or r2t.dim() != 2:
             raise ValueError(f"req_to_token {r2t.dtype=} {r2t.shape=} must be a 2-D torch.int32 tensor "
                              "(SGLang's ReqToTokenPool layout)")
         self.importer = Importer(r2t.device)
         self.device = r2t.device
-        ctx = int(getattr(getattr(model_runner, "model_config", None), "context_len", r2t.shape[1]))
+        config = getattr(model_runner, "model_config", None)
+        self.max_context_len = min(int(getattr(config, "context_len", r2t.shape[1])), r2t.shape[1])
+        if max_encoder_len is None:
+            max_encoder_len = int(getattr(config, "max_encoder_len", 0) or 0)
         impl = impl or getattr(model_runner, "attention_impl", "auto")
         self.jax_backend = JaxBackend(self.importer.view(r2t), page_size=self.page_size,
-                                      max_context_len=min(ctx, r2t.shape[1]), impl=impl,
-                                      deterministic=bool(getattr(args, "enable_deterministic_inference", False)))
+                                      max_context_len=self.max_context_len, impl=impl,
+                                      deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
+                                      max_encoder_len=max_encoder_len)
         self._plan_jit = jax.jit(self._plan_fn, static_argnums=0)
         self._attn_jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
         self._plan_exes: Dict[tuple, Any] = {}
@@ -100,12 +150,27 @@ class FlashAttentionBackend:
         self._graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.trace_count = 0  # traces of the plan / attention functions (tests assert no retrace)
 
+    def share_compiled(self, other: "FlashAttentionBackend") -> None:
+        """Reuse ``other``'s imported views and compiled executables (same runner and settings)."""
+        self.importer, self.jax_backend = other.importer, other.jax_backend
+        self._plan_exes, self._attn_exes = other._plan_exes, other._attn_exes
+
     # ---- traced functions -------------------------------------------------------------------
-    def _plan_fn(self, key: PlanKey, req_to_token, packed):  # packed: i32[2 * B + T (+ B)]
+    def _plan_fn(self, pk: _Packing, req_to_token, packed):  # packed: i32[sum(pk.sizes())]
         self.trace_count += 1
-        b, t = key.batch_size, key.num_tokens
-        ext = packed[2 * b + t:3 * b + t] if key.mode not in _UNIFORM else None
-        return plan_arrays(key, req_to_token, packed[:b], packed[b:2 * b], packed[2 * b:2 * b + t], ext)
+        offs = np.cumsum((0,) + pk.sizes())
+        rows, lens, loc, ext, enc, words = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
+        key = pk.key
+        if pk.all_steps:
+            from torch_bridge.multistep import plan_all_draft_steps  # (multistep imports this module)
+            return plan_all_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
+                                        page_size=key.page_size, max_pages=key.max_pages)
+        mask = None
+        if pk.mask_words:
+            flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
+            mask = draft_mask_from_custom_mask(flat, lens, num_draft=key.q_len_per_req)
+        return plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
+                           enc if pk.has_enc else None, mask)
 
     def _attn_fn(self, layer: LayerParams, treedef, q, k_buffer, v_buffer, sinks, *leaves):
         # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv]; sinks [Hq] | None
@@ -123,14 +188,21 @@ class FlashAttentionBackend:
         if mode == ForwardMode.IDLE:
             self._step = None
             return
-        if getattr(forward_batch, "encoder_lens", None) is not None:
-            raise NotImplementedError("cross attention (encoder_lens) is not supported by torch_bridge yet")
         spec = self._spec(forward_batch.spec_info, mode)
         ext = self._extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
-        bs, tokens = int(forward_batch.seq_lens.shape[0]), int(forward_batch.out_cache_loc.shape[0])
-        key = self._key(mode, bs, tokens, spec, ext is not None)
-        self._set_step(key, tokens, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                       forward_batch.out_cache_loc, ext)
+        enc = self._encoder_lens(getattr(forward_batch, "encoder_lens", None))
+        bs = int(forward_batch.seq_lens.shape[0])
+        loc = self._plan_locs(forward_batch.out_cache_loc, spec, mode, bs)
+        tokens = int(loc.shape[0]) // self._locs_per_token(spec, mode)
+        key = self._key(mode, bs, tokens, spec, ext is not None, enc is not None)
+        words = None
+        if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
+            n = int(_custom_mask(forward_batch.spec_info).numel())
+            words = pack_mask_words(forward_batch.spec_info.custom_mask, max(64, 1 << (n - 1).bit_length()),
+                                    self.device)
+        md = self._run_plan(self._packing(key, loc, ext, enc, words), forward_batch.req_pool_indices,
+                            forward_batch.seq_lens, loc, ext, enc, words)
+        self._install(key, md, tokens, self._loc_steps(spec, mode))
 
     def _spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
         """jax_attn's static SpecInfo from EAGLE's spec_info and this backend's settings."""
@@ -138,15 +210,51 @@ class FlashAttentionBackend:
         if not speculative and (spec_info is None or mode != ForwardMode.DECODE):
             return None
         topk = max(self.topk, int(getattr(spec_info, "topk", 0) or 0), 1)
-        if topk > 1:
-            raise NotImplementedError(
-                f"{mode.name} with topk={topk} needs cascade speculative decoding (tree drafts: prefix "
-                "pass + expand pass + merge_state), which torch_bridge does not implement yet; use topk=1")
+        if mode.is_draft_extend():
+            topk = 1  # draft extend is a causal extend over the accepted tokens, never a tree
         draft = int(getattr(spec_info, "draft_token_num", 0) or 0) or self.num_draft_tokens
         if mode == ForwardMode.TARGET_VERIFY and draft < 1:
             raise ValueError("target verify needs spec_info.draft_token_num or "
                              "server_args.speculative_num_draft_tokens >= 1")
-        return jbatch.SpecInfo(topk=topk, num_draft_tokens=draft, step_id=self.speculative_step_id)
+        steps = max(self.speculative_num_steps, 1)
+        if topk > 1 and mode == ForwardMode.DECODE and not 0 <= self.speculative_step_id < steps:
+            raise ValueError(f"tree draft decode step {self.speculative_step_id} needs speculative_num_steps > "
+                             f"step id (got {self.speculative_num_steps}); pass it to the backend")
+        placeholder = np.zeros((1, draft, draft), bool) if topk > 1 else None  # the mask itself is planned on device
+        return jbatch.SpecInfo(topk=topk, num_draft_tokens=draft, step_id=self.speculative_step_id,
+                               num_steps=steps, draft_mask=placeholder,
+                               with_swa=self.with_swa and mode == ForwardMode.TARGET_VERIFY)
+
+    @staticmethod
+    def _is_draft_decode(spec, mode: ForwardMode) -> bool:
+        return mode == ForwardMode.DECODE and spec is not None
+
+    def _locs_per_token(self, spec, mode: ForwardMode) -> int:
+        """out_cache_loc entries per query token in the plan's input (tree draft decode: num_steps)."""
+        return spec.num_steps if self._is_draft_decode(spec, mode) and spec.topk > 1 else 1
+
+    def _loc_steps(self, spec, mode: ForwardMode) -> int:
+        return spec.num_steps if self._is_draft_decode(spec, mode) else 1
+
+    def _plan_locs(self, out_cache_loc: torch.Tensor, spec, mode: ForwardMode, bs: Optional[int]) -> torch.Tensor:
+        """The slots the planner takes: all draft steps (tree draft decode), this step's column
+        (topk <= 1 draft decode given every step's slots), else ``out_cache_loc`` as it is.
+        ``bs`` is None on replay, where the engine's locs may cover fewer rows than the bucket."""
+        loc = out_cache_loc.reshape(-1)
+        if not self._is_draft_decode(spec, mode) or spec.num_steps == 1:
+            return loc
+        per_req = spec.topk * spec.num_steps
+        if spec.topk > 1:
+            if (bs is not None and loc.shape[0] != bs * per_req) or loc.shape[0] % per_req:
+                raise ValueError(f"tree draft decode: {out_cache_loc.shape=} must hold every draft step's "
+                                 f"slots, [bs, topk={spec.topk}, num_steps={spec.num_steps}] flattened")
+            return loc
+        if bs is not None and loc.shape[0] == bs:
+            return loc  # already this step's slots
+        if loc.shape[0] % spec.num_steps:
+            raise ValueError(f"draft decode: {out_cache_loc.shape=} must be [bs] or [bs, 1, "
+                             f"num_steps={spec.num_steps}] flattened")
+        return loc.reshape(-1, spec.num_steps)[:, self.speculative_step_id]
 
     @staticmethod
     def _extend_lens(mode: ForwardMode, extend_seq_lens, spec_info):
@@ -158,31 +266,45 @@ class FlashAttentionBackend:
             raise ValueError(f"{mode.name} needs forward_batch.extend_seq_lens (new tokens per request)")
         return extend_seq_lens
 
-    def _key(self, mode, bs: int, tokens: int, spec, has_ext: bool) -> PlanKey:
+    def _encoder_lens(self, encoder_lens):
+        if encoder_lens is not None and not self.jax_backend.max_encoder_len:
+            raise ValueError("forward_batch.encoder_lens needs a static encoder bound: pass max_encoder_len= to "
+                             "the backend or set model_runner.model_config.max_encoder_len")
+        return encoder_lens
+
+    def _key(self, mode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
         """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
-        shape_batch = jbatch.ForwardBatch(
-            mode, np.zeros(bs, np.int32), np.zeros(bs, np.int32), np.zeros(tokens, np.int32),
-            extend_seq_lens=np.zeros(bs, np.int32) if has_ext else None, spec_info=spec)
+        z = np.zeros(bs, np.int32)
+        locs = np.zeros(tokens * self._locs_per_token(spec, mode), np.int32)
+        shape_batch = jbatch.ForwardBatch(mode, z, z, locs, extend_seq_lens=z if has_ext else None,
+                                          encoder_lens=z if has_enc else None, spec_info=spec)
         return self.jax_backend.plan_static(shape_batch)
 
-    def _set_step(self, key: PlanKey, real_tokens: int, req_pool_indices, seq_lens, out_cache_loc, ext):
-        packed = to_int32(req_pool_indices, seq_lens, out_cache_loc, ext)
+    def _packing(self, key: PlanKey, loc, ext, enc, words, all_steps: int = 0) -> _Packing:
+        return _Packing(key, int(loc.shape[0]), ext is not None, enc is not None,
+                        0 if words is None else int(words.shape[0]), all_steps)
+
+    def _run_plan(self, pk: _Packing, req_pool_indices, seq_lens, loc, ext=None, enc=None, words=None):
+        """Pack the step's index tensors into one int32 tensor, import it once, run the planner."""
+        packed = to_int32(req_pool_indices, seq_lens, loc, ext, enc, words)
         if packed.device != self.device:
             raise ValueError(f"index tensors on {packed.device} must be on the pools' device {self.device}")
+        if packed.shape[0] != sum(pk.sizes()):
+            raise ValueError(f"req_pool_indices / seq_lens / extend_seq_lens / encoder_lens must have one entry "
+                             f"per request ({pk.key.batch_size}); got {packed.shape[0]} packed entries, "
+                             f"expected {sum(pk.sizes())}")
         r2t = self.importer.view(self.model_runner.req_to_token_pool.req_to_token)
-        exe = self._plan_exe(key, r2t, packed)
-        md = exe(r2t, self.importer(packed))
-        leaves, treedef = jax.tree_util.tree_flatten(md)
-        self._step = _Step(key, treedef, tuple(leaves), real_tokens)
-        self._step_exes = {}
-
-    def _plan_exe(self, key: PlanKey, r2t, packed: torch.Tensor):
-        ck = (key, r2t.shape, int(packed.shape[0]))
+        ck = (pk, r2t.shape)
         exe = self._plan_exes.get(ck)
         if exe is None:
             spec = jax.ShapeDtypeStruct((int(packed.shape[0]),), np.int32)
-            exe = self._plan_exes[ck] = self._plan_jit.lower(key, r2t, spec).compile()
-        return exe
+            exe = self._plan_exes[ck] = self._plan_jit.lower(pk, r2t, spec).compile()
+        return exe(r2t, self.importer(packed))
+
+    def _install(self, key: PlanKey, md, real_tokens: int, loc_steps: int = 1) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(md)
+        self._step = _Step(key, treedef, tuple(leaves), real_tokens, loc_steps)
+        self._step_exes = {}
 
     # ---- capture / replay -------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -198,15 +320,14 @@ class FlashAttentionBackend:
         if bs > self._graph_max[0] or num_tokens > self._graph_max[1]:
             raise ValueError(f"{bs=}, {num_tokens=} exceed init_cuda_graph_state's {self._graph_max}")
         mode = to_mode(forward_mode)
-        if encoder_lens is not None:
-            raise NotImplementedError("cross attention (encoder_lens) is not supported by torch_bridge yet")
         spec = self._spec(spec_info, mode)
         per_req = self._tokens_per_req(mode, spec)
         if num_tokens != bs * per_req:
             raise ValueError(f"{mode.name}: {num_tokens=} must be bs * {per_req} = {bs * per_req}")
-        key = self._key(mode, bs, num_tokens, spec, mode not in _UNIFORM)
+        has_enc = self._encoder_lens(encoder_lens) is not None
+        key = self._key(mode, bs, num_tokens, spec, mode not in _UNIFORM, has_enc)
         self._graph_keys[(mode, bs)] = key
-        self._replay(key, req_pool_indices, seq_lens, spec_info, None)
+        self._replay(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, seq_lens_sum,
                                                 encoder_lens, forward_mode, spec_info, seq_lens_cpu,
@@ -217,14 +338,15 @@ class FlashAttentionBackend:
         if key is None:
             raise ValueError(f"no captured plan for {mode.name} bs={bs}; call "
                              "init_forward_metadata_capture_cuda_graph for this bucket first")
-        if encoder_lens is not None:
-            raise NotImplementedError("cross attention (encoder_lens) is not supported by torch_bridge yet")
-        self._spec(spec_info, mode)  # same checks as capture (topk)
-        self._replay(key, req_pool_indices, seq_lens, spec_info, out_cache_loc)
+        if key.has_encoder != (encoder_lens is not None):
+            raise ValueError(f"bucket bs={bs} was captured with{'' if key.has_encoder else 'out'} encoder_lens; "
+                             "replay must pass the same kind of batch")
+        spec = self._spec(spec_info, mode)  # same checks as capture (topk, steps)
+        self._replay(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
 
     def _tokens_per_req(self, mode: ForwardMode, spec) -> int:
         if mode == ForwardMode.DECODE:
-            return 1
+            return spec.topk if spec is not None else 1
         if mode == ForwardMode.TARGET_VERIFY or mode.is_draft_extend():
             if spec is None or spec.num_draft_tokens < 1:
                 raise ValueError(f"{mode.name} capture needs speculative_num_draft_tokens >= 1")
@@ -232,19 +354,28 @@ class FlashAttentionBackend:
         raise ValueError(f"{mode.name} is not capturable (ragged tokens per request); plan it eagerly "
                          "with init_forward_metadata")
 
-    def _replay(self, key: PlanKey, req_pool_indices, seq_lens, spec_info, out_cache_loc) -> None:
-        bs, tokens = key.batch_size, key.num_tokens
+    def _replay(self, key: PlanKey, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc,
+                capturing: bool = False) -> None:
+        bs, tokens, mode = key.batch_size, key.num_tokens, key.mode
         n = min(int(seq_lens.shape[0]), bs)
-        rows = _pad(req_pool_indices[:n], bs, 0)
-        lens = _pad(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
-        loc = _pad(out_cache_loc if out_cache_loc is not None else rows[:0], tokens, 0)
+        rows = pad_int32(req_pool_indices[:n], bs, 0)
+        lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
+        loc = rows[:0] if out_cache_loc is None else self._plan_locs(out_cache_loc, spec, mode, None)
+        loc = pad_int32(loc, tokens * self._locs_per_token(spec, mode), 0)
+        enc = None if encoder_lens is None else pad_int32(encoder_lens[:n], bs, 0)
         ext = None
         real = n * (tokens // bs)
-        if key.mode not in _UNIFORM:
+        if mode not in _UNIFORM:
             acc = getattr(spec_info, "accept_length", None)
-            ext = _pad(acc[:n] + 1 if acc is not None else rows[:n] * 0 + 1, bs, 0)
+            ext = pad_int32(acc[:n] + 1 if acc is not None else rows[:n] * 0 + 1, bs, 0)
             real = tokens  # draft extend replays the padded token layout
-        self._set_step(key, real, rows, lens, loc, ext)
+        words = None
+        if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
+            mask = getattr(spec_info, "custom_mask", None) if capturing else _custom_mask(spec_info)
+            n_draft = key.q_len_per_req  # the static bound covers any committed lengths of the bucket
+            words = pack_mask_words(mask, bs * n_draft * (self.max_context_len + n_draft), self.device)
+        md = self._run_plan(self._packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words)
+        self._install(key, md, real, self._loc_steps(spec, mode))
 
     @staticmethod
     def get_cuda_graph_seq_len_fill_value() -> int:
@@ -278,17 +409,19 @@ class FlashAttentionBackend:
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
         lp = self._layer_params(layer)
+        self._check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        t = self._check_shapes(q, k if save_kv_cache else None, v, lp, step, k_buf, v_buf, forward_batch)
+        t = self._check_shapes(q, lp, step, k_buf, v_buf)
         if save_kv_cache and k is not None:
-            pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, lp.k_scale, lp.v_scale)
+            loc = self._write_loc(forward_batch, step, lp, t, k, v)
+            pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
         if t != step.key.num_tokens:
             q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, step.key.num_tokens - t))
         elif not q.is_contiguous():
             q = q.contiguous()
-        fast = (layer.layer_id, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
+        fast = (layer.layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
         exe = self._step_exes.get(fast)
         views = (self.importer.view(k_buf), self.importer.view(v_buf),
                  None if sinks is None else self.importer.view(sinks, strict=False))
@@ -312,19 +445,31 @@ class FlashAttentionBackend:
         hit = self._layers.get(layer.layer_id)
         if hit is not None and hit[0] is layer:
             return hit[1]
-        if getattr(layer, "is_cross_attention", False):
-            raise NotImplementedError("cross-attention layers are not supported by torch_bridge yet")
         window = getattr(layer, "sliding_window_size", -1)
         lp = LayerParams(
             num_q_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.head_dim,
             v_head_dim=layer.v_head_dim, scaling=layer.scaling, logit_cap=float(layer.logit_cap or 0.0),
             sliding_window_size=-1 if window is None else int(window),
+            is_cross_attention=bool(getattr(layer, "is_cross_attention", False)),
             k_scale=_scale(layer, "k"), v_scale=_scale(layer, "v"),
         )  # layer_id stays 0: layers with one configuration share one executable
         self._layers[layer.layer_id] = (layer, lp)
         return lp
 
-    def _check_shapes(self, q, k, v, lp: LayerParams, step: _Step, k_buf, v_buf, forward_batch) -> int:
+    def _check_layer(self, lp: LayerParams, key: PlanKey) -> None:
+        """Layer kinds the step's plan cannot serve, caught before anything is written."""
+        if lp.is_cross_attention and not key.has_encoder:
+            raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
+        if key.topk > 1 and lp.is_cross_attention:
+            raise NotImplementedError("cross attention inside a tree (topk > 1) speculative step is not supported")
+        if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
+            if key.mode != ForwardMode.TARGET_VERIFY:
+                raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "
+                                          "by the cascade; use topk=1 for the draft model")
+            raise ValueError("a sliding-window layer in tree target verify needs the SWA table: set "
+                             "model_runner.sliding_window_size >= 0 before creating the backend")
+
+    def _check_shapes(self, q, lp: LayerParams, step: _Step, k_buf, v_buf) -> int:
         """Trace-free shape checks before anything is written: a bad call leaves the cache unchanged."""
         dv = lp.v_head_dim or lp.head_dim
         t = int(q.shape[0])
@@ -340,13 +485,32 @@ class FlashAttentionBackend:
                              f"[num_slots, {lp.num_kv_heads}, {lp.head_dim}] / [num_slots, {lp.num_kv_heads}, {dv}]")
         if k_buf.shape[0] % self.page_size:
             raise ValueError(f"{k_buf.shape[0]=} slots must be a multiple of page_size={self.page_size}")
-        if k is not None:
-            if k.shape[0] != t or k.numel() != t * lp.num_kv_heads * lp.head_dim or v.numel() != t * lp.num_kv_heads * dv:
-                raise ValueError(f"{k.shape=} / {v.shape=} must be [{t}, {lp.num_kv_heads} * {lp.head_dim}] / "
-                                 f"[{t}, {lp.num_kv_heads} * {dv}] (one row per query token)")
-            if forward_batch.out_cache_loc.shape[0] != t:
-                raise ValueError(f"{forward_batch.out_cache_loc.shape=} must have one slot per token ({t})")
         return t
+
+    def _write_loc(self, forward_batch, step: _Step, lp: LayerParams, t: int, k, v) -> torch.Tensor:
+        """The slots this layer's K/V go to (checked against k / v before anything is written).
+
+        Self attention: ``out_cache_loc`` (draft decode: this step's column when it holds every
+        step's slots). Cross attention: ``encoder_out_cache_loc``, one slot per encoder token in k.
+        """
+        if lp.is_cross_attention:
+            loc = getattr(forward_batch, "encoder_out_cache_loc", None)
+            if loc is None:
+                raise ValueError("a cross-attention layer writing K/V needs forward_batch.encoder_out_cache_loc")
+            rows, what = int(loc.shape[0]), "encoder_out_cache_loc"
+        else:
+            loc, rows, what = forward_batch.out_cache_loc, t, "query token"
+            if step.loc_steps > 1 and loc.shape[0] == t * step.loc_steps:
+                loc = loc.reshape(-1, step.loc_steps)[:, self.speculative_step_id]
+            if loc.shape[0] != t:
+                raise ValueError(f"{forward_batch.out_cache_loc.shape=} must have one slot per token ({t})"
+                                 + (f" or {step.loc_steps} per token (every draft step)" if step.loc_steps > 1 else ""))
+        dv = lp.v_head_dim or lp.head_dim
+        if (k.shape[0] != rows or k.numel() != rows * lp.num_kv_heads * lp.head_dim
+                or v.numel() != rows * lp.num_kv_heads * dv):
+            raise ValueError(f"{k.shape=} / {v.shape=} must be [{rows}, {lp.num_kv_heads} * {lp.head_dim}] / "
+                             f"[{rows}, {lp.num_kv_heads} * {dv}] (one row per {what})")
+        return loc
 
 
 def _scale(layer, which: str) -> Optional[float]:
@@ -356,8 +520,9 @@ def _scale(layer, which: str) -> Optional[float]:
     return None if s is None else float(s)
 
 
-def _pad(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i32[size]
-    x = x.reshape(-1).to(torch.int32)
-    if x.shape[0] == size:
-        return x
-    return torch.cat([x, torch.full((size - x.shape[0],), fill, dtype=torch.int32, device=x.device)])
+def _custom_mask(spec_info) -> torch.Tensor:
+    mask = getattr(spec_info, "custom_mask", None)
+    if mask is None:
+        raise ValueError("target verify with topk > 1 needs spec_info.custom_mask (SGLang's flat bool tree "
+                         "mask: per request, num_draft rows of seq_len + num_draft columns)")
+    return mask

@@ -111,3 +111,29 @@ def to_int32(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
     """Concatenate index tensors (any int dtype) into one flat int32 tensor: one import per step."""
     parts = [t.reshape(-1).to(torch.int32) for t in tensors if t is not None]
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def pad_int32(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i32[size]
+    """Flatten to int32 and pad with ``fill`` up to ``size`` entries (bucket padding, in torch)."""
+    x = x.reshape(-1).to(torch.int32)
+    if x.shape[0] > size:
+        raise ValueError(f"{x.shape[0]} entries do not fit the bucket of {size}; capture a larger bucket")
+    if x.shape[0] == size:
+        return x
+    return torch.cat([x, torch.full((size - x.shape[0],), fill, dtype=torch.int32, device=x.device)])
+
+
+def pack_mask_words(mask: Optional[torch.Tensor], num_bytes: int, device) -> torch.Tensor:
+    """A flat boolean mask as ``i32[ceil(num_bytes / 4)]`` words (zero-padded or cut to ``num_bytes``).
+
+    Four mask bytes travel in one int32 word so the mask joins the step's single packed import;
+    the planner bit-casts the words back to bytes (both sides little-endian). ``None`` packs zeros.
+    """
+    words = -(-num_bytes // 4)
+    buf = torch.zeros(words * 4, dtype=torch.uint8, device=device)
+    if mask is not None:
+        m = mask.reshape(-1)
+        m = m.view(torch.uint8) if m.dtype == torch.bool else (m != 0).view(torch.uint8)
+        n = min(int(m.shape[0]), words * 4)
+        buf[:n] = m[:n]
+    return buf.view(torch.int32)

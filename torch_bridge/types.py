@@ -7,13 +7,17 @@ these. The bridge reads exactly the attributes listed here and nothing else:
   ``req_to_token_pool.req_to_token`` (``torch.int32 [max_reqs, max_context_len]``, persistent),
   ``token_to_kv_pool`` (the default pool of ``forward_batch.token_to_kv_pool``), ``page_size``,
   ``model_config.context_len``, ``server_args.speculative_num_draft_tokens``,
-  ``server_args.enable_deterministic_inference``; optional ``attention_impl`` (jax_attn ``impl``).
+  ``server_args.enable_deterministic_inference``; optional ``attention_impl`` (jax_attn ``impl``),
+  ``sliding_window_size`` (>= 0: tree verify plans the sliding-window table) and
+  ``model_config.max_encoder_len`` (static encoder bound for cross attention).
 ``ForwardBatch``
-  ``forward_mode``, ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``,
-  ``extend_seq_lens`` (extend modes), ``encoder_lens`` (must be None), ``spec_info``,
-  ``token_to_kv_pool``.
+  ``forward_mode``, ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``
+  (tree draft decode at planning time: ``[bs, topk, num_steps]`` flattened), ``extend_seq_lens``
+  (extend modes), ``encoder_lens`` and ``encoder_out_cache_loc`` (cross attention),
+  ``spec_info``, ``token_to_kv_pool``.
 ``spec_info`` (EAGLE inputs)
-  ``topk``, ``draft_token_num`` (target verify), ``accept_length`` (draft extend).
+  ``topk``, ``draft_token_num`` (target verify), ``custom_mask`` (target verify with topk > 1:
+  SGLang's flat bool tree mask), ``accept_length`` (draft extend).
 ``RadixAttention`` layer
   ``tp_q_head_num``, ``tp_k_head_num``, ``tp_v_head_num``, ``head_dim``, ``v_head_dim``,
   ``scaling``, ``logit_cap``, ``sliding_window_size``, ``is_cross_attention``, ``layer_id``,
@@ -43,6 +47,7 @@ __all__ = [
 @dataclasses.dataclass
 class ModelConfig:
     context_len: int
+    max_encoder_len: int = 0  # static bound on encoder lengths (cross attention); 0 = none
 
 
 @dataclasses.dataclass
@@ -112,6 +117,7 @@ class ModelRunner:
     server_args: ServerArgs = dataclasses.field(default_factory=ServerArgs)
     attention_impl: str = "auto"  # jax_attn impl: "auto", "triton" or "reference"
     device: str = "cpu"
+    sliding_window_size: Optional[int] = None  # >= 0 when the model has sliding-window layers
 
 
 @dataclasses.dataclass
@@ -121,6 +127,9 @@ class SpecInfo:
     topk: int = 1
     draft_token_num: int = 0  # queries per request in target verify
     accept_length: Optional[torch.Tensor] = None  # i32[bs]; draft extend
+    # bool[sum_b N * (seq_lens[b] + N)]; target verify, topk > 1: request b's N rows of
+    # seq_lens[b] + N columns (committed tokens, then the draft tokens), requests in batch order
+    custom_mask: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -135,7 +144,8 @@ class ForwardBatch:
     extend_seq_lens: Optional[torch.Tensor] = None  # [bs]; extend modes
     positions: Optional[torch.Tensor] = None  # [num_tokens]; read by models, not by the bridge
     spec_info: Optional[Any] = None
-    encoder_lens: Optional[torch.Tensor] = None
+    encoder_lens: Optional[torch.Tensor] = None  # [bs]; cross attention: encoder tokens per request
+    encoder_out_cache_loc: Optional[torch.Tensor] = None  # [sum encoder_lens]; cross-attention K/V slots
     token_to_kv_pool: Optional[MHATokenToKVPool] = None
     req_to_token_pool: Optional[ReqToTokenPool] = None
     attn_backend: Optional[Any] = None

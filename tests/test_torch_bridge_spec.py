@@ -1,0 +1,248 @@
+"""torch_bridge tree speculative decoding (topk > 1), the multi-step draft backend and cross attention
+on torch CPU tensors: bridge == JAX backend == float64 dense oracle; replay == eager, no retrace."""
+
+import numpy as np
+import pytest
+import torch
+
+import jax.numpy as jnp
+
+from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.backend import LayerParams
+from jax_attn.batch import ForwardBatch as JaxBatch
+from jax_attn.batch import SpecInfo as JaxSpec
+from jax_attn.kv_cache import KVPool
+from tests.test_spec import chain, dense_tree_oracle, star, two_branches
+from tests.test_torch_bridge import HKV, HQ, MAX_CTX, D, fill_committed, layer, make_runner, rand_qkv
+from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, SpecInfo
+from torch_bridge.multistep import FlashAttentionMultiStepBackend
+
+N = 5  # draft tokens per request in tree verify (two_branches / star)
+TOPK, STEPS = 2, 3
+
+
+def i64(x):
+    return torch.from_numpy(np.asarray(x, np.int64))
+
+
+def sglang_custom_mask(committed, masks):
+    """SGLang's flat verify mask: per request N rows of (committed columns, then draft columns)."""
+    rows = [np.concatenate([np.ones((m.shape[0], c), bool), m], 1).reshape(-1) for c, m in zip(committed, masks)]
+    return torch.from_numpy(np.concatenate(rows))
+
+
+def pool_np(runner, layer_id=0):
+    return [b.numpy().copy() for b in runner.token_to_kv_pool.get_kv_buffer(layer_id)]
+
+
+def jax_out(runner, table, page_size, fb_args, q, spec):
+    """The JAX backend on the same step, over the pool as torch left it."""
+    jb = JaxBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl="reference")
+    pool = KVPool(*(jnp.asarray(b) for b in pool_np(runner)))
+    md = jb.plan(JaxBatch(*fb_args, spec_info=spec))
+    out, _ = jb.forward(jnp.asarray(q.numpy()), None, None, LayerParams(HQ, HKV, D), pool, md, save_kv_cache=False)
+    return np.asarray(out)
+
+
+# ----------------------------------------------------------------------------- tree verify
+def verify_case(runner, table, rows, committed, masks, rng):
+    loc = np.concatenate([table[r, c:c + N] for r, c in zip(rows, committed)])
+    fill_committed(runner, table, rows, committed, rng)
+    spec = SpecInfo(topk=TOPK, draft_token_num=N, custom_mask=sglang_custom_mask(committed, masks))
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, len(rows), i64(rows), i64(committed), i64(loc), spec_info=spec,
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    return fb, rand_qkv(rng, len(rows) * N)
+
+
+def verify_oracle(runner, table, fb, masks, q, window=-1):
+    """float64: committed keys + the draft keys each row's tree mask allows (positions along the path)."""
+    k, v = pool_np(runner)
+    loc = fb.out_cache_loc.numpy()
+    qs = q.numpy().reshape(-1, HQ, D)
+    want = []
+    for b, (r, c, m) in enumerate(zip(fb.req_pool_indices.numpy(), fb.seq_lens.numpy(), masks)):
+        for i in range(N):
+            sel = loc[b * N + np.nonzero(m[i])[0]]
+            keys, vals = np.concatenate([k[table[r, :c]], k[sel]]), np.concatenate([v[table[r, :c]], v[sel]])
+            pos = np.arange(c + len(sel))
+            want.append(dense_tree_oracle(qs[b * N + i], keys, vals, pos, c + len(sel) - 1, window))
+    return np.stack(want).reshape(len(want), HQ * D)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size):
+    rng = np.random.default_rng(10 + page_size)
+    runner, table = make_runner(8, page_size, seed=page_size)
+    runner.sliding_window_size = 5  # the plan carries the SWA table for the windowed layer below
+    backend = FlashAttentionBackend(runner, topk=TOPK)
+    rows, committed, masks = np.array([3, 1]), np.array([9, 17]), [two_branches(), star(N)]
+    fb, (q, k, v) = verify_case(runner, table, rows, committed, masks, rng)
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, layer(), fb).numpy()
+    kb = runner.token_to_kv_pool.k_buffer[0]
+    np.testing.assert_array_equal(kb[fb.out_cache_loc].numpy(), k.reshape(-1, HKV, D).numpy())
+    np.testing.assert_allclose(got, verify_oracle(runner, table, fb, masks, q), rtol=1e-4, atol=1e-4)
+    spec = JaxSpec(topk=TOPK, num_draft_tokens=N, draft_mask=np.stack(masks))
+    want = jax_out(runner, table, page_size, (ForwardMode.TARGET_VERIFY, rows, committed, fb.out_cache_loc.numpy()),
+                   q, spec)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    got_w = backend.forward(q, None, None, layer(sliding_window_size=5), fb, save_kv_cache=False).numpy()
+    np.testing.assert_allclose(got_w, verify_oracle(runner, table, fb, masks, q, window=5), rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verify_replay_equals_eager_no_retrace():
+    rng = np.random.default_rng(3)
+    runner, table = make_runner(8, 4, seed=2)
+    backend = FlashAttentionBackend(runner, topk=TOPK)
+    backend.init_cuda_graph_state(4, 4 * N)
+    cap_mask = torch.ones(4 * N * (MAX_CTX + N), dtype=torch.bool)  # SGLang's static capture buffer
+    backend.init_forward_metadata_capture_cuda_graph(4, 4 * N, i64([1, 2, 3, 4]), i64([5] * 4), None,
+                                                     ForwardMode.TARGET_VERIFY,
+                                                     SpecInfo(topk=TOPK, draft_token_num=N, custom_mask=cap_mask))
+    qc = rand_qkv(rng, 4 * N)[0]
+    fb_cap = ForwardBatch(ForwardMode.TARGET_VERIFY, 4, i64([1, 2, 3, 4]), i64([5] * 4), i64(np.zeros(4 * N)),
+                          token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(qc, None, None, layer(), fb_cap, save_kv_cache=False)
+    traces = backend.trace_count
+    masks = [two_branches(), star(N), chain(N)]
+    fb, (q, k, v) = verify_case(runner, table, np.array([6, 2, 5]), np.array([4, 21, 13]), masks, rng)
+    runner.token_to_kv_pool.set_kv_buffer(layer(), fb.out_cache_loc, k, v)
+    backend.init_forward_metadata_replay_cuda_graph(4, fb.req_pool_indices, fb.seq_lens, None, None,
+                                                    fb.forward_mode, fb.spec_info, None)
+    got = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
+    assert backend.trace_count == traces, "replay inside a captured bucket must not retrace"
+    backend.init_forward_metadata(fb)
+    eager = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
+    np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, verify_oracle(runner, table, fb, masks, q), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- tree draft decode
+def draft_case(runner, table, rows, committed, step, rng, topk=TOPK):
+    """Draft slots [bs, topk, STEPS] past each committed prefix; K/V of steps < ``step`` in the pool."""
+    loc = np.stack([table[r, c:c + topk * STEPS].reshape(topk, STEPS) for r, c in zip(rows, committed)])
+    fill_committed(runner, table, rows, committed, rng)
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    prev = torch.from_numpy(loc[:, :, :step].reshape(-1).astype(np.int64))
+    kb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32))
+    vb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32))
+    fb = ForwardBatch(ForwardMode.DECODE, len(rows), i64(rows), i64(committed), i64(loc.reshape(-1)),
+                      spec_info=SpecInfo(topk=topk), token_to_kv_pool=runner.token_to_kv_pool)
+    return fb, loc
+
+
+def draft_oracle(runner, table, fb, loc, step, q):
+    """float64: each branch sees the committed prefix and its own slots of steps 0..step."""
+    k, v = pool_np(runner)
+    qs, topk = q.numpy().reshape(-1, HQ, D), loc.shape[1]
+    want = []
+    for b, (r, c) in enumerate(zip(fb.req_pool_indices.numpy(), fb.seq_lens.numpy())):
+        for br in range(topk):
+            own = loc[b, br, :step + 1]
+            keys, vals = np.concatenate([k[table[r, :c]], k[own]]), np.concatenate([v[table[r, :c]], v[own]])
+            want.append(dense_tree_oracle(qs[b * topk + br], keys, vals, None, None))
+    return np.stack(want).reshape(len(want), HQ * D)
+
+
+def test_tree_draft_decode_equals_jax_backend_and_dense_oracle():
+    rng, step = np.random.default_rng(4), 1
+    runner, table = make_runner(8, 4, seed=5)
+    backend = FlashAttentionBackend(runner, speculative_step_id=step, topk=TOPK, speculative_num_steps=STEPS)
+    rows, committed = np.array([3, 1]), np.array([6, 11])
+    fb, loc = draft_case(runner, table, rows, committed, step, rng)
+    q, k, v = rand_qkv(rng, 2 * TOPK)
+    backend.init_forward_metadata(fb)  # full [bs, topk, num_steps] slots
+    got = backend.forward(q, k, v, layer(), fb).numpy()
+    kb = runner.token_to_kv_pool.k_buffer[0]
+    np.testing.assert_array_equal(kb[i64(loc[:, :, step].reshape(-1))].numpy(), k.reshape(-1, HKV, D).numpy())
+    np.testing.assert_allclose(got, draft_oracle(runner, table, fb, loc, step, q), rtol=1e-4, atol=1e-4)
+    spec = JaxSpec(topk=TOPK, num_steps=STEPS, step_id=step)
+    want = jax_out(runner, table, 4, (ForwardMode.DECODE, rows, committed, loc.reshape(-1)), q, spec)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    fb.out_cache_loc = i64(loc[:, :, step].reshape(-1))  # SGLang's per-step slots at forward time
+    again = backend.forward(q, k * 2.0, v, layer(), fb).numpy()
+    np.testing.assert_array_equal(kb[fb.out_cache_loc].numpy(), (k * 2.0).reshape(-1, HKV, D).numpy())
+    np.testing.assert_allclose(again, draft_oracle(runner, table, fb, loc, step, q), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="every draft step"):
+        backend.init_forward_metadata(fb)  # planning needs every step's slots
+
+
+# ----------------------------------------------------------------------------- multi-step backend
+@pytest.mark.parametrize("topk", [1, TOPK])
+def test_multistep_equals_single_step_backends_and_replay_equals_eager(topk):
+    rng = np.random.default_rng(20 + topk)
+    runner, table = make_runner(8, 4, seed=7)
+    multi = FlashAttentionMultiStepBackend(runner, topk, STEPS)
+    assert [b.speculative_step_id for b in multi.attn_backends] == list(range(STEPS - 1))
+    rows, committed = np.array([5, 2, 7]), np.array([3, 14, 9])
+    fb, loc = draft_case(runner, table, rows, committed, 0, rng, topk)
+    multi.init_cuda_graph_state(4, 4 * topk)
+    cap = ForwardBatch(ForwardMode.DECODE, 4, i64([1, 2, 3, 4]), i64([1] * 4), i64(np.zeros(4 * topk * STEPS)),
+                       spec_info=SpecInfo(topk=topk))
+    multi.init_forward_metadata_capture_cuda_graph(cap)
+    multi.init_forward_metadata(fb)  # compiles the eager (bs 3) plan
+    for step, backend in enumerate(multi.attn_backends):
+        q, k, v = rand_qkv(rng, 3 * topk)
+        step_fb = ForwardBatch(ForwardMode.DECODE, 3, fb.req_pool_indices, fb.seq_lens,
+                               i64(loc[:, :, step].reshape(-1)), spec_info=fb.spec_info,
+                               token_to_kv_pool=runner.token_to_kv_pool)
+        traces = [b.trace_count for b in multi.attn_backends]
+        multi.init_forward_metadata_replay_cuda_graph(fb, 4)
+        assert [b.trace_count for b in multi.attn_backends] == traces, "replay must not retrace"
+        replayed = backend.forward(q, k, v, layer(), step_fb).numpy()  # writes this step's K/V
+        multi.init_forward_metadata(fb)
+        eager = backend.forward(q, None, None, layer(), step_fb, save_kv_cache=False).numpy()
+        single = FlashAttentionBackend(runner, speculative_step_id=step, topk=topk, speculative_num_steps=STEPS)
+        single.init_forward_metadata(fb)
+        alone = single.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
+        np.testing.assert_array_equal(eager, alone)
+        np.testing.assert_allclose(replayed, eager, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(eager, draft_oracle(runner, table, fb, loc, step, q), rtol=1e-4, atol=1e-4)
+        single.init_cuda_graph_state(4, 4 * topk)  # the single backend's own capture/replay hooks
+        single.init_forward_metadata_capture_cuda_graph(4, 4 * topk, cap.req_pool_indices, cap.seq_lens, None,
+                                                        ForwardMode.DECODE, cap.spec_info)
+        single.init_forward_metadata_replay_cuda_graph(4, fb.req_pool_indices, fb.seq_lens, None, None,
+                                                       ForwardMode.DECODE, fb.spec_info, None, fb.out_cache_loc)
+        np.testing.assert_allclose(single.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy(), eager,
+                                   rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cross attention
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cross_attention_encoder_then_decoder_slots(page_size):
+    """Each request row holds its encoder slots first; a cross layer writes at encoder_out_cache_loc and
+    attends non-causally over them, a self layer attends causally over the decoder tokens after them."""
+    rng = np.random.default_rng(30 + page_size)
+    runner, table = make_runner(6, page_size, seed=11)
+    runner.model_config.max_encoder_len = 16
+    backend = FlashAttentionBackend(runner)
+    rows, enc, prefix, ext = np.array([4, 1, 3]), np.array([8, 4, 12]), np.array([0, 5, 2]), np.array([3, 2, 4])
+    fill_committed(runner, table, rows, enc + prefix, rng)  # layer 0: committed decoder (and encoder) KV
+    loc = np.concatenate([table[r, e + p:e + p + n] for r, e, p, n in zip(rows, enc, prefix, ext)])
+    enc_loc = np.concatenate([table[r, :e] for r, e in zip(rows, enc)])
+    fb = ForwardBatch(ForwardMode.EXTEND, 3, i64(rows), i64(prefix + ext), i64(loc), extend_seq_lens=i64(ext),
+                      encoder_lens=i64(enc), encoder_out_cache_loc=i64(enc_loc),
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    q, k, v = rand_qkv(rng, int(ext.sum()))
+    ke, ve = rand_qkv(rng, int(enc.sum()))[1:]
+    cross = layer(layer_id=1, is_cross_attention=True)
+    backend.init_forward_metadata(fb)
+    got_self = backend.forward(q, k, v, layer(), fb).numpy()
+    got_cross = backend.forward(q, ke, ve, cross, fb).numpy()
+    np.testing.assert_array_equal(runner.token_to_kv_pool.k_buffer[1][i64(enc_loc)].numpy(),
+                                  ke.reshape(-1, HKV, D).numpy())
+    (k0, v0), (k1, v1) = pool_np(runner, 0), pool_np(runner, 1)
+    qs, t = q.numpy().reshape(-1, HQ, D), 0
+    for r, e, p, n in zip(rows, enc, prefix, ext):
+        for i in range(n):
+            dec = table[r, e:e + p + i + 1]  # decoder keys up to this query's position
+            want_self = dense_tree_oracle(qs[t], k0[dec], v0[dec], None, None).reshape(-1)
+            want_cross = dense_tree_oracle(qs[t], k1[table[r, :e]], v1[table[r, :e]], None, None).reshape(-1)
+            np.testing.assert_allclose(got_self[t], want_self, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got_cross[t], want_cross, rtol=1e-4, atol=1e-4)
+            t += 1
+    with pytest.raises(ValueError, match="encoder_lens"):
+        fb_plain = ForwardBatch(ForwardMode.EXTEND, 3, i64(rows), i64(prefix + ext), i64(loc),
+                                extend_seq_lens=i64(ext), token_to_kv_pool=runner.token_to_kv_pool)
+        backend.init_forward_metadata(fb_plain)
+        backend.forward(q, None, None, cross, fb_plain, save_kv_cache=False)

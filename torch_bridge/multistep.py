@@ -1,0 +1,151 @@
+"""SGLang's ``FlashAttentionMultiStepBackend`` for torch engines: one backend per draft step.
+
+    draft = FlashAttentionMultiStepBackend(model_runner, topk=2, speculative_num_steps=3)
+    draft.init_forward_metadata(forward_batch)       # plans every draft step in one JAX call
+    for i, backend in enumerate(draft.attn_backends):
+        forward_batch.attn_backend = backend         # step i: model forward as usual
+        forward_batch.out_cache_loc = loc[i]         # or keep the full [bs, topk, num_steps] tensor
+
+SGLang re-plans every step from scratch; here one compiled call of
+``jax_attn.multistep.plan_draft_steps`` builds the committed-KV plan once and derives each
+step's plan from it, and each step's backend receives its plan (no per-step planning, one
+packed import per draft round). The step backends share imported views and compiled
+executables. ``forward_batch.out_cache_loc`` at planning time holds every draft step's slots,
+``[bs, topk, num_steps]`` flattened (``topk`` = 1 for chain drafts), as SGLang's EAGLE worker
+allocates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import jax.numpy as jnp
+
+from jax_attn import batch as jbatch
+from jax_attn.metadata import ForwardMode
+from jax_attn.multistep import plan_draft_steps
+from jax_attn.planner import plan_uniform
+from torch_bridge.backend import FlashAttentionBackend
+from torch_bridge.dlpack import pad_int32
+
+_DECODE = ForwardMode.DECODE
+
+
+def plan_all_draft_steps(req_to_token, req_pool_indices, seq_lens, draft_cache_loc, *, topk: int,
+                         num_steps: int, page_size: int, max_pages: int):
+    """Plans of draft steps ``0..num_steps-1`` (traceable): ``jax_attn.multistep.plan_draft_steps``,
+    except for topk <= 1, where each step's page table must cover its own ``seq_lens + step + 1``
+    keys: the shared plan is built for the last step and each step masks the pages it does not use
+    (equal to the single-step plan; the shared plan alone misses a page crossed by a later step).
+
+    Args: ``req_to_token`` i32[R, W]; ``req_pool_indices``, ``seq_lens`` i32[B];
+    ``draft_cache_loc`` i32[B * K * S], laid out [B, K, S].
+    """
+    if topk > 1:
+        return plan_draft_steps(req_to_token, req_pool_indices, seq_lens, draft_cache_loc, topk=topk,
+                                num_steps=num_steps, page_size=page_size, max_pages=max_pages)
+    loc = draft_cache_loc.reshape(-1, num_steps)  # [B, S]
+    last = plan_uniform(req_to_token, req_pool_indices, seq_lens, loc[:, 0], kv_offset=num_steps,
+                        page_size=page_size, max_pages=max_pages, mode=_DECODE)
+    col = jnp.arange(max_pages, dtype=jnp.int32)[None]
+    plans = []
+    for step in range(num_steps):
+        lens = seq_lens + step + 1
+        used = (lens + page_size - 1) // page_size
+        cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
+        plans.append(dataclasses.replace(
+            last, cache_seqlens=lens, cu_seqlens_k=cu_k, out_cache_loc=loc[:, step],
+            page_table=jnp.where(col < used[:, None], last.page_table, 0),
+            max_seqlen_k=jnp.max(lens, initial=0).astype(jnp.int32)))
+    return tuple(plans)
+
+
+class FlashAttentionMultiStepBackend:
+    """Draft-decode backends for steps ``0..speculative_num_steps - 2`` sharing one plan per round.
+
+    Args:
+      model_runner: as for ``FlashAttentionBackend``.
+      topk: EAGLE topk (> 1: tree drafts, cascade attention per step).
+      speculative_num_steps: draft steps per round; the last step runs no attention (SGLang).
+      impl: jax_attn implementation (default ``model_runner.attention_impl``).
+    """
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, *, impl: Optional[str] = None):
+        if speculative_num_steps < 1:
+            raise ValueError(f"{speculative_num_steps=} must be >= 1")
+        self.model_runner = model_runner
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.attn_backends: List[FlashAttentionBackend] = []
+        for i in range(speculative_num_steps - 1):
+            b = FlashAttentionBackend(model_runner, skip_prefill=True, speculative_step_id=i, topk=topk,
+                                      speculative_num_steps=speculative_num_steps, impl=impl)
+            if self.attn_backends:
+                b.share_compiled(self.attn_backends[0])
+            self.attn_backends.append(b)
+        self._graph_max: Optional[Tuple[int, int]] = None
+        self._graph_buckets: set = set()
+
+    @property
+    def _per_req(self) -> int:  # out_cache_loc entries per request: [topk, num_steps]
+        return max(self.topk, 1) * self.speculative_num_steps
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Plan every draft step of this round (eager) and hand each step's backend its plan."""
+        if not self.attn_backends:
+            return
+        bs = int(forward_batch.seq_lens.shape[0])
+        loc = forward_batch.out_cache_loc.reshape(-1)
+        if loc.shape[0] != bs * self._per_req:
+            raise ValueError(f"{forward_batch.out_cache_loc.shape=} must hold every draft step's slots: "
+                             f"[bs={bs}, topk={max(self.topk, 1)}, num_steps={self.speculative_num_steps}] flattened")
+        self._plan(bs, forward_batch.req_pool_indices, forward_batch.seq_lens, loc, forward_batch.spec_info, bs)
+
+    def _plan(self, bs: int, rows, seq_lens, loc, spec_info, real_reqs: int) -> None:
+        """One compiled planner call for all steps (``rows``, ``seq_lens``: [bs]; ``loc``: [bs*K*S])."""
+        first = self.attn_backends[0]
+        keys = [b._key(_DECODE, bs, bs * max(self.topk, 1), b._spec(spec_info, _DECODE), False)
+                for b in self.attn_backends]
+        pk = first._packing(keys[0], loc, None, None, None, all_steps=self.speculative_num_steps)
+        plans = first._run_plan(pk, rows, seq_lens, loc)
+        for b, key, md in zip(self.attn_backends, keys, plans):
+            b._install(key, md, real_reqs * max(self.topk, 1), self.speculative_num_steps)
+
+    # ---- capture / replay -------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Set the largest bucket the capture hook will be asked for (every step backend too)."""
+        self._graph_max = (int(max_bs), int(max_num_tokens))
+        self._graph_buckets = set()
+        for b in self.attn_backends:
+            b.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch) -> None:
+        """Compile the all-steps plan of bucket ``forward_batch.batch_size`` and plan the capture run."""
+        if self._graph_max is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing")
+        bs = int(forward_batch.batch_size)
+        if bs > self._graph_max[0] or bs * max(self.topk, 1) > self._graph_max[1]:
+            raise ValueError(f"{bs=} exceeds init_cuda_graph_state's {self._graph_max}")
+        if getattr(forward_batch, "spec_info", None) is None:
+            raise ValueError("draft decode capture needs forward_batch.spec_info (EAGLE's draft input)")
+        self._graph_buckets.add(bs)
+        self._replay(forward_batch, bs)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch, bs: int) -> None:
+        """Pad the batch to bucket ``bs`` (seq_len 1, row 0, slot 0) and run the captured plan."""
+        if bs not in self._graph_buckets:
+            raise ValueError(f"no captured draft plan for bs={bs}; call init_forward_metadata_capture_cuda_graph "
+                             "for this bucket first")
+        self._replay(forward_batch, bs)
+
+    def _replay(self, forward_batch, bs: int) -> None:
+        if not self.attn_backends:
+            return
+        seq_lens = forward_batch.seq_lens
+        n = min(int(seq_lens.shape[0]), bs)
+        rows = pad_int32(forward_batch.req_pool_indices[:n], bs, 0)
+        lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
+        loc = forward_batch.out_cache_loc
+        loc = rows[:0] if loc is None else loc.reshape(-1)[: n * self._per_req]
+        self._plan(bs, rows, lens, pad_int32(loc, bs * self._per_req, 0), forward_batch.spec_info, n)
