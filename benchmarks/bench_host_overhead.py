@@ -27,21 +27,22 @@ import llama  # noqa: E402
 
 from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch  # noqa: E402
-from jax_attn.capture import StepRunner, _pad_tokens  # noqa: E402
+from jax_attn.capture import StepRunner, _pad_tokens, pack_int32  # noqa: E402
 from jax_attn.backend import batch_arrays  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
 
 def random_pools(cfg, num_slots, seed):
-    keys = jax.random.split(jax.random.key(seed), cfg.n_layers)
+    """One layer-stacked pool ``[L, num_slots, Hkv, D]`` of random K/V."""
+    key = jax.random.key(seed)
     dt = jnp.dtype(cfg.dtype)
-    shape = (num_slots, cfg.n_kv_heads, cfg.head_dim)
-    return [KVPool(jax.random.normal(k, shape, jnp.float32).astype(dt),
-                   jax.random.normal(jax.random.fold_in(k, 1), shape, jnp.float32).astype(dt)) for k in keys]
+    shape = (cfg.n_layers, num_slots, cfg.n_kv_heads, cfg.head_dim)
+    return KVPool(jax.random.normal(key, shape, dt), jax.random.normal(jax.random.fold_in(key, 1), shape, dt))
 
 
-def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto"):
+def setup(config, batch, ctx, page_size, steps, layers, impl):
+    """Model, backend and a runner with the decode bucket captured; the batch/token factories."""
     cfg = llama.CONFIGS[config]
     if layers:
         import dataclasses
@@ -55,7 +56,7 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
         table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
     num_slots = (batch * pages_per + 1) * page_size
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl)
-    params = llama.init_params(cfg, 0)
+    params = llama.stack_layers(llama.init_params(cfg, 0))
     pools = random_pools(cfg, num_slots, 1)
 
     def step(md, tok, params, pools):
@@ -72,9 +73,17 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
         return dict(ids=np.asarray(lens % cfg.vocab, np.int32), pos=np.asarray(lens - 1, np.int32))
 
     runner.capture([fb(lens)], tok(lens), params, pools, verbose=False)
+    return dict(cfg=cfg, backend=backend, runner=runner, fb=fb, tok=tok, params=params, pools=pools, lens=lens)
+
+
+def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto"):
+    env = setup(config, batch, ctx, page_size, steps, layers, impl)
+    cfg, backend, runner, fb, tok = env["cfg"], env["backend"], env["runner"], env["fb"], env["tok"]
+    params, pools, lens = env["params"], env["pools"], env["lens"]
     exe = next(iter(runner.executables.values()))
     # Device floor: back-to-back calls on device-resident inputs.
-    dev_in = jax.device_put((backend.req_to_token, batch_arrays(fb(lens)), _pad_tokens(tok(lens), batch)))
+    layout, packed = pack_int32(batch_arrays(fb(lens)))
+    dev_in = jax.device_put((backend.req_to_token, packed, _pad_tokens(tok(lens), batch)))
     for _ in range(3):
         _, pools = exe(*dev_in, params, pools)
     jax.block_until_ready(pools)

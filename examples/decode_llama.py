@@ -77,8 +77,8 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl)
-    params = llama.init_params(cfg, seed)
-    pools = llama.new_pools(cfg, reqs.num_slots)
+    params = llama.stack_layers(llama.init_params(cfg, seed))  # layers under lax.scan
+    pools = llama.new_stacked_pool(cfg, reqs.num_slots)
     runner = StepRunner(backend, make_step(cfg, backend), batch_buckets=(1, 2, 4, 8, 16, 32, 64),
                         donate_argnums=(1,))
 

@@ -55,6 +55,17 @@ def init_params(cfg: Config, seed: int = 0):
     return dict(embed=embed, layers=layers, norm=jnp.ones((cfg.dim,), dt), head=w((cfg.dim, cfg.vocab)))
 
 
+def stack_layers(params):
+    """Per-layer weight dicts -> one dict of ``[L, ...]`` arrays (for the scanned forward)."""
+    return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
+
+
+def new_stacked_pool(cfg: Config, num_slots: int) -> KVPool:
+    """All layers' KV in one ``[L, num_slots, Hkv, D]`` pool (two leaves per call instead of 2·L)."""
+    shape = (cfg.n_layers, num_slots, cfg.n_kv_heads, cfg.head_dim)
+    return KVPool(jnp.zeros(shape, jnp.dtype(cfg.dtype)), jnp.zeros(shape, jnp.dtype(cfg.dtype)))
+
+
 def layer_params(cfg: Config, layer_id: int) -> LayerParams:
     return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                        layer_id=layer_id)
@@ -93,7 +104,13 @@ def _mlp(lp, x):
 
 
 def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools):
-    """One step over ragged new tokens ``token_ids i32[T]``; returns ``(logits f32[T, V], pools)``."""
+    """One step over ragged new tokens ``token_ids i32[T]``; returns ``(logits f32[T, V], pools)``.
+
+    ``params["layers"]`` is a list with ``pools`` a list of per-layer pools, or stacked
+    (``stack_layers``) with ``pools`` one stacked pool: then the layers run under ``lax.scan``.
+    """
+    if isinstance(params["layers"], dict):
+        return _forward_scanned(cfg, backend, params, md, token_ids, positions, pools)
     x = params["embed"][token_ids]
     new_pools = []
     for i, lp in enumerate(params["layers"]):
@@ -103,6 +120,21 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
         x = _mlp(lp, x + attn @ lp["wo"])
     logits = (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
     return logits, new_pools
+
+
+def _forward_scanned(cfg, backend, params, md, token_ids, positions, pool: KVPool):
+    lp0 = layer_params(cfg, 0)
+
+    def body(carry, xs):
+        x, pool = carry
+        lp, i = xs
+        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
+        attn, pool = backend.forward(q, k, v, lp0, pool, md, layer_index=i)
+        return (_mlp(lp, x + attn @ lp["wo"]), pool), None
+
+    x = params["embed"][token_ids]
+    (x, pool), _ = jax.lax.scan(body, (x, pool), (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32)))
+    return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32), pool
 
 
 def _dense_causal(q, k, v):  # q [S, Hq, D], k/v [S, Hkv, D]
@@ -120,7 +152,10 @@ def forward_dense(cfg: Config, params, token_ids):
     """Whole-sequence forward with dense causal attention (no cache): ``logits f32[S, V]``."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     x = params["embed"][token_ids]
-    for lp in params["layers"]:
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.n_layers)]
+    for lp in layers:
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
         x = _mlp(lp, x + _dense_causal(q, k, v) @ lp["wo"])
     return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)

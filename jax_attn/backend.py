@@ -101,8 +101,11 @@ class FlashAttentionBackend:
 
     # ---- per layer ------------------------------------------------------------------------
     def forward(self, q, k, v, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *,
-                sinks=None, save_kv_cache: bool = True, return_lse: bool = False):
+                sinks=None, save_kv_cache: bool = True, return_lse: bool = False, layer_index=None):
         """Write this step's K/V (optional) and attend. ``q [T, Hq*D]`` or ``[T, Hq, D]``.
+
+        ``pool`` is one layer's pool, or a layer-stacked pool with ``layer_index`` (may be traced:
+        a model can ``lax.scan`` over layers and pass two pool leaves instead of 2·L).
 
         Returns ``(out [T, Hq * Dv], new_pool)`` (and LSE ``f32[T, Hq]`` when ``return_lse``).
         """
@@ -115,11 +118,15 @@ class FlashAttentionBackend:
         if save_kv_cache and k is not None:
             k = k.reshape(t, layer.num_kv_heads, layer.head_dim)
             v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
-            pool = set_kv_buffer(pool, md.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        if isinstance(md, spec_plan.CascadeMetadata):
-            res = self._attend_tree(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
+            pool = set_kv_buffer(pool, md.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
+                                 layer_index=layer_index)
+        view, amd = pool, md
+        if layer_index is not None:  # read the stacked pool as one big pool, this layer's slots
+            view, amd = pool.flat(), offset_slots(md, layer_index * pool.num_slots)
+        if isinstance(amd, spec_plan.CascadeMetadata):
+            res = self._attend_tree(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
         else:
-            res = self._attend(q, layer, pool, md, sinks=sinks, return_lse=return_lse)
+            res = self._attend(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
         out = res[0] if return_lse else res
         out = out.reshape(t, -1)
         return (out, pool, res[1]) if return_lse else (out, pool)
@@ -161,6 +168,18 @@ class FlashAttentionBackend:
                              causal=False, **kw)
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
                          impl=self.impl, causal=True, window_size=layer.window_size, **kw)
+
+
+def offset_slots(md, slot_offset):
+    """Shift every page/slot table of a plan by ``slot_offset`` slots (a multiple of the page size)."""
+    if isinstance(md, spec_plan.CascadeMetadata):
+        return dataclasses.replace(
+            md, prefix=offset_slots(md.prefix, slot_offset), expand=offset_slots(md.expand, slot_offset),
+            swa=None if md.swa is None else offset_slots(md.swa, slot_offset))
+    enc = md.encoder
+    if enc is not None:
+        enc = dataclasses.replace(enc, encoder_page_table=enc.encoder_page_table + slot_offset)
+    return dataclasses.replace(md, page_table=md.page_table + slot_offset // md.page_size, encoder=enc)
 
 
 @dataclasses.dataclass(frozen=True)

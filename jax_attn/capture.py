@@ -37,11 +37,16 @@ def enable_persistent_cache(path: str = _CACHE_DIR) -> None:
 
 
 def _pad_tokens(tree, num_tokens: int):
-    """Zero-pad (or, for capture examples, cut) every leaf's token axis to ``num_tokens``."""
+    """Zero-pad (or, for capture examples, cut) every leaf's token axis to ``num_tokens``.
+
+    Host (numpy) leaves are padded on the host, so a step's inputs cost one transfer, not a
+    device dispatch per leaf.
+    """
     def pad(x):
-        x = jnp.asarray(x)[:num_tokens]
+        xp = np if isinstance(x, np.ndarray) else jnp
+        x = x[:num_tokens]
         extra = num_tokens - x.shape[0]
-        return x if extra == 0 else jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+        return x if extra == 0 else xp.concatenate([x, xp.zeros((extra,) + x.shape[1:], x.dtype)])
     return jax.tree.map(pad, tree)
 
 
@@ -60,15 +65,16 @@ class StepRunner:
         self.backend = backend
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
-        donate = tuple(3 + i for i in donate_argnums)  # after (req_to_token, plan inputs, tokens)
-        self._jit = jax.jit(self._full, static_argnums=0, donate_argnums=tuple(d + 1 for d in donate))
+        # Positional layout of _full: (key, layout, req_to_token, packed plan inputs, tokens, *args).
+        self._jit = jax.jit(self._full, static_argnums=(0, 1),
+                            donate_argnums=tuple(5 + i for i in donate_argnums))
         self.executables: dict = {}
         self.trace_count = 0
         self._warned_eager = False
 
-    def _full(self, key: PlanKey, req_to_token, plan_inputs, token_inputs, *args):
+    def _full(self, key: PlanKey, layout, req_to_token, packed, token_inputs, *args):
         self.trace_count += 1  # Python side effect: runs once per trace
-        md = plan_arrays(key, req_to_token, *plan_inputs)
+        md = plan_arrays(key, req_to_token, *unpack_int32(packed, layout))
         return self.step_fn(md, token_inputs, *args)
 
     def _padded(self, batch: ForwardBatch):
@@ -88,7 +94,8 @@ class StepRunner:
                                  f"modes with a static token count per request only, bs <= {self.batch_buckets[-1]}")
             key = self.backend.plan_static(padded)
             t0 = time.perf_counter()
-            lowered = self._jit.lower(key, self.backend.req_to_token, batch_arrays(padded),
+            layout, packed = pack_int32(batch_arrays(padded))
+            lowered = self._jit.lower(key, layout, self.backend.req_to_token, packed,
                                       _pad_tokens(token_inputs, padded.num_tokens), *args)
             self.executables[key] = lowered.compile()
             if verbose:
@@ -107,14 +114,38 @@ class StepRunner:
                 self._warned_eager = True
             return self.eager(batch, token_inputs, *args)
         n = batch.num_tokens
-        tok_out, other = exe(self.backend.req_to_token, batch_arrays(padded),
-                             _pad_tokens(token_inputs, padded.num_tokens), *args)
+        layout, packed = pack_int32(batch_arrays(padded))  # one host-to-device copy for the plan inputs
+        tok_out, other = exe(self.backend.req_to_token, packed, _pad_tokens(token_inputs, padded.num_tokens), *args)
+        if n == padded.num_tokens:
+            return tok_out, other
         return jax.tree.map(lambda x: x[:n], tok_out), other
 
     def eager(self, batch: ForwardBatch, token_inputs, *args):
         """Run unpadded through ``jax.jit`` (compiles once per distinct shape)."""
         key = self.backend.plan_static(batch)
-        return self._jit(key, self.backend.req_to_token, batch_arrays(batch), token_inputs, *args)
+        layout, packed = pack_int32(batch_arrays(batch))
+        return self._jit(key, layout, self.backend.req_to_token, packed, token_inputs, *args)
+
+
+def pack_int32(arrays):
+    """Host int/bool arrays (``None`` allowed) -> (static layout, one i32 vector)."""
+    layout = tuple(None if a is None else (tuple(a.shape), str(a.dtype)) for a in arrays)
+    parts = [np.asarray(a).astype(np.int32).reshape(-1) for a in arrays if a is not None]
+    return layout, (np.concatenate(parts) if parts else np.zeros((0,), np.int32))
+
+
+def unpack_int32(packed, layout):
+    """Inverse of ``pack_int32`` inside a traced function (static slices: free)."""
+    out, at = [], 0
+    for item in layout:
+        if item is None:
+            out.append(None)
+            continue
+        shape, dtype = item
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(packed[at:at + size].reshape(shape).astype(dtype))
+        at += size
+    return out
 
 
 def as_int32(x) -> np.ndarray:

@@ -21,12 +21,23 @@ FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 class KVPool:
     """One layer's KV pool (functional: a write returns a new pool)."""
 
-    k: jax.Array  # [num_slots, Hkv, D]
-    v: jax.Array  # [num_slots, Hkv, Dv]
+    k: jax.Array  # [num_slots, Hkv, D], or [L, num_slots, Hkv, D] for a layer-stacked pool
+    v: jax.Array  # [num_slots, Hkv, Dv], or [L, num_slots, Hkv, Dv]
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[0]
+        return self.k.shape[-3]
+
+    @property
+    def stacked(self) -> bool:
+        """All layers in one array (for models that scan over layers: two leaves, not 2·L)."""
+        return self.k.ndim == 4
+
+    def flat(self) -> "KVPool":
+        """A stacked pool seen as one pool of ``L * num_slots`` slots (free reshape)."""
+        if not self.stacked:
+            return self
+        return KVPool(self.k.reshape(-1, *self.k.shape[2:]), self.v.reshape(-1, *self.v.shape[2:]))
 
     @classmethod
     def zeros(cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype, v_head_dim: Optional[int] = None):
@@ -45,9 +56,9 @@ def paged_view(buf: jax.Array, page_size: int) -> jax.Array:
     return buf.reshape(num_slots // page_size, page_size, *buf.shape[1:])
 
 
-def _store(buf, loc, x, scale):
-    if x.shape[1:] != buf.shape[1:]:
-        raise ValueError(f"{x.shape=} must be [num_tokens, *{buf.shape[1:]}] to be written into the pool")
+def _store(buf, loc, x, scale, layer_index):
+    if x.shape[1:] != buf.shape[-2:]:
+        raise ValueError(f"{x.shape=} must be [num_tokens, *{buf.shape[-2:]}] to be written into the pool")
     if jnp.dtype(buf.dtype) in [jnp.dtype(d) for d in FP8_DTYPES]:
         x = x.astype(jnp.float32)
         if scale is not None:
@@ -55,7 +66,9 @@ def _store(buf, loc, x, scale):
         finfo = jnp.finfo(buf.dtype)
         x = jnp.clip(x, float(finfo.min), float(finfo.max))
     # Padded tokens all target slot 0, which is reserved; out-of-range slots are dropped.
-    return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
+    if layer_index is None:
+        return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
+    return buf.at[layer_index, loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
 
 
 def set_kv_buffer(
@@ -66,6 +79,7 @@ def set_kv_buffer(
     *,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
+    layer_index=None,
 ) -> KVPool:
     """Write new keys/values at ``out_cache_loc`` and return the updated pool.
 
@@ -78,6 +92,7 @@ def set_kv_buffer(
       out_cache_loc: destination slot per token; padded tokens carry slot 0 (reserved).
       k, v: new keys and values.
       k_scale, v_scale: fp8 quantisation scales (ignored for non-fp8 pools).
+      layer_index: the layer to write in a layer-stacked pool (may be traced, e.g. under scan).
 
     Returns:
       The pool with the new tokens written.
@@ -87,8 +102,10 @@ def set_kv_buffer(
     if out_cache_loc.dtype != jnp.int32:
         raise ValueError(f"{out_cache_loc.dtype=} must be int32 (convert once per step, not per layer)")
     # A slot outside the pool writes nothing (never another slot); validate_out_cache_loc reports it.
+    if pool.stacked != (layer_index is not None):
+        raise ValueError(f"{pool.k.shape=}: a layer-stacked pool needs layer_index, a single pool must not get one")
     loc = jnp.where(out_cache_loc < 0, pool.num_slots, out_cache_loc)
-    return KVPool(_store(pool.k, loc, k, k_scale), _store(pool.v, loc, v, v_scale))
+    return KVPool(_store(pool.k, loc, k, k_scale, layer_index), _store(pool.v, loc, v, v_scale, layer_index))
 
 
 def validate_out_cache_loc(out_cache_loc, num_slots: int) -> None:

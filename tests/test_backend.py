@@ -201,3 +201,25 @@ def test_idle_and_errors():
         FlashAttentionBackend(table, impl="mosaic")
     with pytest.raises(ValueError, match="multiple"):
         LayerParams(num_q_heads=6, num_kv_heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_layer_stacked_pool_equals_per_layer_pool(impl):
+    rng = np.random.default_rng(5)
+    table, num_slots = make_table(4, 4, seed=6)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl=impl)
+    rows = np.array([2, 4, 1], np.int32)
+    committed = np.array([7, 20, 3], np.int32)
+    pools = [make_pool(num_slots, table, rows, committed, rng) for _ in range(2)]
+    stacked = KVPool(jnp.stack([p.k for p in pools]), jnp.stack([p.v for p in pools]))
+    fb, _ = make_batch("decode", rows, committed, table, rng)
+    md = backend.plan(fb)
+    tok = rand_tokens(rng, fb.num_tokens)
+    want, want_pool = backend.forward(tok["q"], tok["k"], tok["v"], LAYER, pools[1], md)
+    got, new_stacked = jax.jit(lambda s, i: backend.forward(tok["q"], tok["k"], tok["v"], LAYER, s, md,
+                                                            layer_index=i))(stacked, jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_stacked.k[1]), np.asarray(want_pool.k))
+    np.testing.assert_array_equal(np.asarray(new_stacked.k[0]), np.asarray(pools[0].k))  # other layer untouched
+    with pytest.raises(ValueError, match="layer_index"):
+        backend.forward(tok["q"], tok["k"], tok["v"], LAYER, stacked, md)
