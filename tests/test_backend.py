@@ -114,7 +114,8 @@ CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("ver
 def test_replay_equals_eager_and_reference(mode, page_size, impl):
     rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
     table, num_slots = make_table(16, page_size, seed=3)
-    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl)
+    backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl,
+                                    num_heads=(HQ, HKV))  # kernels: schedule planned once per step
     runner = StepRunner(backend, attn_step(backend), batch_buckets=(8, 16), donate_argnums=())
     # Capture at bucket 8 with one set of lengths ...
     rows0 = np.arange(1, 9, dtype=np.int32)
@@ -164,7 +165,7 @@ def test_deterministic_replay_is_bitwise_batch_invariant():
     rng = np.random.default_rng(11)
     table, num_slots = make_table(16, 4, seed=2)
     backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="triton",
-                                    deterministic=True)
+                                    deterministic=True, num_heads=(HQ, HKV))
     runner = StepRunner(backend, attn_step(backend), batch_buckets=(4, 8))
     rows = np.arange(1, 9, dtype=np.int32)
     committed = rng.integers(3, 40, 8).astype(np.int32)

@@ -32,6 +32,9 @@ class KernelConfig:
         heuristic.
       min_kv_per_split: the heuristic never gives a split fewer keys than this.
       num_sms: multiprocessors the heuristic tries to fill.
+      split_waves: programs per multiprocessor the split heuristic aims for when the (kv head,
+        query block) tiles alone leave multiprocessors idle (memory-bound decode wants several
+        programs in flight per multiprocessor).
       merge_block_rows: rows (token, head pairs) per program of the split-merge kernel.
       merge_num_warps: warps per program of the merge kernels.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
@@ -48,6 +51,7 @@ class KernelConfig:
     max_splits: int = 16
     min_kv_per_split: int = 512
     num_sms: int = HOPPER_NUM_SMS
+    split_waves: int = 4
     merge_block_rows: int = 16
     merge_num_warps: int = 4
     fast_exp2: bool = True
@@ -69,8 +73,8 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be >= 1")
         if self.max_splits < 1:
             raise ValueError(f"{self.max_splits=} must be >= 1")
-        if self.min_kv_per_split < 1 or self.num_sms < 1:
-            raise ValueError(f"{self.min_kv_per_split=} and {self.num_sms=} must be >= 1")
+        if self.min_kv_per_split < 1 or self.num_sms < 1 or self.split_waves < 1:
+            raise ValueError(f"{self.min_kv_per_split=}, {self.num_sms=} and {self.split_waves=} must be >= 1")
 
     def tile_params(self, decode: bool) -> tuple[int, int, int]:
         """(block_k, num_warps, num_stages) for decode or multi-token tiles."""

@@ -39,7 +39,9 @@ def static_num_splits(
             raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
         return int(num_splits)
     base = max(1, (num_tokens // block_q) * num_kv_heads)
-    return int(max(1, min(config.max_splits, _cdiv(config.num_sms, base))))
+    if base >= config.num_sms:
+        return 1
+    return int(max(1, min(config.max_splits, _cdiv(config.num_sms * config.split_waves, base))))
 
 
 def build_schedule(
@@ -54,6 +56,7 @@ def build_schedule(
     force_splits: bool = False,
     num_sms: int = 132,
     min_kv_per_split: int = 512,
+    split_waves: int = 4,
 ) -> WorkSchedule:
     """Lists the kernel's work tiles for one batch (jit-able; lengths are device values).
 
@@ -81,7 +84,8 @@ def build_schedule(
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
     q_lens = jnp.maximum(cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)
     q_blocks = _cdiv(q_lens, block_q)  # i32[B]
-    splits = _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force_splits, num_sms, min_kv_per_split)
+    splits = _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force_splits, num_sms, min_kv_per_split,
+                         split_waves)
     counts = q_blocks * splits
     ends = jnp.cumsum(counts).astype(jnp.int32)
     starts = ends - counts
@@ -112,12 +116,13 @@ def build_schedule(
     )
 
 
-def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sms, min_kv_per_split):
+def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sms, min_kv_per_split,
+                split_waves):
     """i32[B] kv splits per sequence, chosen from the lengths on device."""
     if max_splits == 1 or force:
         return jnp.full(cache_seqlens.shape, max_splits, jnp.int32)
     base = jnp.maximum(jnp.sum(q_blocks) * num_kv_heads, 1)
-    want = _cdiv(jnp.int32(num_sms), base)
+    want = jnp.where(base >= num_sms, 1, _cdiv(jnp.int32(num_sms * split_waves), base))
     by_len = _cdiv(cache_seqlens, min_kv_per_split)
     return jnp.clip(jnp.minimum(want, by_len), 1, max_splits).astype(jnp.int32)
 
@@ -169,4 +174,5 @@ def plan_schedule(
         force_splits=num_splits is not None,
         num_sms=config.num_sms,
         min_kv_per_split=config.min_kv_per_split,
+        split_waves=config.split_waves,
     )
