@@ -227,3 +227,37 @@ def test_multistep_plans_equal_single_step_plans(topk):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert jax.tree.structure(got) == jax.tree.structure(want)
+
+
+def test_tree_draft_decode_replay_equals_eager():
+    rows_all = np.arange(1, 7, dtype=np.int32)
+    table, pool, _, _, _ = setup(rows_all, np.full(6, 12), 1, 1, seed=8)
+    backend = FlashAttentionBackend(table, page_size=1, max_context_len=CTX, impl="triton", num_heads=(HQ, HKV))
+    layer = LayerParams(HQ, HKV, D)
+    topk, steps, step_id = 2, 3, 2
+    rng = np.random.default_rng(4)
+
+    def step(md, tok, pool):
+        return backend.forward(tok["q"], tok["k"], tok["v"], layer, pool, md)
+
+    def batch(rows, lens):
+        loc = np.concatenate([table[r, c:c + topk * steps] for r, c in zip(rows, lens)]).astype(np.int32)
+        spec = SpecInfo(topk=topk, num_steps=steps, step_id=step_id)
+        return ForwardBatch(ForwardMode.DECODE, rows, lens, loc, spec_info=spec)
+
+    def tokens(n):
+        return {x: jnp.asarray(rng.standard_normal((n, HQ if x == "q" else HKV, D)), jnp.float32) for x in "qkv"}
+
+    runner = StepRunner(backend, step, batch_buckets=(4,))
+    runner.capture([batch(rows_all[:4], np.full(4, 8, np.int32))], tokens(4 * topk), pool, verbose=False)
+    traces = runner.trace_count
+    fb = batch(np.array([6, 2, 5], np.int32), np.array([3, 11, 7], np.int32))
+    assert fb.num_tokens == 3 * topk
+    tok = tokens(fb.num_tokens)
+    got, new_pool = runner.replay(fb, tok, pool)
+    assert runner.trace_count == traces, "replay inside a captured bucket must not retrace"
+    eager, _ = runner.eager(fb, tok, pool)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(eager), rtol=1e-5, atol=1e-5)
+    # This step's K/V went to each branch's step_id column.
+    cur = fb.out_cache_loc.reshape(-1, steps)[:, step_id]
+    np.testing.assert_array_equal(np.asarray(new_pool.k)[cur], np.asarray(tok["k"]))
