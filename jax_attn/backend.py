@@ -61,6 +61,9 @@ class FlashAttentionBackend:
       deterministic: one KV split per sequence, so a request's output is bitwise independent
         of the rest of the batch (SGLang's ``enable_deterministic_inference``).
       max_encoder_len: static bound on encoder lengths for cross attention (0 = none).
+      debug_num_slots: when set (debug mode), every ``plan()`` reads the plan back and checks its
+        values (``planner.validate_metadata``) against a pool of this many slots; never use it on
+        the hot path.
       num_heads: ``(num_q_heads, num_kv_heads)`` of the model's layers; with a kernel ``impl``
         the plan then carries the kernel's work schedule, built once per step instead of per
         layer (layers with other head counts still get a correct, per-call schedule).
@@ -68,7 +71,7 @@ class FlashAttentionBackend:
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
-                 num_heads: Optional[tuple] = None):
+                 num_heads: Optional[tuple] = None, debug_num_slots: Optional[int] = None):
         self.req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
@@ -77,6 +80,7 @@ class FlashAttentionBackend:
         self.deterministic = deterministic
         self.max_encoder_len = max_encoder_len
         self.num_heads = num_heads
+        self.debug_num_slots = debug_num_slots
 
     # ---- planning -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch, *, bs: Optional[int] = None,
@@ -84,7 +88,11 @@ class FlashAttentionBackend:
         """Plan one step; pads to ``bs`` rows / ``num_tokens`` tokens first when given."""
         if bs is not None:
             batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
-        return self.attach_schedule(plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch)))
+        md = self.attach_schedule(plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch)))
+        if self.debug_num_slots is not None and isinstance(md, AttentionMetadata) and md.mode != ForwardMode.IDLE:
+            planner.validate_metadata(md, num_pages=self.debug_num_slots // self.page_size,
+                                      req_to_token_shape=self.req_to_token.shape)
+        return md
 
     def attach_schedule(self, md):
         """Add the kernel's work schedule to a plan (traceable; no-op without ``num_heads``)."""

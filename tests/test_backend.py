@@ -224,3 +224,15 @@ def test_layer_stacked_pool_equals_per_layer_pool(impl):
     np.testing.assert_array_equal(np.asarray(new_stacked.k[0]), np.asarray(pools[0].k))  # other layer untouched
     with pytest.raises(ValueError, match="layer_index"):
         backend.forward(tok["q"], tok["k"], tok["v"], LAYER, stacked, md)
+
+
+def test_debug_mode_validates_plans():
+    table, num_slots = make_table(4, 4, seed=1)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="reference",
+                                    debug_num_slots=num_slots)
+    rows = np.array([1, 2], np.int32)
+    ok = ForwardBatch(ForwardMode.DECODE, rows, [5, 9], table[rows, [4, 8]])
+    backend.plan(ok)  # valid: no error
+    too_long = ForwardBatch(ForwardMode.DECODE, rows, [5, MAX_CTX + 9], table[rows, [4, 8]])
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        backend.plan(too_long)
