@@ -15,6 +15,7 @@ from jax_attn.capture import StepRunner
 from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.metadata import ForwardMode
 from jax_attn.reference import paged_attention_reference
+from tests.paging import shuffled_table
 
 HQ, HKV, D = 4, 2, 16
 MAX_CTX = 48
@@ -23,13 +24,7 @@ LAYER = LayerParams(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
 def make_table(num_reqs, page_size, seed):
     """req_to_token with shuffled pages per row (row 0 / page 0 reserved), and the slot count."""
-    pages_per = -(-MAX_CTX // page_size)
-    order = np.random.default_rng(seed).permutation(np.arange(1, num_reqs * pages_per + 1))
-    table = np.zeros((num_reqs + 1, MAX_CTX), np.int32)
-    for r in range(num_reqs):
-        pages = order[r * pages_per:(r + 1) * pages_per]
-        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:MAX_CTX]
-    return table, (num_reqs * pages_per + 1) * page_size
+    return shuffled_table(num_reqs, MAX_CTX, page_size, seed)
 
 
 def make_pool(num_slots, table, rows, kv_lens, rng):

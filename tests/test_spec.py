@@ -12,6 +12,7 @@ from jax_attn.capture import StepRunner
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.spec import draft_mask_from_custom_mask
+from tests.paging import shuffled_table
 
 HQ, HKV, D, CTX = 4, 2, 16, 40
 
@@ -35,14 +36,7 @@ def two_branches():  # 0 -> {1, 2}, 1 -> 3, 2 -> 4
 
 def setup(rows, committed, n_new, page_size, seed):
     rng = np.random.default_rng(seed)
-    num_reqs = int(max(rows))
-    pages_per = -(-CTX // page_size)
-    order = rng.permutation(np.arange(1, num_reqs * pages_per + 1))
-    table = np.zeros((num_reqs + 1, CTX), np.int32)
-    for r in range(num_reqs):
-        pages = order[r * pages_per:(r + 1) * pages_per]
-        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:CTX]
-    num_slots = (num_reqs * pages_per + 1) * page_size
+    table, num_slots = shuffled_table(int(max(rows)), CTX, page_size, seed)
     k = np.full((num_slots, HKV, D), np.nan, np.float32)
     v = np.full((num_slots, HKV, D), np.nan, np.float32)
     k[0] = v[0] = 0

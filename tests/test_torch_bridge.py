@@ -14,6 +14,7 @@ from jax_attn.batch import ForwardBatch as JaxBatch
 from jax_attn.batch import SpecInfo as JaxSpec
 from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.reference import paged_attention_reference
+from tests.paging import shuffled_table
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
 
@@ -25,13 +26,7 @@ KV_OFFSET = {"decode": 0, "draft_decode": STEP_ID + 1, "verify": NUM_DRAFT, "dra
 
 def make_runner(num_reqs, page_size, seed, impl="reference", device="cpu"):
     """Shuffled pages per request row (row 0 / page 0 reserved); NaN pools except slot 0."""
-    pages_per = -(-MAX_CTX // page_size)
-    order = np.random.default_rng(seed).permutation(np.arange(1, num_reqs * pages_per + 1))
-    table = np.zeros((num_reqs + 1, MAX_CTX), np.int32)
-    for r in range(num_reqs):
-        pages = order[r * pages_per:(r + 1) * pages_per]
-        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:MAX_CTX]
-    num_slots = (num_reqs * pages_per + 1) * page_size
+    table, num_slots = shuffled_table(num_reqs, MAX_CTX, page_size, seed)
     pool = MHATokenToKVPool.create(num_slots, 2, HKV, D, torch.float32, device)
     for buf in pool.k_buffer + pool.v_buffer:
         buf.fill_(float("nan"))
