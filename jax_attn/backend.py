@@ -13,7 +13,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 
 from jax_attn import planner

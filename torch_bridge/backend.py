@@ -53,6 +53,7 @@ from jax_attn.backend import LayerParams, PlanKey, plan_arrays
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.spec import draft_mask_from_custom_mask
+from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
@@ -409,12 +410,12 @@ class FlashAttentionBackend:
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
         lp = self._layer_params(layer)
-        self._check_layer(lp, step.key)
+        check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        t = self._check_shapes(q, lp, step, k_buf, v_buf)
+        t = check_shapes(q, lp, step, k_buf, v_buf, self.page_size)
         if save_kv_cache and k is not None:
-            loc = self._write_loc(forward_batch, step, lp, t, k, v)
+            loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
         if t != step.key.num_tokens:
@@ -451,74 +452,10 @@ class FlashAttentionBackend:
             v_head_dim=layer.v_head_dim, scaling=layer.scaling, logit_cap=float(layer.logit_cap or 0.0),
             sliding_window_size=-1 if window is None else int(window),
             is_cross_attention=bool(getattr(layer, "is_cross_attention", False)),
-            k_scale=_scale(layer, "k"), v_scale=_scale(layer, "v"),
+            k_scale=scale_of(layer, "k"), v_scale=scale_of(layer, "v"),
         )  # layer_id stays 0: layers with one configuration share one executable
         self._layers[layer.layer_id] = (layer, lp)
         return lp
-
-    def _check_layer(self, lp: LayerParams, key: PlanKey) -> None:
-        """Layer kinds the step's plan cannot serve, caught before anything is written."""
-        if lp.is_cross_attention and not key.has_encoder:
-            raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
-        if key.topk > 1 and lp.is_cross_attention:
-            raise NotImplementedError("cross attention inside a tree (topk > 1) speculative step is not supported")
-        if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
-            if key.mode != ForwardMode.TARGET_VERIFY:
-                raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "
-                                          "by the cascade; use topk=1 for the draft model")
-            raise ValueError("a sliding-window layer in tree target verify needs the SWA table: set "
-                             "model_runner.sliding_window_size >= 0 before creating the backend")
-
-    def _check_shapes(self, q, lp: LayerParams, step: _Step, k_buf, v_buf) -> int:
-        """Trace-free shape checks before anything is written: a bad call leaves the cache unchanged."""
-        dv = lp.v_head_dim or lp.head_dim
-        t = int(q.shape[0])
-        if q.numel() != t * lp.num_q_heads * lp.head_dim:
-            raise ValueError(f"{q.shape=} must be [num_tokens, {lp.num_q_heads} * {lp.head_dim}] "
-                             "(tp_q_head_num * head_dim)")
-        if t not in (step.real_tokens, step.key.num_tokens):
-            raise ValueError(f"q has {t} tokens; it must have the {step.real_tokens} tokens the step was "
-                             f"planned for (or {step.key.num_tokens} padded): call init_forward_metadata "
-                             "for this batch")
-        if tuple(k_buf.shape[1:]) != (lp.num_kv_heads, lp.head_dim) or tuple(v_buf.shape[1:]) != (lp.num_kv_heads, dv):
-            raise ValueError(f"pool buffers {tuple(k_buf.shape)}, {tuple(v_buf.shape)} must be "
-                             f"[num_slots, {lp.num_kv_heads}, {lp.head_dim}] / [num_slots, {lp.num_kv_heads}, {dv}]")
-        if k_buf.shape[0] % self.page_size:
-            raise ValueError(f"{k_buf.shape[0]=} slots must be a multiple of page_size={self.page_size}")
-        return t
-
-    def _write_loc(self, forward_batch, step: _Step, lp: LayerParams, t: int, k, v) -> torch.Tensor:
-        """The slots this layer's K/V go to (checked against k / v before anything is written).
-
-        Self attention: ``out_cache_loc`` (draft decode: this step's column when it holds every
-        step's slots). Cross attention: ``encoder_out_cache_loc``, one slot per encoder token in k.
-        """
-        if lp.is_cross_attention:
-            loc = getattr(forward_batch, "encoder_out_cache_loc", None)
-            if loc is None:
-                raise ValueError("a cross-attention layer writing K/V needs forward_batch.encoder_out_cache_loc")
-            rows, what = int(loc.shape[0]), "encoder_out_cache_loc"
-        else:
-            loc, rows, what = forward_batch.out_cache_loc, t, "query token"
-            if step.loc_steps > 1 and loc.shape[0] == t * step.loc_steps:
-                loc = loc.reshape(-1, step.loc_steps)[:, self.speculative_step_id]
-            if loc.shape[0] != t:
-                raise ValueError(f"{forward_batch.out_cache_loc.shape=} must have one slot per token ({t})"
-                                 + (f" or {step.loc_steps} per token (every draft step)" if step.loc_steps > 1 else ""))
-        dv = lp.v_head_dim or lp.head_dim
-        if (k.shape[0] != rows or k.numel() != rows * lp.num_kv_heads * lp.head_dim
-                or v.numel() != rows * lp.num_kv_heads * dv):
-            raise ValueError(f"{k.shape=} / {v.shape=} must be [{rows}, {lp.num_kv_heads} * {lp.head_dim}] / "
-                             f"[{rows}, {lp.num_kv_heads} * {dv}] (one row per {what})")
-        return loc
-
-
-def _scale(layer, which: str) -> Optional[float]:
-    s = getattr(layer, f"{which}_scale_float", None)
-    if s is None:
-        s = getattr(layer, f"{which}_scale", None)
-    return None if s is None else float(s)
-
 
 def _custom_mask(spec_info) -> torch.Tensor:
     mask = getattr(spec_info, "custom_mask", None)

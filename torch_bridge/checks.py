@@ -1,0 +1,76 @@
+"""Per-layer checks of the torch bridge, run before anything is written (a bad call leaves the
+cache unchanged), and the conversion of SGLang's layer attributes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from jax_attn.backend import LayerParams, PlanKey
+from jax_attn.metadata import ForwardMode
+
+
+def scale_of(layer, which: str) -> Optional[float]:
+    """``layer.k_scale`` / ``v_scale`` (or the ``*_scale_float`` copies) as a Python float."""
+    s = getattr(layer, f"{which}_scale_float", None)
+    if s is None:
+        s = getattr(layer, f"{which}_scale", None)
+    return None if s is None else float(s)
+
+
+def check_layer(lp: LayerParams, key: PlanKey) -> None:
+    """Layer kinds the step's plan cannot serve, caught before anything is written."""
+    if lp.is_cross_attention and not key.has_encoder:
+        raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
+    if key.topk > 1 and lp.is_cross_attention:
+        raise NotImplementedError("cross attention inside a tree (topk > 1) speculative step is not supported")
+    if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
+        if key.mode != ForwardMode.TARGET_VERIFY:
+            raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "
+                                      "by the cascade; use topk=1 for the draft model")
+        raise ValueError("a sliding-window layer in tree target verify needs the SWA table: set "
+                         "model_runner.sliding_window_size >= 0 before creating the backend")
+
+def check_shapes(q, lp: LayerParams, step, k_buf, v_buf, page_size: int) -> int:
+    """Trace-free shape checks before anything is written: a bad call leaves the cache unchanged."""
+    dv = lp.v_head_dim or lp.head_dim
+    t = int(q.shape[0])
+    if q.numel() != t * lp.num_q_heads * lp.head_dim:
+        raise ValueError(f"{q.shape=} must be [num_tokens, {lp.num_q_heads} * {lp.head_dim}] "
+                         "(tp_q_head_num * head_dim)")
+    if t not in (step.real_tokens, step.key.num_tokens):
+        raise ValueError(f"q has {t} tokens; it must have the {step.real_tokens} tokens the step was "
+                         f"planned for (or {step.key.num_tokens} padded): call init_forward_metadata "
+                         "for this batch")
+    if tuple(k_buf.shape[1:]) != (lp.num_kv_heads, lp.head_dim) or tuple(v_buf.shape[1:]) != (lp.num_kv_heads, dv):
+        raise ValueError(f"pool buffers {tuple(k_buf.shape)}, {tuple(v_buf.shape)} must be "
+                         f"[num_slots, {lp.num_kv_heads}, {lp.head_dim}] / [num_slots, {lp.num_kv_heads}, {dv}]")
+    if k_buf.shape[0] % page_size:
+        raise ValueError(f"{k_buf.shape[0]=} slots must be a multiple of page_size={page_size}")
+    return t
+
+def write_loc(forward_batch, step, lp: LayerParams, t: int, k, v, step_id: int) -> torch.Tensor:
+    """The slots this layer's K/V go to (checked against k / v before anything is written).
+
+    Self attention: ``out_cache_loc`` (draft decode: this step's column when it holds every
+    step's slots). Cross attention: ``encoder_out_cache_loc``, one slot per encoder token in k.
+    """
+    if lp.is_cross_attention:
+        loc = getattr(forward_batch, "encoder_out_cache_loc", None)
+        if loc is None:
+            raise ValueError("a cross-attention layer writing K/V needs forward_batch.encoder_out_cache_loc")
+        rows, what = int(loc.shape[0]), "encoder_out_cache_loc"
+    else:
+        loc, rows, what = forward_batch.out_cache_loc, t, "query token"
+        if step.loc_steps > 1 and loc.shape[0] == t * step.loc_steps:
+            loc = loc.reshape(-1, step.loc_steps)[:, step_id]
+        if loc.shape[0] != t:
+            raise ValueError(f"{forward_batch.out_cache_loc.shape=} must have one slot per token ({t})"
+                             + (f" or {step.loc_steps} per token (every draft step)" if step.loc_steps > 1 else ""))
+    dv = lp.v_head_dim or lp.head_dim
+    if (k.shape[0] != rows or k.numel() != rows * lp.num_kv_heads * lp.head_dim
+            or v.numel() != rows * lp.num_kv_heads * dv):
+        raise ValueError(f"{k.shape=} / {v.shape=} must be [{rows}, {lp.num_kv_heads} * {lp.head_dim}] / "
+                         f"[{rows}, {lp.num_kv_heads} * {dv}] (one row per {what})")
+    return loc
