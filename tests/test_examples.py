@@ -26,3 +26,9 @@ def test_decode_example_check_detects_wrong_tokens():
     bad = [(good[0] + 1) % cfg.vocab]
     _, mism = decode_llama.check_against_dense(cfg, params, [prompt], [bad], [[dense[5] + 1.0]], 1e-4)
     assert mism == 1
+
+
+def test_torch_engine_example_passes_its_check():
+    import decode_torch
+
+    assert decode_torch.main(config="tiny", batch=3, new_tokens=4, page_size=4, seed=2) == 0
