@@ -102,8 +102,8 @@ def build_schedule(
     split = local % ns
     # Longest tiles first (keys seen under causal masking, per split) so the last wave is short.
     k_len, q_len = cache_seqlens[seq_c], q_lens[seq_c]
-    cost = jnp.minimum(k_len, k_len - q_len + (q_block + 1) * block_q) // ns
-    order = jnp.argsort(-jnp.where(valid, cost, -1), stable=True)
+    cost = jnp.maximum(jnp.minimum(k_len, k_len - q_len + (q_block + 1) * block_q) // ns, 0)
+    order = jnp.argsort(-jnp.where(valid, cost, -1), stable=True)  # valid tiles (cost >= 0) first
     neg = jnp.full((n,), -1, jnp.int32)
     return WorkSchedule(
         tile_seq=jnp.where(valid, seq_c, neg)[order],
