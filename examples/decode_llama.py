@@ -10,7 +10,6 @@ tokens (teacher-forced, ties excepted) and close logits; it exits non-zero on a 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -137,16 +136,7 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny", choices=sorted(llama.CONFIGS))
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--min-prompt", type=int, default=5)
-    ap.add_argument("--max-prompt", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--page-size", type=int, default=4)
-    ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-check", dest="check", action="store_false")
+    ap = llama.decode_arg_parser(__doc__)
     ap.add_argument("--stacked", action="store_true", help="scan over layers with a layer-stacked KV pool")
     return vars(ap.parse_args())
 

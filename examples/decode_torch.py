@@ -12,7 +12,6 @@ SDPA over a contiguous KV cache, and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_torch as lt  # noqa: E402
+from llama import decode_arg_parser  # noqa: E402
 
 from jax_attn.batch import bucket_for  # noqa: E402
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool,  # noqa: E402
@@ -156,17 +156,8 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny", choices=sorted(lt.CONFIGS))
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--min-prompt", type=int, default=5)
-    ap.add_argument("--max-prompt", type=int, default=24)
-    ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--page-size", type=int, default=4)
-    ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap = decode_arg_parser(__doc__)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--no-check", dest="check", action="store_false")
     return vars(ap.parse_args())
 
 

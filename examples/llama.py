@@ -7,6 +7,7 @@ the check.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 
@@ -159,3 +160,18 @@ def forward_dense(cfg: Config, params, token_ids):
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
         x = _mlp(lp, x + _dense_causal(q, k, v) @ lp["wo"])
     return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
+
+
+def decode_arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The command-line options the decode examples share (JAX and torch)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--min-prompt", type=int, default=5)
+    ap.add_argument("--max-prompt", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    return ap
