@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one go: gpu-marked tests, the 1B-class example decode, the
 # host-overhead figure and the kernel benchmark. Logs go to $OUT (default ./out).
 # Usage (repo root, peers fetched into .peers by ../shared/tools/get_peers.sh):
-#   bash benchmarks/run_gpu_suite.sh [tests|example|host|bench|all]...
+#   bash benchmarks/run_gpu_suite.sh [tests|compiled|example|host|bench|all]...
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -18,6 +18,9 @@ run() {  # name, command...
 }
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider
+# The backend / speculative suites again, kernels compiled for the GPU instead of interpreted.
+has compiled && run compiled python3 -m pytest -q -x -p no:cacheprovider tests/test_backend.py tests/test_spec.py \
+  -k "triton or tree or multistep"
 has example && run example python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16
 has host && run host python3 benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20
 has bench && run bench python3 benchmarks/bench_attention.py
