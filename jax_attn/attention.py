@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import jax
-
 from jax_attn.metadata import AttentionMetadata
 from jax_attn.reference import reference_from_metadata
 
@@ -44,8 +42,3 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto",
     from jax_attn.kernels.triton_paged import paged_attention
 
     return paged_attention(q, k_cache, v_cache, md, **kw)
-
-
-def default_interpret() -> bool:
-    """Pallas kernels run in interpret mode when JAX has no GPU."""
-    return jax.default_backend() == "cpu"

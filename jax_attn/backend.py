@@ -19,7 +19,7 @@ from jax_attn import planner
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention, resolve_impl
 from jax_attn.batch import ForwardBatch, pad_batch
-from jax_attn.kv_cache import KVPool, paged_view, set_kv_buffer
+from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.reference import merge_state_reference
 
@@ -174,7 +174,7 @@ class FlashAttentionBackend:
             window_size=layer.window_size, sinks=sinks, return_lse=return_lse, **kw)
 
     def _features(self, layer: LayerParams, pool: KVPool) -> dict:
-        fp8 = pool.k.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+        fp8 = is_fp8(pool.k.dtype)
         kw = dict(softcap=layer.logit_cap, softmax_scale=layer.scaling,
                   k_descale=layer.k_scale if fp8 else None, v_descale=layer.v_scale if fp8 else None)
         if self.impl != "reference":

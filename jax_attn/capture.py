@@ -146,8 +146,3 @@ def unpack_int32(packed, layout):
         out.append(packed[at:at + size].reshape(shape).astype(dtype))
         at += size
     return out
-
-
-def as_int32(x) -> np.ndarray:
-    """Host int arrays (e.g. int64 from an engine) to int32, once per step."""
-    return np.asarray(x, np.int32)

@@ -16,6 +16,11 @@ import jax.numpy as jnp
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
+def is_fp8(dtype) -> bool:
+    """True for the fp8 pool dtypes (stored scaled; attention passes the descale)."""
+    return jnp.dtype(dtype) in [jnp.dtype(d) for d in FP8_DTYPES]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
@@ -59,7 +64,7 @@ def paged_view(buf: jax.Array, page_size: int) -> jax.Array:
 def _store(buf, loc, x, scale, layer_index):
     if x.shape[1:] != buf.shape[-2:]:
         raise ValueError(f"{x.shape=} must be [num_tokens, *{buf.shape[-2:]}] to be written into the pool")
-    if jnp.dtype(buf.dtype) in [jnp.dtype(d) for d in FP8_DTYPES]:
+    if is_fp8(buf.dtype):
         x = x.astype(jnp.float32)
         if scale is not None:
             x = x / jnp.asarray(scale, jnp.float32)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_attn.metadata import ForwardMode
-from jax_attn.planner import plan_uniform
+from jax_attn.planner import exclusive_cumsum, plan_uniform
 from jax_attn.spec import CascadeMetadata, _rows_md
 
 
@@ -45,10 +45,9 @@ def plan_draft_steps(
         cur = loc[:, step]
         if topk <= 1:
             lens = base.cache_seqlens - num_steps + step + 1
-            cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
             used = (lens[:, None] + page_size - 1) // page_size
             plans.append(dataclasses.replace(
-                base, cache_seqlens=lens, cu_seqlens_k=cu_k, out_cache_loc=cur,
+                base, cache_seqlens=lens, cu_seqlens_k=exclusive_cumsum(lens), out_cache_loc=cur,
                 page_table=jnp.where(col < used, base.page_table, 0),
                 max_seqlen_k=base.max_seqlen_k - num_steps + step + 1))
         else:

@@ -92,7 +92,7 @@ def _check_common(req_to_token, req_pool_indices, seq_lens, encoder_lens, max_en
 
 
 # ----------------------------------------------------------------------------- shared pieces
-def _exclusive_cumsum(lens: jax.Array) -> jax.Array:  # lens: [B] -> [B + 1]
+def exclusive_cumsum(lens: jax.Array) -> jax.Array:  # lens: [B] -> [B + 1]
     zero = jnp.zeros((1,), jnp.int32)
     return jnp.concatenate([zero, jnp.cumsum(lens, dtype=jnp.int32)])
 
@@ -131,7 +131,7 @@ def _encoder_metadata(
     table = jnp.where(pos[None, :] < encoder_lens[:, None], slots, 0)
     return EncoderMetadata(
         encoder_lens=encoder_lens,
-        encoder_cu_seqlens_k=_exclusive_cumsum(encoder_lens),
+        encoder_cu_seqlens_k=exclusive_cumsum(encoder_lens),
         encoder_page_table=table,
         max_encoder_len=max_encoder_len,
     )
@@ -154,7 +154,7 @@ def _assemble(
     return AttentionMetadata(
         cache_seqlens=cache_seqlens,
         cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=_exclusive_cumsum(cache_seqlens),
+        cu_seqlens_k=exclusive_cumsum(cache_seqlens),
         page_table=page_table,
         out_cache_loc=out_cache_loc,
         max_seqlen_q=max_seqlen_q,
@@ -240,7 +240,7 @@ def _plan_extend_body(
     _check_array("out_cache_loc", out_cache_loc, 1)
     if max_q_len < 1:
         raise ValueError(f"{fn}: {max_q_len=} must be >= 1; pass the static bound on extend lengths.")
-    cu_seqlens_q = _exclusive_cumsum(extend_seq_lens)
+    cu_seqlens_q = exclusive_cumsum(extend_seq_lens)
     token = jnp.arange(out_cache_loc.shape[0], dtype=jnp.int32)
     out_cache_loc = jnp.where(token < cu_seqlens_q[-1], out_cache_loc, 0)
     return _assemble(

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_attn.metadata import AttentionMetadata, ForwardMode, _pytree_dataclass, static_field
-from jax_attn.planner import plan_uniform
+from jax_attn.planner import exclusive_cumsum, plan_uniform
 
 
 @_pytree_dataclass
@@ -42,16 +42,12 @@ class CascadeMetadata:
         return self.expand.out_cache_loc
 
 
-def _cumsum0(x):
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(x, dtype=jnp.int32)])
-
-
 def _rows_md(counts, table, out_cache_loc, mode) -> AttentionMetadata:
     """One query per row over ``table`` slots (page_size 1); ``counts`` valid columns per row."""
     n = counts.shape[0]
     return AttentionMetadata(
         cache_seqlens=counts.astype(jnp.int32), cu_seqlens_q=jnp.arange(n + 1, dtype=jnp.int32),
-        cu_seqlens_k=_cumsum0(counts), page_table=table.astype(jnp.int32), out_cache_loc=out_cache_loc,
+        cu_seqlens_k=exclusive_cumsum(counts), page_table=table.astype(jnp.int32), out_cache_loc=out_cache_loc,
         max_seqlen_q=jnp.int32(1), max_seqlen_k=jnp.max(counts, initial=0).astype(jnp.int32),
         mode=mode, batch_size=n, num_tokens=n, page_size=1, max_q_len=1, max_pages=table.shape[1],
     )
@@ -112,7 +108,7 @@ def draft_mask_from_custom_mask(custom_mask, seq_lens, *, num_draft: int):
     """
     bsz = seq_lens.shape[0]
     row_len = seq_lens + num_draft  # [B]
-    starts = _cumsum0(row_len * num_draft)[:-1]  # first element of each request's block
+    starts = exclusive_cumsum(row_len * num_draft)[:-1]  # first element of each request's block
     i = jnp.arange(num_draft, dtype=jnp.int32)
     idx = starts[:, None, None] + i[None, :, None] * row_len[:, None, None] + seq_lens[:, None, None] + i[None, None, :]
     ok = (idx >= 0) & (idx < custom_mask.shape[0])

@@ -52,6 +52,7 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams, PlanKey, plan_arrays
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
+from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
@@ -163,9 +164,8 @@ class FlashAttentionBackend:
         rows, lens, loc, ext, enc, words = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
         key = pk.key
         if pk.all_steps:
-            from torch_bridge.multistep import plan_all_draft_steps  # (multistep imports this module)
-            return plan_all_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
-                                        page_size=key.page_size, max_pages=key.max_pages)
+            return plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
+                                    page_size=key.page_size, max_pages=key.max_pages)
         mask = None
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes

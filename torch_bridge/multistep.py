@@ -17,48 +17,15 @@ allocates them.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional, Tuple
 
-import jax.numpy as jnp
 
 from jax_attn import batch as jbatch
 from jax_attn.metadata import ForwardMode
-from jax_attn.multistep import plan_draft_steps
-from jax_attn.planner import plan_uniform
 from torch_bridge.backend import FlashAttentionBackend
 from torch_bridge.dlpack import pad_int32
 
 _DECODE = ForwardMode.DECODE
-
-
-def plan_all_draft_steps(req_to_token, req_pool_indices, seq_lens, draft_cache_loc, *, topk: int,
-                         num_steps: int, page_size: int, max_pages: int):
-    """Plans of draft steps ``0..num_steps-1`` (traceable): ``jax_attn.multistep.plan_draft_steps``,
-    except for topk <= 1, where each step's page table must cover its own ``seq_lens + step + 1``
-    keys: the shared plan is built for the last step and each step masks the pages it does not use
-    (equal to the single-step plan; the shared plan alone misses a page crossed by a later step).
-
-    Args: ``req_to_token`` i32[R, W]; ``req_pool_indices``, ``seq_lens`` i32[B];
-    ``draft_cache_loc`` i32[B * K * S], laid out [B, K, S].
-    """
-    if topk > 1:
-        return plan_draft_steps(req_to_token, req_pool_indices, seq_lens, draft_cache_loc, topk=topk,
-                                num_steps=num_steps, page_size=page_size, max_pages=max_pages)
-    loc = draft_cache_loc.reshape(-1, num_steps)  # [B, S]
-    last = plan_uniform(req_to_token, req_pool_indices, seq_lens, loc[:, 0], kv_offset=num_steps,
-                        page_size=page_size, max_pages=max_pages, mode=_DECODE)
-    col = jnp.arange(max_pages, dtype=jnp.int32)[None]
-    plans = []
-    for step in range(num_steps):
-        lens = seq_lens + step + 1
-        used = (lens + page_size - 1) // page_size
-        cu_k = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens, dtype=jnp.int32)])
-        plans.append(dataclasses.replace(
-            last, cache_seqlens=lens, cu_seqlens_k=cu_k, out_cache_loc=loc[:, step],
-            page_table=jnp.where(col < used[:, None], last.page_table, 0),
-            max_seqlen_k=jnp.max(lens, initial=0).astype(jnp.int32)))
-    return tuple(plans)
 
 
 class FlashAttentionMultiStepBackend:
