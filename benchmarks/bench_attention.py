@@ -75,6 +75,8 @@ def case_list(args) -> list[tuple[str, int, int, int, int]]:
 def peer_builders(kind: str, page_size: int, with_dense: bool):
     """(name, builder) pairs for a case; dense peers run only in the first page-size variant."""
     out = [("ours", peers.ours)]
+    if page_size % 8 == 0:
+        out += [("ours_mosaic", peers.ours_mosaic)]
     if kind == "decode":
         out += [(f"sglang_triton/{s}", lambda p, s=s: peers.sglang_decode(p, s)) for s in SGLANG_SPLITS]
         out += [("jax_pallas_paged", peers.jax_paged)]

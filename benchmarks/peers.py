@@ -135,16 +135,12 @@ def _jax_to_tokens(p: Problem):
 # ----------------------------------------------------------------------------- ours
 
 
-def ours(p: Problem) -> PeerRun:
-    """jax_attn.kernels.triton_paged.paged_attention on the shared paged cache."""
-    try:
-        import jax
-        import jax.numpy as jnp
+def _ours_metadata(p: Problem):
+    """(q, k, v, AttentionMetadata) for our kernels on the shared paged cache."""
+    import jax.numpy as jnp
 
-        from jax_attn.kernels.triton_paged import paged_attention
-        from jax_attn.metadata import AttentionMetadata, ForwardMode
-    except Exception as e:  # the kernel may not exist yet: peers still run
-        raise Unavailable(f"import failed: {type(e).__name__}: {e}") from e
+    from jax_attn.metadata import AttentionMetadata, ForwardMode
+
     q, k, v, pt = p.jax_views()
     b, t = p.batch, p.num_tokens
     if p.q_len == 1:
@@ -165,6 +161,18 @@ def ours(p: Problem) -> PeerRun:
         mode=mode, batch_size=b, num_tokens=t, page_size=p.page_size,
         max_q_len=p.q_len, max_pages=int(pt.shape[1]),
     )
+    return q, k, v, md
+
+
+def ours(p: Problem) -> PeerRun:
+    """jax_attn.kernels.triton_paged.paged_attention on the shared paged cache."""
+    try:
+        import jax
+
+        from jax_attn.kernels.triton_paged import paged_attention
+    except Exception as e:  # the kernel may not exist yet: peers still run
+        raise Unavailable(f"import failed: {type(e).__name__}: {e}") from e
+    q, k, v, md = _ours_metadata(p)
     # The work schedule is part of the step's plan (built once, reused by every layer).
     from jax_attn.kernels.config import DEFAULT_CONFIG
     from jax_attn.kernels.schedule import plan_schedule
@@ -173,7 +181,23 @@ def ours(p: Problem) -> PeerRun:
                                       config=DEFAULT_CONFIG))(md)
     md = dataclasses.replace(md, schedule=jax.block_until_ready(sched))
     fn = jax.jit(functools.partial(paged_attention, causal=True))
-    return PeerRun("ours", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{mode.name.lower()}")
+    return PeerRun("ours", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")
+
+
+def ours_mosaic(p: Problem) -> PeerRun:
+    """jax_attn.kernels.mosaic_paged (Mosaic GPU, page size >= 8) on the shared paged cache."""
+    import jax
+
+    from jax_attn.kernels.mosaic_paged import paged_attention_mosaic, plan_mosaic_schedule, supports
+
+    q, k, v, md = _ours_metadata(p)
+    reason = supports(q, k, v, md)
+    if reason is not None:
+        raise Unavailable(reason)
+    sched = jax.jit(functools.partial(plan_mosaic_schedule, num_q_heads=q.shape[1], num_kv_heads=k.shape[2]))(md)
+    md = dataclasses.replace(md, mosaic_schedule=jax.block_until_ready(sched))
+    fn = jax.jit(functools.partial(paged_attention_mosaic, causal=True))
+    return PeerRun("ours_mosaic", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")
 
 
 # ----------------------------------------------------------------------------- torch SDPA

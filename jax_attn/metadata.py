@@ -92,6 +92,7 @@ class WorkSchedule:
     num_tiles: jax.Array  # i32[]; number of valid tiles
     block_q: int = static_field()  # queries per tile
     max_splits: int = static_field()  # static upper bound on seq_num_splits
+    pack: int = static_field(default=1)  # rows per query token (query heads packed per kv head)
 
 
 @_pytree_dataclass
@@ -110,7 +111,8 @@ class AttentionMetadata:
     max_seqlen_q: jax.Array  # i32[]; longest query run in the batch
     max_seqlen_k: jax.Array  # i32[]; longest KV run in the batch
     encoder: Optional[EncoderMetadata] = None
-    schedule: Optional[WorkSchedule] = None
+    schedule: Optional[WorkSchedule] = None  # the Triton-lowered kernel's tiles
+    mosaic_schedule: Optional[WorkSchedule] = None  # the Mosaic GPU kernel's tiles (rows of its row view)
     mode: ForwardMode = static_field(default=ForwardMode.DECODE)
     batch_size: int = static_field(default=0)  # B (padded)
     num_tokens: int = static_field(default=0)  # T (padded)

@@ -1,0 +1,79 @@
+"""Tests of the Mosaic GPU paged attention kernel (Hopper).
+
+CPU: the Mosaic GPU interpreter (``plgpu.InterpretGPUParams``) on small shapes. GPU (``-m gpu``):
+the compiled kernel on the shared case table, every case the kernel covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_attn.kernels.mosaic_paged import MosaicConfig, paged_attention_mosaic, supports
+from tests.attention_cases import CPU_CASES, GPU_CASES, Case, build_inputs, check_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+
+
+def _c(name, seq_lens, **kw):
+    kw = dict(dict(heads=(4, 2), head_dim=64, dtype="bfloat16", page_size=16, num_splits=None), **kw)
+    return Case(name=name, seq_lens=tuple(seq_lens), **kw)
+
+
+# Row counts that cross the 64-row warpgroup and 128-row tile edges; pages shuffled, NaN in unused slots.
+MOSAIC_CPU_CASES = [
+    _c("prefill_ragged", [(70, 70), (5, 5), (130, 140)], heads=(2, 1)),
+    _c("decode_packed", [(1, 17), (1, 130), (1, 3)], pad_rows=1),
+    _c("verify_packed", [(4, 40), (4, 4)], heads=(8, 2)),
+    _c("mixed_window", [(1, 90), (40, 60)], window=(13, 0), heads=(2, 2)),
+    _c("noncausal_softcap", [(20, 50), (3, 9)], causal=False, softcap=5.0, page_size=8),
+    _c("sinks_page64", [(1, 60), (66, 150)], sinks=True, page_size=64, heads=(2, 1)),
+    _c("f16_dv128", [(9, 30), (1, 70)], dtype="float16", head_dim=128, heads=(2, 1)),
+]
+
+INTERPRET = dict(interpret=plgpu.InterpretGPUParams())
+
+
+@pytest.mark.parametrize("case", MOSAIC_CPU_CASES, ids=lambda c: c.name)
+def test_mosaic_interpret(case):
+    config = MosaicConfig(block_kv=64 if case.page_size != 64 else 128)
+    check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
+
+
+def test_mosaic_rejects_what_it_does_not_cover():
+    q, k, v, md, _ = build_inputs(dataclasses.replace(MOSAIC_CPU_CASES[0], dtype="float32"))
+    assert "bf16 or f16" in supports(q, k, v, md)
+    with pytest.raises(NotImplementedError, match="impl='mosaic'"):
+        paged_attention_mosaic(q, k, v, md, **INTERPRET)
+    q, k, v, md, kw = build_inputs(next(c for c in CPU_CASES if c.fp8))
+    assert "fp8 KV" in supports(q, k, v, md, k_descale=kw["k_descale"])
+    q, k, v, md, _ = build_inputs(MOSAIC_CPU_CASES[1])
+    with pytest.raises(NotImplementedError, match="split-KV"):
+        paged_attention_mosaic(q.astype(jnp.bfloat16), k, v, md, num_splits=4, **INTERPRET)
+
+
+def _covered(case):
+    q, k, v, md, kw = build_inputs(case)
+    return supports(q, k, v, md, k_descale=kw.get("k_descale")) is None and case.num_splits in (None, 1)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", [c for c in GPU_CASES + MOSAIC_CPU_CASES if _covered(c)], ids=lambda c: c.name)
+def test_mosaic_gpu(case):
+    check_attention(paged_attention_mosaic, case)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_kv,stages", [(64, 2), (64, 4)])  # (128, 3) exceeds shared memory
+def test_mosaic_gpu_configs(block_kv, stages):
+    case = next(c for c in GPU_CASES if c.name == "mixed")
+    check_attention(functools.partial(paged_attention_mosaic, config=MosaicConfig(block_kv=block_kv, stages=stages)),
+                    case)

@@ -1,0 +1,433 @@
+"""Launch compiled Mosaic GPU kernels on torch's current CUDA stream, without JAX dispatch.
+
+A JAX function holding one Mosaic GPU kernel call (``plgpu.kernel``) is lowered once per argument
+shapes; the kernel module is taken from its ``mosaic_gpu_v2`` custom call and compiled with
+``MosaicGpuCompile`` from JAX's CUDA plugin. A launch fills a prebuilt array of device pointers
+(XLA's order: call operands, then call results) and calls the plugin's host function with
+``torch.cuda.current_stream()``. That host function (jaxlib's Mosaic GPU runtime, pinned to jax
+0.11.2) encodes the TMA descriptors on the host (``cuTensorMapEncodeTiled``) and calls
+``cuLaunchKernelEx`` on the stream, nothing else: inside ``torch.cuda.graph`` capture a launch is
+recorded as one kernel node whose parameters (pointers, TMA descriptors) are fixed at capture, as
+for any captured torch kernel. Launch once before capturing, as torch recommends for any kernel.
+
+Outputs the kernel aliases to an argument (a pool passed through ``jax.new_ref`` and written by
+the kernel) are written in place into that torch tensor; other returned outputs go into ``out=``
+tensors (no allocation per call) or new ``torch.empty`` tensors. Constants and ``jnp.empty`` /
+``jnp.zeros`` buffers feeding the call become device tensors the compiled kernel owns.
+
+Set ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX first touches the GPU (lowering queries the
+device). Keep a compiled kernel (or its ``BoundLaunch``) alive while a CUDA graph that captured it
+may replay: its code is unloaded when it is garbage collected. Kernel objects are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import re
+import weakref
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+
+try:  # jax internals, pinned below (check_jax_internals says what to update when they move)
+    import jax.experimental.mosaic.gpu as _mgpu
+    from jax._src.lib.mlir import ir, passmanager
+    from jax._src.lib.mlir.dialects import hlo
+except ImportError as _e:  # pragma: no cover - other jax versions
+    _mgpu = ir = passmanager = hlo = None
+    _IMPORT_ERROR = _e
+
+JAX_FAMILY = "0.11.2"
+CALL_TARGET = "mosaic_gpu_v2"
+_ALIGN = 16  # TMA needs 16-byte aligned global addresses
+_LAUNCH_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+_TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64",
+                 "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "ui8": "uint8",
+                 "ui16": "uint16", "ui32": "uint32", "ui64": "uint64", "i1": "bool",
+                 "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2"}
+
+
+def check_jax_internals() -> None:
+    """Raise RuntimeError if the jax/jaxlib internals this module relies on are not the pinned ones."""
+    import jaxlib
+
+    for name, version in (("jax", jax.__version__), ("jaxlib", jaxlib.__version__)):
+        if not re.match(rf"^{re.escape(JAX_FAMILY)}(\D|$)", version):
+            raise RuntimeError(
+                f"torch_bridge.launcher is pinned to {name} {JAX_FAMILY}.x, found {version}: re-check "
+                "jax/_src/pallas/mosaic_gpu/torch.py and jax/experimental/mosaic/gpu/core.py "
+                "(_compile_as_torch_gpu_kernel) of the new version, then update JAX_FAMILY"
+            )
+    if hlo is None:
+        raise RuntimeError(f"jax internals moved ({_IMPORT_ERROR}): update the imports of torch_bridge/launcher.py")
+    for owner, attr in ((hlo, "CustomCallOp"), (hlo, "OutputOperandAlias"), (passmanager, "PassManager"),
+                        (_mgpu.dialect, "register_inliner_extensions")):
+        if not hasattr(owner, attr):
+            raise RuntimeError(f"jax internal {owner.__name__}.{attr} is gone: update torch_bridge/launcher.py")
+
+
+# ---------------------------------------------------------------- plan: where each pointer comes from
+class Slot(NamedTuple):
+    """One entry of the kernel's buffer list: a caller argument, an output or an owned buffer."""
+
+    kind: str  # "arg" (caller tensor), "out" (returned output), "own" (kernel-owned tensor)
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Owned:
+    """A device tensor the compiled kernel owns: a constant, or scratch the caller never sees."""
+
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name
+    fill: Optional[float] = None  # constant value; None = uninitialized scratch
+    refill: bool = False  # the kernel writes it: restore the constant before every launch
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How to call one lowered kernel from torch (built once per argument shapes)."""
+
+    module: bytes  # the serialized Mosaic GPU module
+    arg_types: tuple[tuple[tuple[int, ...], str], ...]  # (shape, torch dtype name) per argument
+    out_types: tuple[tuple[tuple[int, ...], str], ...]  # per fresh output (not written into an argument)
+    buffers: tuple[Slot, ...]  # call operands, then call results
+    returns: tuple[Slot, ...]  # the function's results: ("arg", i) written in place, or ("out", j)
+    owned: tuple[Owned, ...]
+    single: bool  # the function returns one array, not a tuple
+
+
+def _tensor_type(value) -> tuple[tuple[int, ...], str]:
+    ty = ir.RankedTensorType(value.type)
+    elem = str(ty.element_type)
+    if elem not in _TORCH_DTYPES:
+        raise ValueError(f"element type {elem} has no torch dtype: use one of {sorted(_TORCH_DTYPES)}")
+    return tuple(ty.shape), _TORCH_DTYPES[elem]
+
+
+def _splat_value(op) -> float:
+    attr = op.value
+    if not isinstance(attr, ir.DenseElementsAttr) or not attr.is_splat:
+        raise ValueError(f"only splat constants can feed the kernel, got {op}: pass the array as an argument")
+    value = attr.get_splat_value()
+    return ir.IntegerAttr(value).value if isinstance(value, ir.IntegerAttr) else ir.FloatAttr(value).value
+
+
+def _scan_block(block):
+    """Classify the values of ``main``'s body; return (sources, the kernel call, the return op)."""
+    sources: dict[Any, tuple] = {arg: ("arg", i) for i, arg in enumerate(block.arguments)}
+    call = ret = None
+    for op in block.operations:
+        name = op.operation.name
+        target = op.call_target_name.value if isinstance(op, hlo.CustomCallOp) else None
+        if name == "stablehlo.constant":
+            sources[op.result] = ("const", _splat_value(op), *_tensor_type(op.result))
+        elif name == "stablehlo.broadcast_in_dim" and sources.get(op.operand, ("",))[0] == "const":
+            sources[op.result] = ("const", sources[op.operand][1], *_tensor_type(op.result))
+        elif target == "AllocateBuffer":
+            sources[op.result] = ("empty", None, *_tensor_type(op.result))
+        elif target == CALL_TARGET:
+            if call is not None:
+                raise ValueError("the function holds several Mosaic GPU kernel calls: launch each one separately")
+            call = op
+        elif name in ("func.return", "sdy.return"):
+            ret = op
+        else:
+            raise ValueError(
+                f"unsupported op outside the kernel: {name}{'/' + target if target else ''}. The function "
+                "may hold one plgpu.kernel call plus scalar constants and jnp.empty/zeros buffers: move "
+                "other JAX ops into the kernel or into torch"
+            )
+    if call is None or ret is None:
+        raise ValueError("no Mosaic GPU kernel call found: the function must call a plgpu.kernel (interpret=False)")
+    return sources, call, ret
+
+
+def _call_module(call) -> bytes:
+    config = call.attributes["mhlo.backend_config"]
+    for flag in ("use_custom_barrier", "uses_xla_collective_metadata"):
+        if flag in config and ir.BoolAttr(config[flag]).value:
+            raise ValueError(f"the kernel sets {flag}: multi-device kernels cannot be launched from torch")
+    if "module" not in config:
+        raise RuntimeError(f"{CALL_TARGET} backend_config has no 'module': a jax internal changed, update the launcher")
+    return ir.StringAttr(config["module"]).value_bytes
+
+
+def _call_aliases(call) -> dict[int, int]:
+    """result index -> operand index, from the call's ``output_operand_aliases``."""
+    aliases = {}
+    if "output_operand_aliases" not in call.attributes:
+        return aliases
+    for attr in call.attributes["output_operand_aliases"]:
+        alias = hlo.OutputOperandAlias(attr)
+        if alias.operand_tuple_indices or len(alias.output_tuple_indices) > 1:
+            raise ValueError("tupled operands/results in output_operand_aliases are not supported")
+        result = alias.output_tuple_indices[0] if alias.output_tuple_indices else 0
+        aliases[result] = alias.operand_index
+    return aliases
+
+
+def _assign_slots(sources, call, ret, aliases):
+    """Slots for the call's operands and results, the function's returns, owned tensors, outputs."""
+    operand_src = [sources[v] for v in call.operands]
+    results = list(call.results)
+    try:
+        returned = [results.index(v) for v in ret.operands]
+    except ValueError:
+        raise ValueError("the function may only return results of the kernel call (not inputs or constants)") from None
+    owned, out_types, out_of_result = [], [], {}
+    for r in dict.fromkeys(returned):  # fresh outputs, in return order
+        src = operand_src[aliases[r]] if r in aliases else None
+        if src is not None and src[0] == "const":
+            raise NotImplementedError("a returned output aliases a constant: pass its initial value as an argument")
+        if src is None or src[0] == "empty":
+            out_of_result[r] = len(out_types)
+            out_types.append(_tensor_type(results[r]))
+    written = {aliases[r] for r in aliases}
+    operand_slots = []
+    for j, src in enumerate(operand_src):
+        out_r = next((r for r, o in aliases.items() if o == j and r in out_of_result), None)
+        if src[0] == "arg":
+            operand_slots.append(Slot("arg", src[1]))
+        elif out_r is not None:
+            operand_slots.append(Slot("out", out_of_result[out_r]))
+        else:
+            fill = src[1] if src[0] == "const" else None
+            owned.append(Owned(tuple(src[2]), src[3], fill, refill=fill is not None and j in written))
+            operand_slots.append(Slot("own", len(owned) - 1))
+    result_slots = []
+    for r, value in enumerate(results):
+        if r in aliases:
+            result_slots.append(operand_slots[aliases[r]])
+        elif r in out_of_result:
+            result_slots.append(Slot("out", out_of_result[r]))
+        else:  # a result nobody reads: scratch owned by the kernel
+            owned.append(Owned(*_tensor_type(value)))
+            result_slots.append(Slot("own", len(owned) - 1))
+    returns = [result_slots[r] for r in returned]
+    return tuple(operand_slots + result_slots), tuple(returns), tuple(owned), tuple(out_types)
+
+
+def plan_kernel(fn: Callable, *arg_structs: jax.ShapeDtypeStruct) -> KernelPlan:
+    """Lower ``fn`` for CUDA at ``arg_structs`` and describe how to launch its one Mosaic GPU kernel.
+
+    Needs no GPU (the lowering targets CUDA explicitly), so plans can be checked on a CPU machine.
+    """
+    check_jax_internals()
+    for s in arg_structs:
+        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
+            raise ValueError(f"{s!r}: pass one jax.ShapeDtypeStruct (or array) per argument, no pytrees")
+    traced = jax.jit(fn, keep_unused=True).trace(*arg_structs)
+    out_leaves, out_tree = jax.tree.flatten(traced.out_info)
+    single = out_tree == jax.tree.structure(0)
+    if not single and out_tree != jax.tree.structure((0,) * len(out_leaves)):
+        raise ValueError(f"the function must return an array or a flat tuple of arrays, got {out_tree}")
+    module = traced.lower(lowering_platforms=("cuda",)).compiler_ir()
+    with module.context:
+        _mgpu.dialect.register_inliner_extensions(module.context)  # undo jax.jit's outlining
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+        mains = [op for op in module.body.operations if op.operation.name == "func.func"
+                 and op.attributes["sym_name"].value == "main"]
+        if len(mains) != 1:
+            raise ValueError("expected one main function in the lowered module (nested calls left after inlining)")
+        block = mains[0].regions[0].blocks[0]
+        sources, call, ret = _scan_block(block)
+        buffers, returns, owned, out_types = _assign_slots(sources, call, ret, _call_aliases(call))
+        arg_types = tuple(_tensor_type(a) for a in block.arguments)
+        return KernelPlan(_call_module(call), arg_types, out_types, buffers, returns, owned, single)
+
+
+# ---------------------------------------------------------------- compile and launch
+class Compiled(NamedTuple):
+    handle: int  # the plugin's loaded-kernel handle
+    launch: Callable  # launch(handle, stream, buffers)
+    unload: Callable[[], None]
+
+
+@functools.cache
+def _plugin_library():
+    check_jax_internals()
+    try:
+        try:
+            import jax_plugins.xla_cuda13 as plugin
+        except ImportError:
+            import jax_plugins.xla_cuda12 as plugin
+    except ImportError:
+        raise RuntimeError("JAX's CUDA plugin (jax-cuda13-plugin / jax-cuda12-plugin) is not installed") from None
+    lib = ctypes.CDLL(plugin._get_library_path())
+    for sym in ("MosaicGpuCompile", "MosaicGpuUnload"):
+        if not hasattr(lib, sym):
+            raise RuntimeError(f"{sym} is missing from the CUDA plugin: a jaxlib internal changed, update the launcher")
+    lib.MosaicGpuCompile.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    lib.MosaicGpuCompile.restype = ctypes.POINTER(ctypes.c_void_p)
+    lib.MosaicGpuUnload.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.MosaicGpuUnload.restype = None
+    return lib
+
+
+def cuda_loader(module: bytes, device) -> Compiled:
+    """Compile a serialized Mosaic GPU module for ``device`` with the CUDA plugin."""
+    import torch
+
+    lib = _plugin_library()
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)  # the primary context exists and is current on this thread
+        res = lib.MosaicGpuCompile(module, len(module))
+    if not res:
+        raise RuntimeError("MosaicGpuCompile failed (set MOSAIC_GPU_DUMP_PTX=1 / MOSAIC_GPU_DUMP_MLIR_PASSES=1 to see why)")
+    return Compiled(res[0], _LAUNCH_T(res[1]), functools.partial(lib.MosaicGpuUnload, res))
+
+
+def _stream_getter(device) -> Callable[[], int]:
+    import torch
+
+    if device.type != "cuda":
+        return lambda: 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return functools.partial(raw, device.index)
+    return lambda: torch.cuda.current_stream(device).cuda_stream
+
+
+class TorchKernel:
+    """One compiled kernel for fixed argument shapes: ``kernel(*tensors, out=None, check=True)``."""
+
+    def __init__(self, plan: KernelPlan, device, loader: Callable[[bytes, Any], Compiled] = cuda_loader):
+        import torch
+
+        self.plan, self.device, self._empty = plan, torch.device(device), torch.empty
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        compiled = loader(plan.module, self.device)
+        self._handle, self._launch = compiled.handle, compiled.launch
+        self._finalizer = weakref.finalize(self, compiled.unload)
+        self._finalizer.atexit = False  # the process is ending: nothing to free, CUDA may be gone
+        self._stream = _stream_getter(self.device)
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self._torch_arg = [(tuple(s), getattr(torch, d)) for s, d in plan.arg_types]
+        self._torch_out = [(tuple(s), getattr(torch, d)) for s, d in plan.out_types]
+        self._owned = [torch.empty(o.shape, dtype=getattr(torch, o.dtype), device=self.device) if o.fill is None
+                       else torch.full(o.shape, o.fill, dtype=getattr(torch, o.dtype), device=self.device)
+                       for o in plan.owned]
+        self._refill = [(t, o.fill) for t, o in zip(self._owned, plan.owned) if o.refill]
+        self._ptrs = (ctypes.c_void_p * len(plan.buffers))()
+        self._arg_pos = [(s.index, i) for i, s in enumerate(plan.buffers) if s.kind == "arg"]
+        self._out_pos = [(s.index, i) for i, s in enumerate(plan.buffers) if s.kind == "out"]
+        self._returns = [(s.kind == "arg", s.index) for s in plan.returns]
+        for i, s in enumerate(plan.buffers):
+            if s.kind == "own":
+                self._ptrs[i] = self._owned[s.index].data_ptr()
+
+    def _check(self, tensors: Sequence, expected, what: str) -> None:
+        if len(tensors) != len(expected):
+            raise ValueError(f"expected {len(expected)} {what} tensors, got {len(tensors)}")
+        dev = self._device_index
+        for i, (t, (shape, dtype)) in enumerate(zip(tensors, expected)):
+            if (t.shape != shape or t.dtype is not dtype or t.get_device() != dev or not t.is_contiguous()
+                    or t.data_ptr() % _ALIGN):
+                raise ValueError(
+                    f"{what}[{i}] is {tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()}, "
+                    f"address % {_ALIGN} = {t.data_ptr() % _ALIGN}); the kernel was compiled for a contiguous "
+                    f"{shape} {dtype} tensor on {self.device} with a {_ALIGN}-byte aligned address"
+                )
+
+    def _prepare(self, ptrs, args, out, check: bool):
+        """Check (optionally), write the pointers of ``args`` and the outputs into ``ptrs``; return the outputs."""
+        if check:
+            self._check(args, self._torch_arg, "argument")
+        if out is None:
+            outs = [self._empty(s, dtype=d, device=self.device) for s, d in self._torch_out]
+        else:
+            outs = (out,) if hasattr(out, "data_ptr") else tuple(out)
+            if check:
+                self._check(outs, self._torch_out, "out")
+        arg_ptrs = [t.data_ptr() for t in args]
+        for a, i in self._arg_pos:
+            ptrs[i] = arg_ptrs[a]
+        for o, i in self._out_pos:
+            ptrs[i] = outs[o].data_ptr()
+        return outs
+
+    def _result(self, args, outs):
+        res = tuple([args[i] if is_arg else outs[i] for is_arg, i in self._returns])
+        return res[0] if self.plan.single else res
+
+    def __call__(self, *args, out=None, check: bool = True):
+        """Launch on torch's current stream; returns the function's outputs as torch tensors.
+
+        Args:
+          *args: one tensor per argument of the function (contiguous, on the kernel's device).
+            An argument that the kernel aliases to an output is written in place.
+          out: tensors for the returned outputs that are not written into an argument (one
+            tensor or a sequence, in return order); None allocates them.
+          check: verify shapes, dtypes, device, contiguity and alignment first. ``check=False``
+            is the fast path for callers that pass the same kind of tensors every time.
+        """
+        outs = self._prepare(self._ptrs, args, out, check)
+        for t, v in self._refill:
+            t.fill_(v)
+        self._launch(self._handle, self._stream(), self._ptrs)
+        return self._result(args, outs)
+
+    def bind(self, *args, out=None) -> "BoundLaunch":
+        """Check once and fix the tensors (persistent buffers): the bound launch only reads the stream."""
+        ptrs = (ctypes.c_void_p * len(self._ptrs))(*self._ptrs)
+        outs = self._prepare(ptrs, args, out, True)
+        return BoundLaunch(self, ptrs, self._result(args, outs), (args, outs))
+
+
+class BoundLaunch:
+    """A kernel with its tensors fixed (persistent buffers): ``bound()`` launches and returns outputs."""
+
+    def __init__(self, kernel: TorchKernel, ptrs, result, keep_alive):
+        self._kernel, self._ptrs, self.result, self._keep = kernel, ptrs, result, keep_alive
+        self._launch, self._handle, self._stream = kernel._launch, kernel._handle, kernel._stream
+
+    def __call__(self):
+        for t, v in self._kernel._refill:
+            t.fill_(v)
+        self._launch(self._handle, self._stream(), self._ptrs)
+        return self.result
+
+
+def compile_for_torch(fn: Callable, *arg_structs, device=None, loader=cuda_loader) -> TorchKernel:
+    """Compile ``fn`` (one Mosaic GPU kernel call) for these argument shapes, to launch from torch.
+
+    Args:
+      fn: a JAX function of arrays that calls one ``plgpu.kernel`` (compiled, not interpreted).
+      *arg_structs: one ``jax.ShapeDtypeStruct`` or torch tensor per argument.
+      device: the CUDA device (default: the first tensor's device, else torch's current device).
+      loader: compiles the serialized module (tests pass a fake one).
+
+    Returns:
+      A ``TorchKernel``: ``kernel(*tensors, out=None, check=True)`` launches on the current stream.
+    """
+    import torch
+
+    if device is None:
+        device = next((a.device for a in arg_structs if isinstance(a, torch.Tensor)), None)
+        device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    structs = [a if isinstance(a, jax.ShapeDtypeStruct) else
+               jax.ShapeDtypeStruct(tuple(a.shape), jax.numpy.dtype(str(a.dtype).removeprefix("torch.")))
+               for a in arg_structs]
+    return TorchKernel(plan_kernel(fn, *structs), device, loader)
+
+
+class MosaicLauncher:
+    """``fn`` compiled once per (shapes, dtypes, device) of the torch tensors it is called with."""
+
+    def __init__(self, fn: Callable, loader=cuda_loader):
+        self.fn, self._loader, self._kernels = fn, loader, {}
+
+    def kernel(self, *tensors) -> TorchKernel:
+        """The compiled kernel for these tensors' shapes (compiled on first use)."""
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors) + (tensors[0].device if tensors else None,)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = compile_for_torch(self.fn, *tensors, loader=self._loader)
+        return k
+
+    def __call__(self, *tensors, out=None, check: bool = True):
+        return self.kernel(*tensors)(*tensors, out=out, check=check)
