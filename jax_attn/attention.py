@@ -1,30 +1,64 @@
 """One entry point for paged attention over every implementation (``impl``).
 
 ``impl``:
-  ``"auto"``      the Pallas kernel (compiled on GPU, interpret mode on CPU);
-  ``"triton"``    the Pallas kernel lowered through Triton (any page size);
-  ``"mosaic"``    the Mosaic GPU kernel for Hopper (not built yet: raises NotImplementedError);
+  ``"auto"``      per call: the Mosaic GPU kernel for prefill/extend on Hopper GPUs when it covers
+                  the call (bf16/f16, head dim 64/128, page size a multiple of 8, no fp8 descale,
+                  not deterministic mode), else the Triton-lowered kernel (interpret mode on CPU);
+  ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature);
+  ``"mosaic"``    the Pallas Mosaic GPU kernel for Hopper (raises ``NotImplementedError`` for what
+                  it does not cover: see ``jax_attn.kernels.mosaic_paged.supports``);
   ``"reference"`` the plain-``jnp`` float32 reference.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from jax_attn.metadata import AttentionMetadata
 from jax_attn.reference import reference_from_metadata
 
 IMPLS = ("auto", "triton", "mosaic", "reference")
+_HOPPER = ("H100", "H200", "H800", "H20", "GH200")
 
 
 def resolve_impl(impl: str) -> str:
-    """Map ``auto`` to a concrete implementation for the default device."""
+    """Check ``impl``; ``auto`` stays ``auto`` (each call picks a kernel, see ``choose_impl``)."""
     if impl not in IMPLS:
         raise ValueError(f"{impl=} must be one of {IMPLS}")
-    if impl == "mosaic":
-        raise NotImplementedError(
-            "impl='mosaic' (Pallas Mosaic GPU kernels for Hopper) is not implemented yet; "
-            "use impl='triton' or 'auto'"
-        )
-    return "triton" if impl == "auto" else impl
+    return impl
+
+
+@functools.cache
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (the Mosaic kernel's target)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and any(name in dev.device_kind for name in _HOPPER)
+
+
+def mosaic_wanted(md: AttentionMetadata, *, deterministic: bool = False) -> bool:
+    """``auto``'s static rule: Mosaic for query runs longer than the packed-decode bound, on Hopper.
+
+    Deterministic mode keeps one kernel for every batch (bitwise batch invariance).
+    """
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG
+
+    return (not deterministic and on_hopper() and md.page_size % 8 == 0
+            and md.max_q_len > DEFAULT_MOSAIC_CONFIG.pack_max_q_len)
+
+
+def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> str:
+    """The concrete implementation a call runs with."""
+    impl = resolve_impl(impl)
+    if impl != "auto":
+        return impl
+    if kw.get("num_splits") not in (None, 1) or not mosaic_wanted(md, deterministic=kw.get("num_splits") == 1):
+        return "triton"
+    from jax_attn.kernels.mosaic_paged import supports
+
+    covered = supports(q, k_cache, v_cache, md, k_descale=kw.get("k_descale"), v_descale=kw.get("v_descale"))
+    return "mosaic" if covered is None else "triton"
 
 
 def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto", **kw):
@@ -34,11 +68,15 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto",
     ``window_size``, ``softcap``, ``sinks``, ``k_descale``, ``v_descale``, ``softmax_scale``,
     ``return_lse``, and (kernels only) ``num_splits``, ``config``.
     """
-    impl = resolve_impl(impl)
+    impl = choose_impl(impl, q, k_cache, v_cache, md, **kw)
     if impl == "reference":
         kw.pop("num_splits", None)
         kw.pop("config", None)
         return reference_from_metadata(q, k_cache, v_cache, md, **kw)
+    if impl == "mosaic":
+        from jax_attn.kernels.mosaic_paged import paged_attention_mosaic
+
+        return paged_attention_mosaic(q, k_cache, v_cache, md, **kw)
     from jax_attn.kernels.triton_paged import paged_attention
 
     return paged_attention(q, k_cache, v_cache, md, **kw)

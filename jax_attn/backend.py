@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jax_attn import planner
 from jax_attn import spec as spec_plan
-from jax_attn.attention import attention, resolve_impl
+from jax_attn.attention import attention, mosaic_wanted, resolve_impl
 from jax_attn.batch import ForwardBatch, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
@@ -106,7 +106,12 @@ class FlashAttentionBackend:
         hq, hkv = self.num_heads
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
                               num_splits=1 if self.deterministic else None)
-        return dataclasses.replace(md, schedule=sched)
+        mosaic = None
+        if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(md, deterministic=self.deterministic)):
+            from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
+
+            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv)
+        return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""
@@ -190,6 +195,7 @@ class FlashAttentionBackend:
             enc_md = dataclasses.replace(
                 md, cache_seqlens=enc.encoder_lens, cu_seqlens_k=enc.encoder_cu_seqlens_k,
                 page_table=enc.encoder_page_table, page_size=1, max_pages=enc.max_encoder_len, schedule=None,
+                mosaic_schedule=None,
             )
             return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), enc_md, impl=self.impl,
                              causal=False, **kw)

@@ -193,8 +193,8 @@ def test_idle_and_errors():
     with pytest.raises(ValueError, match="draft_mask"):
         backend.plan(ForwardBatch(ForwardMode.TARGET_VERIFY, [1], [4], [1, 2],
                                   spec_info=SpecInfo(topk=2, num_draft_tokens=2)))
-    with pytest.raises(NotImplementedError, match="mosaic"):
-        FlashAttentionBackend(table, impl="mosaic")
+    with pytest.raises(ValueError, match="must be one of"):
+        FlashAttentionBackend(table, impl="cuda")
     with pytest.raises(ValueError, match="multiple"):
         LayerParams(num_q_heads=6, num_kv_heads=4, head_dim=8)
 

@@ -77,3 +77,15 @@ def test_mosaic_gpu_configs(block_kv, stages):
     case = next(c for c in GPU_CASES if c.name == "mixed")
     check_attention(functools.partial(paged_attention_mosaic, config=MosaicConfig(block_kv=block_kv, stages=stages)),
                     case)
+
+
+def test_attention_dispatch_runs_mosaic():
+    """``attention(impl="mosaic")`` reaches the kernel (interpreted on CPU); ``auto`` picks Triton off Hopper."""
+    from jax_attn.attention import attention, choose_impl
+
+    case = MOSAIC_CPU_CASES[2]
+    check_attention(functools.partial(attention, impl="mosaic"), case)
+    q, k, v, md, _ = build_inputs(case)
+    assert choose_impl("auto", q, k, v, md) == ("mosaic" if ON_GPU and md.max_q_len > 16 else "triton")
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_impl("cuda", q, k, v, md)

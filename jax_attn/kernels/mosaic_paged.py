@@ -467,6 +467,8 @@ def paged_attention_mosaic(
     ``num_splits > 1`` (no split-KV in this kernel yet).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
+    if interpret is None and jax.default_backend() == "cpu":
+        interpret = plgpu.InterpretGPUParams()
     reason = supports(q, k_cache, v_cache, md, k_descale=k_descale, v_descale=v_descale)
     if reason is not None:
         raise NotImplementedError(f"impl='mosaic': {reason}; use impl='triton'")
