@@ -1,19 +1,42 @@
-"""Host overhead of a decode step through the JAX backend (plan + pad + dispatch), batch 64.
+"""Host overhead of a decode step through the JAX backend, per weight layout and call path.
 
-Runs the example Llama-style model (``examples/llama.py``) as one captured executable per step
-and reports, per decode step:
-  device  time of back-to-back executable calls on device-resident inputs (the kernels' floor)
-  replay  ``StepRunner.replay`` from host numpy batch fields, blocking on the result each step
-  host    time for ``replay`` to return before blocking (planning inputs, padding, dispatch)
-overhead = replay - device. Random KV contents (never zeros).
+Runs the example Llama-style model (``examples/llama.py``) as one captured executable per step.
+A variant is ``LAYOUT[-OPTION...]``: LAYOUT one of ``llama.LAYOUTS`` (how weights and KV pools are
+passed); options choose the call path (default ``StepRunner.replay`` of the AOT executable) or
+compiler options:
+  jit      the same step through ``jax.jit``'s C++ dispatch instead of the AOT executable
+  staged   step inputs first copied into persistent device buffers (stable input addresses, so a
+           command buffer needs no update for them)
+  nocb     compiled without XLA command buffers (CUDA graphs): kernels are launched one by one and
+           the GPU starts on the first while the host enqueues the rest
+  dsf      XLA dynamic-slice fusion: slices feeding library GEMMs become address offsets
+Per variant:
+  leaves      params + pools arguments of the step
+  device      back-to-back executable calls on the same device-resident inputs (the kernels' floor)
+  replay      replay from host numpy batch fields, blocking on the result every step
+  host        time for the replay call to return (planning inputs, padding, dispatch)
+  overhead    replay - device
+  piped       wall time per step of replays issued without blocking, the next token ids taken on
+              device from the previous step's logits (how an overlap scheduler runs)
+  call same / call fresh: host time of the bare executable call with the same device inputs /
+              with new input buffers (same values) every call
+and, from the optimized HLO (``compiled.as_text()``): copy / slice / dynamic-slice instructions,
+fusions rooted in a slice, MB written per step by kernels that only copy or slice (total and
+the largest one: a copied KV pool or weight stack shows here), command buffers and kernels
+launched outside them. Random KV contents (never zeros).
 
-    python benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096
+    python benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --variant main
+    python benchmarks/bench_host_overhead.py --config small --batch 8 --ctx 64 --layers 2   # CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -25,14 +48,114 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import llama  # noqa: E402
 
-from jax_attn.backend import FlashAttentionBackend  # noqa: E402
+from jax_attn.backend import FlashAttentionBackend, batch_arrays  # noqa: E402
 from jax_attn.batch import ForwardBatch  # noqa: E402
 from jax_attn.capture import StepRunner, _pad_tokens, pack_int32  # noqa: E402
-from jax_attn.backend import batch_arrays  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
+CALL_OPTIONS = ("jit", "staged")
+COMPILE_OPTIONS = {"nocb": {"xla_gpu_enable_command_buffer": ""},
+                   "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True}}
+VARIANT_SETS = {
+    "main": ("list", "list-staged", "fused", "fused-jit", "fused-staged", "fused-nocb", "fused-dsf"),
+    "alternatives": ("list-nocb", "perlayer", "perlayer-nocb", "flat", "scan", "scan-dsf"),
+}
+VARIANT_SETS["all"] = VARIANT_SETS["main"] + VARIANT_SETS["alternatives"]
 
+# ---- optimized HLO: what a step copies, slices and launches ------------------------------------
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPERAND = re.compile(r"\s*(?:\w+\[[^\]]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")  # first operand's name
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_LAUNCH_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+                "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"}
+_DATA_MOVERS = {"copy", "slice", "dynamic-slice", "transpose"}
+
+
+def _instruction(rest: str):
+    """``'(f32[2], s32[]) tuple(%a, %b)'`` -> (output bytes, opcode, operand text)."""
+    if rest.startswith("("):
+        depth = 0
+        for end, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        type_text, tail = rest[:end + 1], rest[end + 1:].lstrip()
+    else:
+        type_text, _, tail = rest.partition(" ")
+    opcode, _, operands = tail.partition("(")
+    nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dt, 1 if dt.startswith("f8") else 4)
+                 for dt, dims in _ARRAY.findall(type_text))
+    return nbytes, opcode.strip(), operands
+
+
+def parse_hlo(text: str) -> dict:
+    """``{computation: dict(entry, insts=[(name, bytes, opcode, operands)], root)}`` of an HLO module."""
+    comps, cur = {}, None
+    for line in text.splitlines():
+        if cur is None:
+            m = _COMPUTATION.match(line)
+            if m:
+                cur = comps.setdefault(m.group(2), dict(entry=bool(m.group(1)), insts=[], root=None))
+        elif line.strip() == "}":
+            cur = None
+        elif m := _INSTRUCTION.match(line):
+            inst = (m.group(2), *_instruction(m.group(3)))
+            cur["insts"].append(inst)
+            cur["root"] = inst if m.group(1) else cur["root"]
+    return comps
+
+
+def _callee(operands: str, attr: str):
+    m = re.search(attr + r"=%?([\w.\-]+)", operands)
+    return m.group(1) if m else None
+
+
+def _root_opcode(comp) -> str:
+    """Opcode of a fused computation's root, looking through bitcasts and reshapes."""
+    if comp is None:
+        return ""
+    by_name, inst = {i[0]: i for i in comp["insts"]}, comp["root"]
+    while inst is not None and inst[2] in ("bitcast", "reshape"):
+        m = _OPERAND.match(inst[3])
+        inst = by_name.get(m.group(1)) if m else None
+    return "" if inst is None else inst[2]
+
+
+def hlo_counts(text: str) -> dict:
+    """copy / slice / dynamic_slice instructions anywhere; kernels rooted in a slice; MB written by
+    kernels that only move data (total and largest); command buffers; kernels launched outside them."""
+    comps = parse_hlo(text)
+    fused, graphs, loops = set(), set(), set()
+    for comp in comps.values():
+        for _, _, opcode, operands in comp["insts"]:
+            if opcode == "fusion":
+                fused.add(_callee(operands, "calls"))
+            elif opcode == "call" and "command_buffer" in (_callee(operands, "to_apply") or ""):
+                graphs.add(_callee(operands, "to_apply"))
+            elif opcode == "while":
+                loops.update(filter(None, (_callee(operands, "body"), _callee(operands, "condition"))))
+    out = dict(copy=0, slice=0, dynamic_slice=0, slice_fusions=0, moved_mb=0.0, largest_mb=0.0, graphs=len(graphs),
+               loose=0)
+    for name, comp in comps.items():
+        for _, nbytes, opcode, operands in comp["insts"]:
+            if opcode in ("copy", "slice", "dynamic-slice"):
+                out[opcode.replace("-", "_")] += 1
+            if name in fused:
+                continue
+            root = _root_opcode(comps.get(_callee(operands, "calls"))) if opcode == "fusion" else opcode
+            out["slice_fusions"] += opcode == "fusion" and root in ("slice", "dynamic-slice")
+            if root in _DATA_MOVERS:
+                out["moved_mb"] += nbytes / 1e6
+                out["largest_mb"] = max(out["largest_mb"], nbytes / 1e6)
+            out["loose"] += (comp["entry"] or name in loops) and opcode not in _LAUNCH_FREE
+    return out
+
+
+# ---- model, backend, captured step ----------------------------------------------------------
 def random_pools(cfg, num_slots, seed, stacked=False):
     """Random K/V: one layer-stacked pool ``[L, num_slots, Hkv, D]``, or a list of per-layer pools."""
     key = jax.random.key(seed)
@@ -44,13 +167,12 @@ def random_pools(cfg, num_slots, seed, stacked=False):
     return [KVPool(pool.k[i], pool.v[i]) for i in range(cfg.n_layers)]
 
 
-def setup(config, batch, ctx, page_size, steps, layers, impl, stacked=False):
-    """Model, backend and a runner with the decode bucket captured; the batch/token factories."""
+def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", compiler_options=None):
+    """Model in ``layout``, backend and a runner with the decode bucket captured; batch/token factories."""
     cfg = llama.CONFIGS[config]
     if layers:
-        import dataclasses
         cfg = dataclasses.replace(cfg, n_layers=layers)
-    max_ctx = ctx + steps + 8
+    max_ctx = ctx + 2 * steps + 16
     pages_per = -(-max_ctx // page_size)
     table = np.zeros((batch + 1, pages_per * page_size), np.int32)
     perm = np.random.default_rng(0).permutation(np.arange(1, batch * pages_per + 1))
@@ -60,14 +182,15 @@ def setup(config, batch, ctx, page_size, steps, layers, impl, stacked=False):
     num_slots = (batch * pages_per + 1) * page_size
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl,
                                     num_heads=(cfg.n_heads, cfg.n_kv_heads))
-    params = llama.init_params(cfg, 0)
-    params = llama.stack_layers(params) if stacked else params
-    pools = random_pools(cfg, num_slots, 1, stacked)
+    params = llama.with_layout(llama.init_params(cfg, 0), layout)
+    pools = random_pools(cfg, num_slots, 1, stacked=layout != "list")
 
     def step(md, tok, params, pools):
-        return llama.forward_paged(cfg, backend, params, md, tok["ids"], tok["pos"], pools)
+        logits, pools = llama.forward_paged(cfg, backend, params, md, tok["ids"], tok["pos"], pools,
+                                            scan=layout == "scan")
+        return dict(logits=logits, next_ids=jnp.argmax(logits, -1).astype(jnp.int32)), pools
 
-    runner = StepRunner(backend, step, batch_buckets=(batch,), donate_argnums=(1,))
+    runner = StepRunner(backend, step, batch_buckets=(batch,), donate_argnums=(1,), compiler_options=compiler_options)
     rows = np.arange(1, batch + 1, dtype=np.int32)
     lens = np.full(batch, ctx, np.int32) - np.arange(batch, dtype=np.int32) % 7
 
@@ -77,56 +200,200 @@ def setup(config, batch, ctx, page_size, steps, layers, impl, stacked=False):
     def tok(lens):
         return dict(ids=np.asarray(lens % cfg.vocab, np.int32), pos=np.asarray(lens - 1, np.int32))
 
-    runner.capture([fb(lens)], tok(lens), params, pools, verbose=False)
-    return dict(cfg=cfg, backend=backend, runner=runner, fb=fb, tok=tok, params=params, pools=pools, lens=lens)
-
-
-def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto", stacked=False):
-    env = setup(config, batch, ctx, page_size, steps, layers, impl, stacked)
-    cfg, backend, runner, fb, tok = env["cfg"], env["backend"], env["runner"], env["fb"], env["tok"]
-    params, pools, lens = env["params"], env["pools"], env["lens"]
+    runner.capture([fb(lens)], tok(lens), params, pools)
     exe = next(iter(runner.executables.values()))
-    # Device floor: back-to-back calls on device-resident inputs.
-    layout, packed = pack_int32(batch_arrays(fb(lens)))
-    dev_in = jax.device_put((backend.req_to_token, packed, _pad_tokens(tok(lens), batch)))
+    return dict(cfg=cfg, backend=backend, runner=runner, exe=exe, fb=fb, tok=tok, params=params, pools=pools,
+                lens=lens, batch=batch)
+
+
+def device_args(env):
+    """``(req_to_token, packed plan inputs, tokens)`` for the bare executable, in new device buffers."""
+    lens = env["lens"]
+    _, packed = pack_int32(batch_arrays(env["fb"](lens)))
+    return (env["backend"].req_to_token, *jax.device_put((packed, _pad_tokens(env["tok"](lens), env["batch"]))))
+
+
+class StagedReplay:
+    """Replay that first copies the step's inputs into persistent device buffers (stable addresses)."""
+
+    def __init__(self, runner: StepRunner):
+        self.runner, self.bufs = runner, None
+        def write_into(old, new):  # in place (donated): the buffers keep their device addresses
+            return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
+
+        self._update = jax.jit(write_into, donate_argnums=0)
+
+    def __call__(self, batch, token_inputs, *args):
+        runner = self.runner
+        padded = runner._padded(batch)
+        exe = runner.executables[runner.backend.plan_static(padded)]
+        new = (pack_int32(batch_arrays(padded))[1], _pad_tokens(token_inputs, padded.num_tokens))
+        self.bufs = jax.device_put(new) if self.bufs is None else self._update(self.bufs, new)
+        return exe(runner.backend.req_to_token, *self.bufs, *args)
+
+
+def call_path(env, mode: str):
+    """The function a decode loop calls per step: ``run(batch, tokens, params, pools)``."""
+    if mode == "jit":
+        return env["runner"].eager  # batch == bucket: the same padded step, through jax.jit
+    if mode == "staged":
+        return StagedReplay(env["runner"])
+    return env["runner"].replay
+
+
+# ---- measurements (each threads the donated pools through env["pools"]) ----------------------
+def _median_us(ts):
+    return statistics.median(ts) * 1e6
+
+
+def time_calls(env, steps: int, fresh: bool):
+    """Bare executable calls: (wall us per call, median host us per call). ``fresh``: new input buffers."""
+    exe, params, pools = env["exe"], env["params"], env["pools"]
+    same = device_args(env)
+    arg_sets = [device_args(env) if fresh else same for _ in range(steps)]
     for _ in range(3):
-        _, pools = exe(*dev_in, params, pools)
+        _, pools = exe(*same, params, pools)
+    jax.block_until_ready((pools, arg_sets))
+    host, t0 = [], time.perf_counter()
+    for args in arg_sets:
+        t1 = time.perf_counter()
+        _, pools = exe(*args, params, pools)
+        host.append(time.perf_counter() - t1)
     jax.block_until_ready(pools)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _, pools = exe(*dev_in, params, pools)
-    jax.block_until_ready(pools)
-    device_us = (time.perf_counter() - t0) / steps * 1e6
+    env["pools"] = pools
+    return (time.perf_counter() - t0) / steps * 1e6, _median_us(host)
+
+
+def time_replay(env, run, steps: int):
+    """Replay from host batch fields, blocking each step: (median replay us, median host us)."""
+    fb, tok, lens, params, pools = env["fb"], env["tok"], env["lens"], env["params"], env["pools"]
     replay, host = [], []
     for i in range(steps + 3):
         cur = lens + i
         t0 = time.perf_counter()
-        logits, pools = runner.replay(fb(cur), tok(cur), params, pools)
+        out, pools = run(fb(cur), tok(cur), params, pools)
         t1 = time.perf_counter()
-        jax.block_until_ready(logits)
-        t2 = time.perf_counter()
+        jax.block_until_ready(out)
         if i >= 3:
-            host.append((t1 - t0) * 1e6)
-            replay.append((t2 - t0) * 1e6)
-    rep, hst = statistics.median(replay), statistics.median(host)
-    print(f"device={jax.devices()[0].device_kind} config={config} layers={cfg.n_layers} batch={batch} "
-          f"ctx={ctx} page_size={page_size} impl={backend.impl} stacked={stacked} "
-          f"leaves={len(jax.tree.leaves((params, pools)))}")
-    print("| metric | us per step |\n|---|---|")
-    print(f"| device (back-to-back executable) | {device_us:.0f} |")
-    print(f"| replay (host fields -> result) | {rep:.0f} |")
-    print(f"| host enqueue (replay returns) | {hst:.0f} |")
-    print(f"| overhead = replay - device | {rep - device_us:.0f} |")
+            host.append(t1 - t0)
+            replay.append(time.perf_counter() - t0)
+    env["pools"] = pools
+    return _median_us(replay), _median_us(host)
+
+
+def time_pipelined(env, run, steps: int) -> float:
+    """Wall us per step of ``steps`` replays without blocking; token ids stay on device."""
+    fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
+    ids = jnp.asarray(env["tok"](lens)["ids"])
+
+    def go(n, ids, pools):
+        for i in range(n):
+            cur = lens + i
+            out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
+            ids = out["next_ids"]
+        return ids, pools
+
+    ids, pools = go(3, ids, pools)
+    jax.block_until_ready(ids)
+    t0 = time.perf_counter()
+    ids, pools = go(steps, ids, pools)
+    jax.block_until_ready(ids)
+    env["pools"] = pools
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def argument_probe(n: int, iters: int = 50) -> float:
+    """Median host us of an AOT call of a one-kernel function with ``n`` small arguments."""
+    xs = [jnp.full((8,), i, jnp.float32) for i in range(n)]
+    exe = jax.jit(lambda *a: a[0] + 1, keep_unused=True).lower(*xs).compile()
+    host = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = exe(*xs)
+        host.append(time.perf_counter() - t0)
+    jax.block_until_ready(out)
+    return _median_us(host)
+
+
+# ---- driver ---------------------------------------------------------------------------------
+def parse_variants(spec: str):
+    """``"main"`` / ``"list,fused-jit,..."`` -> {(layout, compile options): [(name, call option)]}."""
+    groups = {}
+    for name in VARIANT_SETS.get(spec, tuple(n for n in spec.split(",") if n)):
+        layout, *opts = name.split("-")
+        bad = [o for o in opts if o not in CALL_OPTIONS and o not in COMPILE_OPTIONS]
+        calls = [o for o in opts if o in CALL_OPTIONS]
+        if layout not in llama.LAYOUTS or bad or len(calls) > 1:
+            raise ValueError(f"variant {name!r} must be LAYOUT[-OPTION...] with LAYOUT in {llama.LAYOUTS}, at most "
+                             f"one of {CALL_OPTIONS} and any of {sorted(COMPILE_OPTIONS)}; or a set: "
+                             f"{sorted(VARIANT_SETS)}")
+        key = (layout, tuple(sorted(o for o in opts if o in COMPILE_OPTIONS)))
+        groups.setdefault(key, []).append((name, calls[0] if calls else "aot"))
+    return groups
+
+
+def measure_group(env, group: str, variants, steps: int):
+    """Timing rows for each ``(name, call option)`` of one compiled step, and its HLO counts."""
+    hlo = hlo_counts(env["exe"].as_text())
+    device, call_same = time_calls(env, steps, fresh=False)
+    _, call_fresh = time_calls(env, steps, fresh=True)
+    leaves = len(jax.tree.leaves((env["params"], env["pools"])))
+    rows = []
+    for name, call in variants:
+        run = call_path(env, call)
+        replay, host = time_replay(env, run, steps)
+        piped = time_pipelined(env, run, steps)
+        rows.append((name, leaves, device, replay, host, replay - device, piped, piped - device))
+    return rows, (group, leaves, call_same, call_fresh, hlo)
+
+
+def print_tables(timing, calls, probe):
+    print("| variant | leaves | device | replay | host | overhead | piped | piped - device |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, leaves, *us in timing:
+        print(f"| {name} | {leaves} | " + " | ".join(f"{u:.0f}" for u in us) + " |")
+    print("\n| variant | call same | call fresh | copy | slice | dyn-slice | slice fusions | MB moved "
+          "| largest MB | graphs | loose kernels |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, _, same, fresh, h in calls:
+        print(f"| {name} | {same:.0f} | {fresh:.0f} | {h['copy']} | {h['slice']} | {h['dynamic_slice']} | "
+              f"{h['slice_fusions']} | {h['moved_mb']:.1f} | {h['largest_mb']:.1f} | {h['graphs']} | {h['loose']} |")
+    if probe:
+        print("\nbare AOT call of a one-kernel function, host us: " +
+              ", ".join(f"{n} args {us:.0f}" for n, us in probe))
+
+
+def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto", variant="main"):
+    groups = parse_variants(variant)
+    timing, calls = [], []
+    for (layout, opts), variants in groups.items():
+        options = {k: v for o in opts for k, v in COMPILE_OPTIONS[o].items()} or None
+        env = setup(config, batch, ctx, page_size, steps, layers, impl, layout, options)
+        if not timing:
+            cfg = env["cfg"]
+            print(f"device={jax.devices()[0].device_kind} config={config} layers={cfg.n_layers} batch={batch} "
+                  f"ctx={ctx} page_size={page_size} impl={env['backend'].impl} steps={steps} (times in us)")
+        rows, call_row = measure_group(env, "-".join((layout, *opts)), variants, steps)
+        timing += rows
+        calls.append(call_row)
+        print("  " + "; ".join(f"{r[0]}: overhead {r[5]:.0f}, piped - device {r[7]:.0f}" for r in rows),
+              file=sys.stderr)
+        del env
+        gc.collect()
+    probe = [(n, argument_probe(n)) for n in (12, 180)] if len(groups) > 1 else []
+    print_tables(timing, calls, probe)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="1b")
+    ap.add_argument("--config", default="1b", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--impl", default="auto")
-    ap.add_argument("--stacked", action="store_true", help="layer-stacked params and pool, lax.scan over layers")
+    ap.add_argument("--variant", default="main",
+                    help=f"comma-separated LAYOUT[-OPTION...] ({'|'.join(llama.LAYOUTS)}; "
+                         f"{'|'.join(CALL_OPTIONS + tuple(COMPILE_OPTIONS))}) or a set: {', '.join(VARIANT_SETS)}")
     main(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args()).items()})

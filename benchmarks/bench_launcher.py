@@ -32,29 +32,17 @@ import torch  # noqa: E402
 from jax_attn.kernels.kv_write_mosaic import write_kv  # noqa: E402
 from torch_bridge.launcher import compile_for_torch  # noqa: E402
 
+import bench_bridge  # noqa: E402  (the shared host/wall timers; benchmarks/ is on sys.path as a script)
+
 
 def host_us(fn, iters: int) -> float:
     """Host microseconds per call (no synchronisation inside the loop)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / iters * 1e6
+    return bench_bridge.host(fn, iters) * 1e6
 
 
 def wall_us(fn, iters: int) -> float:
     """Microseconds per call, back to back, synchronised at the ends only."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return bench_bridge.wall(fn, iters) * 1e6
 
 
 def make_tensors(tokens: int, slots: int, heads: int, dim: int, seed: int = 0):

@@ -1,6 +1,9 @@
 """Where a captured decode step's host time goes (GPU): each part of ``StepRunner.replay`` alone.
 
-    python benchmarks/profile_replay.py --config 1b --batch 64 --ctx 4096
+    python benchmarks/profile_replay.py --config 1b --batch 64 --ctx 4096 --variant fused
+
+``--variant`` is one ``bench_host_overhead`` variant (layout and compiler options; the call path
+options do not apply here: every path is timed).
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ def timed(name, fn, n=20):
     return out
 
 
-def main(config="1b", batch=64, ctx=4096, page_size=16):
-    env = bho.setup(config, batch, ctx, page_size, steps=30, layers=None, impl="auto")
+def main(config="1b", batch=64, ctx=4096, page_size=16, layers=None, variant="list"):
+    groups = bho.parse_variants(variant)
+    if len(groups) != 1:
+        raise ValueError(f"{variant=} must name one variant, e.g. 'fused' or 'fused-nocb'")
+    (model_layout, opts), _ = next(iter(groups.items()))
+    options = {k: v for o in opts for k, v in bho.COMPILE_OPTIONS[o].items()} or None
+    env = bho.setup(config, batch, ctx, page_size, steps=30, layers=layers, impl="auto", layout=model_layout,
+                    compiler_options=options)
     runner, fb, tok, params, pools = env["runner"], env["fb"], env["tok"], env["params"], env["pools"]
     exe = next(iter(runner.executables.values()))
     key = next(iter(runner.executables))
@@ -55,6 +64,8 @@ def main(config="1b", batch=64, ctx=4096, page_size=16):
     timed("AOT executable, device inputs", lambda: call(exe, runner.backend.req_to_token, *dev))
     timed("jit call, device inputs", lambda: call(runner._jit, key, layout, runner.backend.req_to_token, *dev))
     timed("replay (all)", lambda: call(runner.replay, fb(lens), tok(lens)))
+    staged = bho.StagedReplay(runner)
+    timed("staged replay (inputs copied to fixed buffers)", lambda: call(staged, fb(lens), tok(lens)))
     print(f"leaves per call: {len(jax.tree.leaves((params, pools)))} (params + pools)")
 
 
@@ -64,4 +75,6 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--variant", default="list")
     main(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args()).items()})

@@ -6,6 +6,8 @@
 Prefill runs the EXTEND plan eagerly; decode steps replay executables captured per batch bucket.
 The script checks itself against the same model with dense (non-paged) attention: identical greedy
 tokens (teacher-forced, ties excepted) and close logits; it exits non-zero on a mismatch.
+``--layout`` picks how weights and pools reach the compiled step (``llama.LAYOUTS``); every layout
+runs the same model and the same check.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch, bucket_for  # noqa: E402
 from jax_attn.capture import StepRunner  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
+
+DEFAULT_LAYOUT = "list"
 
 
 class PagedRequests:
@@ -46,9 +50,10 @@ class PagedRequests:
         return np.concatenate([self.req_to_token[r, s:s + n] for r, s, n in zip(self.rows, starts, lens)])
 
 
-def make_step(cfg, backend):
+def make_step(cfg, backend, layout="list"):
     def step(md, tokens, params, pools):
-        return llama.forward_paged(cfg, backend, params, md, tokens["ids"], tokens["pos"], pools)
+        return llama.forward_paged(cfg, backend, params, md, tokens["ids"], tokens["pos"], pools,
+                                   scan=layout == "scan")
     return step
 
 
@@ -68,7 +73,7 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
 
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4,
-         impl="auto", seed=0, check=True, stacked=False):
+         impl="auto", seed=0, check=True, layout=DEFAULT_LAYOUT):
     cfg = llama.CONFIGS[config]
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(min_prompt, max_prompt + 1, batch).astype(np.int32)
@@ -77,11 +82,9 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
                                     num_heads=(cfg.n_heads, cfg.n_kv_heads))
-    params = llama.init_params(cfg, seed)
-    pools = llama.new_pools(cfg, reqs.num_slots)
-    if stacked:  # one [L, ...] array per weight and one stacked pool; layers under lax.scan
-        params, pools = llama.stack_layers(params), llama.new_stacked_pool(cfg, reqs.num_slots)
-    runner = StepRunner(backend, make_step(cfg, backend), batch_buckets=(1, 2, 4, 8, 16, 32, 64),
+    params = llama.with_layout(llama.init_params(cfg, seed), layout)
+    pools = llama.layout_pools(cfg, layout, reqs.num_slots)
+    runner = StepRunner(backend, make_step(cfg, backend, layout), batch_buckets=(1, 2, 4, 8, 16, 32, 64),
                         donate_argnums=(1,))
 
     # Prefill (EXTEND, no prefix): ragged prompts in one call.
@@ -119,7 +122,7 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
 
     bucket = bucket_for(batch, runner.batch_buckets)
     print(f"device={jax.devices()[0].device_kind} impl={backend.impl} config={config} batch={batch} "
-          f"(bucket {bucket}) page_size={page_size} prompts={prompt_lens.tolist()}")
+          f"(bucket {bucket}) page_size={page_size} layout={layout} prompts={prompt_lens.tolist()}")
     print(f"prefill: {int(prompt_lens.sum())} tokens in {prefill_s:.2f}s (includes compile)")
     if steps:
         print(f"decode: {steps} steps, {steps * batch / decode_s:.1f} tokens/s, {1e3 * decode_s / steps:.2f} ms/step")
@@ -137,7 +140,10 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
 
 def parse():
     ap = llama.decode_arg_parser(__doc__)
-    ap.add_argument("--stacked", action="store_true", help="scan over layers with a layer-stacked KV pool")
+    ap.add_argument("--layout", default=DEFAULT_LAYOUT, choices=llama.LAYOUTS,
+                    help="how weights and KV pools are passed to the step (see llama.LAYOUTS)")
+    ap.add_argument("--stacked", dest="layout", action="store_const", const="scan",
+                    help="same as --layout scan (layer-stacked weights and pool under lax.scan)")
     return vars(ap.parse_args())
 
 

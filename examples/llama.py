@@ -2,7 +2,8 @@
 
 Two attention paths share every other line: ``forward_paged`` runs jax_attn's backend over a
 paged KV pool; ``forward_dense`` recomputes whole sequences with dense causal attention and is
-the check.
+the check. The weights and pools can be laid out several ways (``LAYOUTS``): per-layer arrays, or
+fused and stacked over layers so that a compiled step takes a dozen arguments instead of ~180.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +58,83 @@ def init_params(cfg: Config, seed: int = 0):
     return dict(embed=embed, layers=layers, norm=jnp.ones((cfg.dim,), dt), head=w((cfg.dim, cfg.vocab)))
 
 
+# ---- weight layouts ----------------------------------------------------------------------
+# How the weights (and KV pools) are passed to a compiled step; every layout computes the same model.
+#   list      per-layer dicts of unfused weights, per-layer pools (9 + 2 leaves per layer)
+#   fused     fused weights stacked over layers (wqkv, wo, w13, w2, n1, n2: [L, ...]), one
+#             layer-stacked pool; an unrolled loop takes layer i with a static index
+#   scan      as fused, the layers under ``lax.scan`` (traced layer index)
+#   flat      every layer's fused weights in one 1-D buffer at static offsets, stacked pool
+#   perlayer  per-layer dicts of fused weights (6 leaves per layer), stacked pool
+LAYOUTS = ("list", "fused", "scan", "flat", "perlayer")
+
+
+def fuse_layer(lp: dict) -> dict:
+    """Unfused layer weights -> ``wqkv [dim, (Hq+2Hkv)*D]``, ``w13 [dim, 2*ffn]`` (same math)."""
+    return dict(wqkv=jnp.concatenate([lp["wq"], lp["wk"], lp["wv"]], -1), wo=lp["wo"],
+                w13=jnp.concatenate([lp["w1"], lp["w3"]], -1), w2=lp["w2"], n1=lp["n1"], n2=lp["n2"])
+
+
 def stack_layers(params):
-    """Per-layer weight dicts -> one dict of ``[L, ...]`` arrays (for the scanned forward)."""
+    """Per-layer weight dicts -> one dict of ``[L, ...]`` arrays."""
     return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["buf"], meta_fields=["entries", "layer_size"])
+@dataclasses.dataclass(frozen=True)
+class FlatLayers:
+    """Every layer's weights in one 1-D buffer; layer ``i`` starts at ``i * layer_size``."""
+
+    buf: jax.Array  # [L * layer_size], one dtype
+    entries: tuple  # ((name, offset, shape), ...) within one layer; offsets 128-element aligned
+    layer_size: int
+
+    def layer(self, i: int) -> dict:
+        """Layer ``i``'s weights: static slices of the buffer (``i`` a Python int)."""
+        base = i * self.layer_size
+        return {name: jax.lax.slice(self.buf, (base + off,), (base + off + math.prod(shape),)).reshape(shape)
+                for name, off, shape in self.entries}
+
+
+def flatten_layers(layers: list) -> FlatLayers:
+    """Per-layer weight dicts (one dtype) -> ``FlatLayers``."""
+    dtypes = {a.dtype for lp in layers for a in lp.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"flat layout needs one weight dtype, got {sorted(map(str, dtypes))}: cast the weights first")
+    aligned = lambda n: -(-n // 128) * 128  # noqa: E731
+    entries, at = [], 0
+    for name, a in layers[0].items():
+        entries.append((name, at, tuple(a.shape)))
+        at += aligned(a.size)
+    parts = []
+    for lp in layers:
+        for name, _, shape in entries:
+            a = lp[name].reshape(-1)
+            parts += [a, jnp.zeros((aligned(a.size) - a.size,), a.dtype)]
+    return FlatLayers(jnp.concatenate(parts), tuple(entries), at)
+
+
+def with_layout(params, layout: str):
+    """``init_params`` weights (``list`` layout) re-arranged for ``layout`` (see ``LAYOUTS``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} must be one of {LAYOUTS}")
+    if layout == "list":
+        return params
+    fused = [fuse_layer(lp) for lp in params["layers"]]
+    if layout == "perlayer":
+        return dict(params, layers=fused)
+    if layout == "flat":
+        return dict(params, layers=flatten_layers(fused))
+    return stack_layers(dict(params, layers=fused))
+
+
+def layer_weights(layers, i: int) -> dict:
+    """Layer ``i``'s weight dict from any layout's ``params["layers"]`` (static ``i``: no copy intended)."""
+    if isinstance(layers, FlatLayers):
+        return layers.layer(i)
+    if isinstance(layers, dict):
+        return {name: a[i] for name, a in layers.items()}
+    return layers[i]
 
 
 def new_stacked_pool(cfg: Config, num_slots: int) -> KVPool:
@@ -67,16 +143,22 @@ def new_stacked_pool(cfg: Config, num_slots: int) -> KVPool:
     return KVPool(jnp.zeros(shape, jnp.dtype(cfg.dtype)), jnp.zeros(shape, jnp.dtype(cfg.dtype)))
 
 
-def layer_params(cfg: Config, layer_id: int) -> LayerParams:
-    return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                       layer_id=layer_id)
-
-
 def new_pools(cfg: Config, num_slots: int):
     return [KVPool.zeros(num_slots, cfg.n_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype))
             for _ in range(cfg.n_layers)]
 
 
+def layout_pools(cfg: Config, layout: str, num_slots: int):
+    """Empty KV pools for ``layout``: a list of per-layer pools (``list``) or one stacked pool."""
+    return new_pools(cfg, num_slots) if layout == "list" else new_stacked_pool(cfg, num_slots)
+
+
+def layer_params(cfg: Config, layer_id: int) -> LayerParams:
+    return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                       layer_id=layer_id)
+
+
+# ---- layer math ---------------------------------------------------------------------------
 def rms_norm(x, w, eps=1e-5):
     xf = x.astype(jnp.float32)
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype) * w
@@ -91,51 +173,58 @@ def rope(x, positions, theta):  # x [T, H, D], positions i32[T]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _qkv(cfg, lp, h, positions):
+def _qkv(cfg, lp, h, positions):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv, D]
     t = h.shape[0]
-    q = (h @ lp["wq"]).reshape(t, cfg.n_heads, cfg.head_dim)
-    k = (h @ lp["wk"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    v = (h @ lp["wv"]).reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+    qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    if "wqkv" in lp:
+        q, k, v = jnp.split(h @ lp["wqkv"], [qd, qd + kd], axis=-1)
+    else:
+        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    q = rope(q.reshape(t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+    k = rope(k.reshape(t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    return q, k, v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
 
 
 def _mlp(lp, x):
     h = rms_norm(x, lp["n2"])
-    return x + (jax.nn.silu(h @ lp["w1"]) * (h @ lp["w3"])) @ lp["w2"]
+    gate, up = jnp.split(h @ lp["w13"], 2, axis=-1) if "w13" in lp else (h @ lp["w1"], h @ lp["w3"])
+    return x + (jax.nn.silu(gate) * up) @ lp["w2"]
 
 
-def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools):
+def _layer(cfg, backend, lp, md, x, positions, pools, i):
+    """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then)."""
+    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
+    layer = layer_params(cfg, i if isinstance(i, int) else 0)
+    if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
+        attn, pools = backend.forward(q, k, v, layer, pools, md, layer_index=i)
+    else:
+        attn, pool = backend.forward(q, k, v, layer, pools[i], md)
+        pools = [*pools[:i], pool, *pools[i + 1:]]
+    return _mlp(lp, x + attn @ lp["wo"]), pools
+
+
+def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools, *,
+                  scan: bool = False):
     """One step over ragged new tokens ``token_ids i32[T]``; returns ``(logits f32[T, V], pools)``.
 
-    ``params["layers"]`` is a list with ``pools`` a list of per-layer pools, or stacked
-    (``stack_layers``) with ``pools`` one stacked pool: then the layers run under ``lax.scan``.
+    ``params`` in any of ``LAYOUTS`` with ``pools`` as ``layout_pools`` makes them. The layers run
+    as an unrolled loop (static layer index), or under ``lax.scan`` with ``scan=True`` (stacked
+    weights and pool only).
     """
-    if isinstance(params["layers"], dict):
-        return _forward_scanned(cfg, backend, params, md, token_ids, positions, pools)
     x = params["embed"][token_ids]
-    new_pools = []
-    for i, lp in enumerate(params["layers"]):
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
-        attn, pool = backend.forward(q, k, v, layer_params(cfg, i), pools[i], md)
-        new_pools.append(pool)
-        x = _mlp(lp, x + attn @ lp["wo"])
-    logits = (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
-    return logits, new_pools
+    if scan:
+        if not isinstance(params["layers"], dict) or not isinstance(pools, KVPool):
+            raise ValueError("scan=True needs layer-stacked weights (with_layout(params, 'scan')) and a stacked pool")
 
+        def body(carry, xs):
+            return _layer(cfg, backend, xs[0], md, carry[0], positions, carry[1], xs[1]), None
 
-def _forward_scanned(cfg, backend, params, md, token_ids, positions, pool: KVPool):
-    lp0 = layer_params(cfg, 0)
-
-    def body(carry, xs):
-        x, pool = carry
-        lp, i = xs
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
-        attn, pool = backend.forward(q, k, v, lp0, pool, md, layer_index=i)
-        return (_mlp(lp, x + attn @ lp["wo"]), pool), None
-
-    x = params["embed"][token_ids]
-    (x, pool), _ = jax.lax.scan(body, (x, pool), (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32)))
-    return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32), pool
+        steps = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
+        (x, pools), _ = jax.lax.scan(body, (x, pools), steps)
+    else:
+        for i in range(cfg.n_layers):
+            x, pools = _layer(cfg, backend, layer_weights(params["layers"], i), md, x, positions, pools, i)
+    return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32), pools
 
 
 def _dense_causal(q, k, v):  # q [S, Hq, D], k/v [S, Hkv, D]
@@ -153,10 +242,8 @@ def forward_dense(cfg: Config, params, token_ids):
     """Whole-sequence forward with dense causal attention (no cache): ``logits f32[S, V]``."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     x = params["embed"][token_ids]
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.n_layers)]
-    for lp in layers:
+    for i in range(cfg.n_layers):
+        lp = layer_weights(params["layers"], i)
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
         x = _mlp(lp, x + _dense_causal(q, k, v) @ lp["wo"])
     return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
@@ -171,7 +258,7 @@ def decode_arg_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--page-size", type=int, default=4)
-    ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
+    ap.add_argument("--impl", default="auto", choices=["auto", "triton", "mosaic", "reference"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-check", dest="check", action="store_false")
     return ap

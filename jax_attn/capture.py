@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,8 @@ def _pad_tokens(tree, num_tokens: int):
     device dispatch per leaf.
     """
     def pad(x):
+        if x.shape[0] == num_tokens:  # already at the bucket: no slice dispatch for device arrays
+            return x
         xp = np if isinstance(x, np.ndarray) else jnp
         x = x[:num_tokens]
         extra = num_tokens - x.shape[0]
@@ -58,16 +60,19 @@ class StepRunner:
       step_fn: ``step_fn(md, token_inputs, *args) -> (token_outputs, other_outputs)``.
       batch_buckets: padded batch sizes; a larger batch runs eagerly (said once).
       donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
+      compiler_options: XLA options for every executable of this runner, e.g.
+        ``{"xla_gpu_enable_command_buffer": ""}`` to launch kernels one by one instead of as CUDA graphs.
     """
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
-                 batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = ()):
+                 batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
+                 compiler_options: Optional[dict] = None):
         self.backend = backend
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
         # Positional layout of _full: (key, layout, req_to_token, packed plan inputs, tokens, *args).
         self._jit = jax.jit(self._full, static_argnums=(0, 1),
-                            donate_argnums=tuple(5 + i for i in donate_argnums))
+                            donate_argnums=tuple(5 + i for i in donate_argnums), compiler_options=compiler_options)
         self.executables: dict = {}
         self.trace_count = 0
         self._warned_eager = False

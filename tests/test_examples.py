@@ -1,17 +1,33 @@
-"""The README's main command (examples/decode_llama.py) runs, and its self-check can fail."""
+"""The README's main command (examples/decode_llama.py) runs, and its self-check can fail; every
+weight/pool layout of the example model computes the same step; the host-overhead benchmark's HLO
+counts see what a step copies."""
 
+import functools
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_host_overhead  # noqa: E402
 import decode_llama  # noqa: E402
 import llama  # noqa: E402
 
+from jax_attn.backend import FlashAttentionBackend  # noqa: E402
+from jax_attn.batch import ForwardBatch  # noqa: E402
+from jax_attn.capture import StepRunner  # noqa: E402
+from jax_attn.metadata import ForwardMode  # noqa: E402
 
-def test_decode_example_passes_its_check():
-    assert decode_llama.main(config="tiny", batch=3, new_tokens=4, page_size=4, impl="auto", seed=1) == 0
+
+@pytest.mark.parametrize("layout", ["list", "fused"])
+def test_decode_example_passes_its_check(layout):
+    assert decode_llama.main(config="tiny", batch=3, new_tokens=4, page_size=4, impl="auto", seed=1,
+                             layout=layout) == 0
 
 
 def test_decode_example_check_detects_wrong_tokens():
@@ -26,6 +42,59 @@ def test_decode_example_check_detects_wrong_tokens():
     bad = [(good[0] + 1) % cfg.vocab]
     _, mism = decode_llama.check_against_dense(cfg, params, [prompt], [bad], [[dense[5] + 1.0]], 1e-4)
     assert mism == 1
+
+
+def test_stacked_flag_means_scan_layout(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["decode_llama.py", "--stacked"])
+    assert decode_llama.parse()["layout"] == "scan"
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_then_decode(layout: str):
+    """Two ragged prompts prefilled, then one decode step, with ``layout``; pools start as NaN."""
+    cfg, page = llama.CONFIGS["tiny"], 4
+    reqs = decode_llama.PagedRequests(batch=2, max_ctx=16, page_size=page, seed=3)
+    backend = FlashAttentionBackend(reqs.req_to_token, page_size=page, max_context_len=16, impl="reference")
+    params = llama.with_layout(llama.init_params(cfg, 0), layout)
+    pools = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), llama.layout_pools(cfg, layout, reqs.num_slots))
+    runner = StepRunner(backend, decode_llama.make_step(cfg, backend, layout), donate_argnums=(1,))
+    lens = np.array([6, 3], np.int32)
+    prompt_ids = np.array([7, 8, 9, 10, 11, 12, 20, 21, 22], np.int32)
+    fb = ForwardBatch(ForwardMode.EXTEND, reqs.rows, lens, reqs.slots(np.zeros(2, np.int32), lens),
+                      extend_seq_lens=lens)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    prefill, pools = runner.eager(fb, dict(ids=prompt_ids, pos=pos), params, pools)
+    fb = ForwardBatch(ForwardMode.DECODE, reqs.rows, lens + 1, reqs.slots(lens, np.ones(2, np.int32)))
+    decode, _ = runner.eager(fb, dict(ids=np.array([5, 4], np.int32), pos=lens), params, pools)
+    return np.asarray(prefill), np.asarray(decode), params
+
+
+@pytest.mark.parametrize("layout", [lay for lay in llama.LAYOUTS if lay != "list"])
+def test_every_layout_computes_the_list_layout_step(layout):
+    want_prefill, want_decode, _ = _prefill_then_decode("list")
+    got_prefill, got_decode, params = _prefill_then_decode(layout)
+    assert np.all(np.isfinite(got_decode))
+    np.testing.assert_allclose(got_prefill, want_prefill, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_decode, want_decode, rtol=1e-5, atol=1e-5)
+    dense = llama.forward_dense(llama.CONFIGS["tiny"], params, jnp.array([20, 21, 22, 4], jnp.int32))
+    np.testing.assert_allclose(got_decode[1], np.asarray(dense)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_hlo_counts_see_a_materialised_slice():
+    w, x = jnp.ones((8, 16, 32)), jnp.ones((4, 16))
+    sliced = bench_host_overhead.hlo_counts(jax.jit(lambda w, x: x @ w[3]).lower(w, x).compile().as_text())
+    whole = bench_host_overhead.hlo_counts(jax.jit(lambda w, x: x @ w).lower(w[3], x).compile().as_text())
+    assert sliced["slice"] >= 1 and sliced["slice_fusions"] == 1
+    assert sliced["largest_mb"] == pytest.approx(16 * 32 * 4 / 1e6)
+    assert whole["slice"] == whole["slice_fusions"] == 0 and whole["moved_mb"] == 0.0
+
+
+def test_fused_step_reads_the_stacked_pool_in_place():
+    env = bench_host_overhead.setup("tiny", batch=4, ctx=1024, page_size=4, steps=2, layers=None, impl="auto",
+                                    layout="fused")
+    counts = bench_host_overhead.hlo_counts(env["exe"].as_text())
+    layer_pool_mb = env["pools"].k[0].nbytes / 1e6
+    assert 0 < counts["largest_mb"] < layer_pool_mb / 4, (counts, layer_pool_mb)
 
 
 def test_torch_engine_example_passes_its_check():

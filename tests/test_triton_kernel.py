@@ -6,6 +6,7 @@ CPU: the Pallas interpreter on tiny shapes. GPU (``-m gpu``): compiled kernels o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from jax_attn.kernels.config import KernelConfig, choose_block_q, tile_rows
-from jax_attn.kernels.merge_state import merge_state
-from jax_attn.kernels.schedule import build_schedule, max_num_tiles, plan_schedule
+from jax_attn.kernels.config import KernelConfig, choose_block_q, kv_heads_per_program, tile_rows
+from jax_attn.kernels.merge_state import merge_splits, merge_state
+from jax_attn.kernels.schedule import build_schedule, max_num_tiles, plan_schedule, static_num_splits
 from jax_attn.kernels.triton_paged import paged_attention
 from jax_attn.reference import merge_state_reference, paged_attention_reference
-from tests.attention_cases import CPU_CASES, GPU_CASES, build_inputs, check_attention, compare
+from tests.attention_cases import CPU_CASES, GPU_CASES, Case, build_inputs, check_attention, compare
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -44,6 +45,98 @@ def test_attention_gpu(case):
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_small_cases_gpu(case):
     check_attention(paged_attention, case)
+
+
+# ----------------------------------------------------------------------------- split-KV decode knobs
+# Split-KV decode with several kv heads per program (masked cross-head logits, per-row descale and
+# sinks, padding rows when the packed heads do not fill the tile) and its own tile sizes.
+_PACKED = [
+    (Case("pack4_fp8_sinks", ((1, 90), (1, 37), (1, 1)), heads=(16, 4), dtype="bfloat16", fp8=True, sinks=True,
+          num_splits=3, pad_rows=1),
+     KernelConfig(split_kv_heads=4, split_block_k=16, split_num_warps=2, split_num_stages=1, prefetch_pages=True)),
+    (Case("pack_gcd_page1_window_softcap", ((1, 70), (1, 5)), heads=(8, 4), page_size=1, window=(20, 0),
+          softcap=5.0, num_splits=None),
+     KernelConfig(split_kv_heads=8, split_block_k=16, min_kv_per_split=16)),
+]
+
+
+@pytest.mark.parametrize("case,cfg", _PACKED, ids=[c.name for c, _ in _PACKED])
+def test_split_decode_packed_heads(case, cfg):
+    err = check_attention(functools.partial(paged_attention, config=cfg), case, interpret=True)
+    if case.dtype == "float32":
+        assert err < 2e-5, f"interpreted f32 should be near exact, got {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["window", "split2_page1_gqa7"])
+def test_prefetch_pages(name):
+    """Page ids read one step ahead across the masked / unmasked / masked key loops."""
+    case = next(c for c in CPU_CASES if c.name == name)
+    cfg = KernelConfig(prefetch_pages=True, block_k=16, decode_block_k=16)
+    err = check_attention(functools.partial(paged_attention, config=cfg), case, interpret=True)
+    assert err < 2e-5, f"interpreted f32 should be near exact, got {err:.2e}"
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pack", [2, 4, 8])
+def test_split_decode_packed_heads_gpu(pack):
+    case = next(c for c in GPU_CASES if c.name == "split_auto")
+    cfg = KernelConfig(split_kv_heads=pack, split_block_k=128 // pack, max_splits=32, prefetch_pages=pack == 4)
+    check_attention(functools.partial(paged_attention, config=cfg), case)
+    check_attention(functools.partial(paged_attention, config=cfg), dataclasses.replace(case, fp8=True, sinks=True))
+
+
+def test_split_knobs_choose_tiles_and_splits():
+    cfg = KernelConfig(split_block_k=256, split_num_warps=8, split_num_stages=3, split_kv_heads=4, max_splits=64)
+    assert cfg.tile_params(decode=True) == (128, 4, 2)  # decode values when the launch does not split
+    assert cfg.tile_params(decode=True, split=True) == (256, 8, 3)
+    assert cfg.tile_params(decode=False, split=True) == (64, 4, 3)
+    assert KernelConfig(decode_num_warps=8).tile_params(decode=True, split=True) == (128, 8, 2)
+    assert kv_heads_per_program(cfg, 8, decode=True, split=True) == 4
+    assert kv_heads_per_program(cfg, 2, decode=True, split=True) == 2
+    assert kv_heads_per_program(cfg, 8, decode=True, split=False) == 1
+    assert kv_heads_per_program(cfg, 8, decode=False, split=True) == 1
+    # One sequence, 8 kv heads: 2 packed programs per tile ask for 4x the splits of 8 programs.
+    kw = dict(num_tokens=1, num_kv_heads=8, block_q=1, num_splits=None)
+    assert static_num_splits(config=dataclasses.replace(cfg, split_kv_heads=1), decode=True, **kw) == 64
+    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=512), decode=True, **kw) == 264
+    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=256, split_kv_heads=1), decode=True,
+                             **kw) == 66
+    assert static_num_splits(config=cfg, decode=True, num_tokens=64, num_kv_heads=8, block_q=1,
+                             num_splits=None) == 1  # 512 programs fill the GPU: no split, no packing
+    for bad in (dict(split_block_k=48), dict(split_num_warps=3), dict(split_kv_heads=3), dict(split_num_stages=0)):
+        with pytest.raises(ValueError, match="must be"):
+            KernelConfig(**bad)
+
+
+@pytest.mark.parametrize("num_splits,block_rows", [(5, 4), (2, 16)])
+def test_merge_splits_interpret(num_splits, block_rows):
+    """Rows merge partials [0, row_num_splits); later partials hold NaN; empty ones have LSE -inf."""
+    rng = np.random.default_rng(num_splits)
+    r, d = 11, 32
+    po = rng.standard_normal((num_splits, r, d)).astype(np.float32)
+    plse = (rng.standard_normal((num_splits, r)) * 4).astype(np.float32)
+    ns = rng.integers(0, num_splits + 1, r).astype(np.int32)
+    ns[:2] = (0, num_splits)
+    plse[rng.random((num_splits, r)) < 0.25] = -np.inf
+    plse[:, 2] = -np.inf  # every partial of row 2 empty
+    for row in range(r):
+        po[ns[row]:, row] = np.nan
+        plse[ns[row]:, row] = np.nan
+    cfg = KernelConfig(merge_block_rows=block_rows)
+    o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), jnp.asarray(ns), out_dtype=jnp.float32, config=cfg,
+                          interpret=True)
+    want_o, want_lse = np.zeros((r, d), np.float32), np.full((r,), -np.inf, np.float32)
+    for row in range(r):
+        lse_r = plse[: ns[row], row]
+        if ns[row] and np.isfinite(lse_r).any():
+            w = np.exp(lse_r - lse_r.max())
+            want_o[row] = (w[:, None] * np.where(w[:, None] > 0, po[: ns[row], row], 0)).sum(0) / w.sum()
+            want_lse[row] = lse_r.max() + np.log(w.sum())
+    compare(o, want_o, tol=1e-5, what="merged out")
+    assert (np.isneginf(np.asarray(lse)) == np.isneginf(want_lse)).all()
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- ragged batches

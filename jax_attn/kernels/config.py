@@ -6,6 +6,7 @@ A ``KernelConfig`` is frozen and hashable so it can be passed as a static argume
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # Streaming multiprocessors on H100 SXM and H200: the default target of the split heuristic.
 HOPPER_NUM_SMS = 132
@@ -28,6 +29,12 @@ class KernelConfig:
       num_stages: software-pipelining depth of the key loop.
       decode_block_k / decode_num_warps / decode_num_stages: the same for decode tiles
         (``max_q_len == 1``); ``None`` means "use the prefill value".
+      split_block_k / split_num_warps / split_num_stages: the same for decode tiles of a split-KV
+        launch (few sequences, long contexts); ``None`` means "use the decode value".
+      split_kv_heads: kv heads one program of a split-KV decode launch handles (power of 2); the
+        kernel uses the largest power of 2 dividing both this and Hkv. Packing heads fills the
+        16-row tile that a small GQA group leaves mostly empty and makes each key's rows of those
+        heads one contiguous read; each loop step then moves ``block_k * split_kv_heads`` rows.
       max_splits: static upper bound on KV splits per sequence when ``num_splits`` is left to the
         heuristic.
       min_kv_per_split: the heuristic never gives a split fewer keys than this.
@@ -35,6 +42,8 @@ class KernelConfig:
       split_waves: programs per multiprocessor the split heuristic aims for when the (kv head,
         query block) tiles alone leave multiprocessors idle (memory-bound decode wants several
         programs in flight per multiprocessor).
+      prefetch_pages: read the page ids of the next key block one loop step ahead (carried in
+        the loop state), so a step's K/V addresses do not wait on a page-table load of that step.
       merge_block_rows: rows (token, head pairs) per program of the split-merge kernel.
       merge_num_warps: warps per program of the merge kernels.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
@@ -48,10 +57,15 @@ class KernelConfig:
     decode_block_k: int | None = 128
     decode_num_warps: int | None = 4
     decode_num_stages: int | None = 2
+    split_block_k: int | None = None
+    split_num_warps: int | None = None
+    split_num_stages: int | None = None
+    split_kv_heads: int = 1
     max_splits: int = 16
     min_kv_per_split: int = 512
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 4
+    prefetch_pages: bool = False
     merge_block_rows: int = 16
     merge_num_warps: int = 4
     fast_exp2: bool = True
@@ -63,11 +77,17 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be a power of 2 (e.g. 64 or 128)")
         if self.block_m < 16 or self.block_k < 16:
             raise ValueError(f"{self.block_m=} and {self.block_k=} must be >= 16 (tensor-core tiles)")
-        if self.decode_block_k is not None and (not _is_pow2(self.decode_block_k) or self.decode_block_k < 16):
-            raise ValueError(f"{self.decode_block_k=} must be a power of 2 >= 16, or None")
-        if self.decode_num_warps is not None and not _is_pow2(self.decode_num_warps):
-            raise ValueError(f"{self.decode_num_warps=} must be a power of 2, or None")
-        for name in ("num_stages", "decode_num_stages"):
+        for name in ("decode_block_k", "split_block_k"):
+            v = getattr(self, name)
+            if v is not None and (not _is_pow2(v) or v < 16):
+                raise ValueError(f"{name}={v} must be a power of 2 >= 16 (e.g. 64 or 128), or None")
+        for name in ("decode_num_warps", "split_num_warps"):
+            v = getattr(self, name)
+            if v is not None and not _is_pow2(v):
+                raise ValueError(f"{name}={v} must be a power of 2 (e.g. 4 or 8), or None")
+        if not _is_pow2(self.split_kv_heads):
+            raise ValueError(f"{self.split_kv_heads=} must be a power of 2 (1 = one kv head per program)")
+        for name in ("num_stages", "decode_num_stages", "split_num_stages"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name}={v} must be >= 1")
@@ -76,16 +96,20 @@ class KernelConfig:
         if self.min_kv_per_split < 1 or self.num_sms < 1 or self.split_waves < 1:
             raise ValueError(f"{self.min_kv_per_split=}, {self.num_sms=} and {self.split_waves=} must be >= 1")
 
-    def tile_params(self, decode: bool) -> tuple[int, int, int]:
-        """(block_k, num_warps, num_stages) for decode or multi-token tiles."""
+    def tile_params(self, decode: bool, split: bool = False) -> tuple[int, int, int]:
+        """(block_k, num_warps, num_stages) for multi-token tiles, decode tiles or split-KV decode tiles."""
         if not decode:
             return self.block_k, self.num_warps, self.num_stages
         pick = lambda v, d: d if v is None else v
-        return (
+        params = (
             pick(self.decode_block_k, self.block_k),
             pick(self.decode_num_warps, self.num_warps),
             pick(self.decode_num_stages, self.num_stages),
         )
+        if not split:
+            return params
+        return (pick(self.split_block_k, params[0]), pick(self.split_num_warps, params[1]),
+                pick(self.split_num_stages, params[2]))
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -94,6 +118,14 @@ DEFAULT_CONFIG = KernelConfig()
 def next_pow2(x: int) -> int:
     """Smallest power of 2 >= x (x >= 1)."""
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def kv_heads_per_program(config: KernelConfig, num_kv_heads: int, *, decode: bool, split: bool) -> int:
+    """Kv heads one attention program handles: 1, or for split-KV decode ``split_kv_heads``
+    reduced to the largest power of 2 that divides ``num_kv_heads``."""
+    if not (decode and split):
+        return 1
+    return math.gcd(config.split_kv_heads, num_kv_heads)
 
 
 def choose_block_q(config: KernelConfig, group: int, max_q_len: int) -> int:

@@ -24,7 +24,8 @@ _NEG_INF = float("-inf")
 def load_rows(ref, rows, ok, other=0):
     """Gathers ``ref[rows, :]`` -> [len(rows), ref.shape[1]]; rows where ``ok`` is False read ``other``.
 
-    ``ok=None`` reads every row; ``other=None`` leaves masked rows undefined. ``rows`` must be in range even where ``ok`` is False.
+    ``ok=None`` reads every row; ``other=None`` leaves masked rows undefined. ``rows`` must be in
+    range even where ``ok`` is False.
     """
     cols = jnp.arange(ref.shape[1], dtype=jnp.int32)
     if ok is None:
@@ -77,21 +78,29 @@ def _row_block(block_rows: int, num_rows: int):
 
 
 def _splits_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int):
+    """Two passes: the max and the sum over every split's LSE at once, then a weighted sum of the
+    partial outputs whose loads do not wait on one another."""
     rows, ok = _row_block(block_rows, num_rows)
     ns = plgpu.load(ns_ref.at[rows], mask=ok, other=0)
-
-    def part(s):
-        def load():
-            valid = ok & (s < ns)
-            idx = rows + s * num_rows
-            lse_s = plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
-            o_s = load_rows(po_ref, jnp.where(valid, idx, 0), valid, 0.0)
-            return o_s.astype(jnp.float32), lse_s
-        return load
-
-    out, lse = _merge_rows([part(s) for s in range(num_splits)], block_rows, po_ref.shape[-1])
+    sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)[:, None]
+    valid = ok[None, :] & (sp < ns[None, :])  # [S_pad, BR]
+    lse_all = plgpu.load(plse_ref.at[jnp.where(valid, rows[None, :] + sp * num_rows, 0)], mask=valid,
+                         other=_NEG_INF)
+    m = jnp.max(lse_all, axis=0)
+    m_use = jnp.where(m == _NEG_INF, 0.0, m)
+    tot = jnp.sum(jnp.exp(lse_all - m_use[None, :]), axis=0)
+    acc = jnp.zeros((block_rows, po_ref.shape[-1]), jnp.float32)
+    for s in range(num_splits):
+        valid_s = ok & (s < ns)
+        idx = jnp.where(valid_s, rows + s * num_rows, 0)
+        w = jnp.exp(plgpu.load(plse_ref.at[idx], mask=valid_s, other=_NEG_INF) - m_use)
+        o_s = load_rows(po_ref, idx, valid_s, 0.0).astype(jnp.float32)
+        acc = acc + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)  # empty partials may hold garbage
+    nonempty = tot > 0.0
+    safe = jnp.where(nonempty, tot, 1.0)
+    out = jnp.where(nonempty[:, None], acc / safe[:, None], 0.0)
     store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
-    store_vec(lse_ref, rows, ok, lse)
+    store_vec(lse_ref, rows, ok, jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF))
 
 
 def merge_splits(

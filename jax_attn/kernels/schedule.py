@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_attn.kernels.config import KernelConfig, choose_block_q
+from jax_attn.kernels.config import KernelConfig, choose_block_q, kv_heads_per_program
 from jax_attn.metadata import AttentionMetadata, WorkSchedule
 
 
@@ -27,21 +27,30 @@ def max_num_tiles(*, num_tokens: int, batch_size: int, max_q_len: int, block_q: 
 
 
 def static_num_splits(
-    *, num_tokens: int, num_kv_heads: int, block_q: int, num_splits: int | None, config: KernelConfig
+    *, num_tokens: int, num_kv_heads: int, block_q: int, num_splits: int | None, config: KernelConfig,
+    decode: bool = False,
 ) -> int:
     """Static bound S on kv splits: ``num_splits`` if given, else what the token bucket can use.
 
     Splitting only pays when the (kv head, query block) tiles cannot fill the multiprocessors,
-    so the bound shrinks as the bucket grows (which also bounds the f32 partial buffers).
+    so the bound shrinks as the bucket grows (which also bounds the f32 partial buffers). A
+    split-KV decode launch that packs several kv heads per program (``split_kv_heads``) has fewer
+    programs per tile, so it may use more splits.
     """
     if num_splits is not None:
         if num_splits < 1:
             raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
         return int(num_splits)
-    base = max(1, (num_tokens // block_q) * num_kv_heads)
+    tiles = num_tokens // block_q
+    base = max(1, tiles * num_kv_heads)
     if base >= config.num_sms:
         return 1
-    return int(max(1, min(config.max_splits, _cdiv(config.num_sms * config.split_waves, base))))
+    want = config.num_sms * config.split_waves
+    s = max(1, min(config.max_splits, _cdiv(want, base)))
+    if s > 1 and decode:
+        pack = kv_heads_per_program(config, num_kv_heads, decode=True, split=True)
+        s = max(1, min(config.max_splits, _cdiv(want, max(1, tiles * (num_kv_heads // pack)))))
+    return int(s)
 
 
 def build_schedule(
@@ -67,10 +76,11 @@ def build_schedule(
       max_q_len: static upper bound on queries per sequence.
       block_q: query tokens per tile (static).
       max_splits: static upper bound S on kv splits per sequence.
-      num_kv_heads: kv heads (each tile runs once per kv head), used by the heuristic.
+      num_kv_heads: programs per tile (kv heads, or kv-head packs), used by the heuristic.
       force_splits: give every sequence exactly ``max_splits`` splits (some may be empty).
       num_sms: multiprocessors the heuristic tries to fill.
       min_kv_per_split: the heuristic gives no split fewer keys than this.
+      split_waves: programs per multiprocessor the heuristic aims for.
 
     Returns:
       A ``WorkSchedule`` with ``N = max_num_tiles(...)`` entries, invalid ones ``-1``.
@@ -159,10 +169,13 @@ def plan_schedule(
     """
     num_tokens = md.num_tokens if num_tokens is None else num_tokens
     group = num_q_heads // num_kv_heads
+    decode = md.max_q_len <= 1
     block_q = choose_block_q(config, group, md.max_q_len)
     s = static_num_splits(
-        num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q=block_q, num_splits=num_splits, config=config
+        num_tokens=num_tokens, num_kv_heads=num_kv_heads, block_q=block_q, num_splits=num_splits, config=config,
+        decode=decode,
     )
+    pack = kv_heads_per_program(config, num_kv_heads, decode=decode, split=s > 1)
     return build_schedule(
         md.cache_seqlens,
         md.cu_seqlens_q,
@@ -170,7 +183,7 @@ def plan_schedule(
         max_q_len=md.max_q_len,
         block_q=block_q,
         max_splits=s,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=num_kv_heads // pack,  # programs per tile
         force_splits=num_splits is not None,
         num_sms=config.num_sms,
         min_kv_per_split=config.min_kv_per_split,

@@ -6,10 +6,15 @@ query heads share every key block. Query rows are gathered from ``q`` seen as ``
 key rows from the cache seen as ``[num_slots * Hkv, D]`` through the page table, one row per key,
 which works for any page size including 1.
 
+A split-KV decode launch may pack C kv heads into one program (``KernelConfig.split_kv_heads``):
+its rows are then the query heads of all C kv heads, each loop step gathers the C adjacent rows
+of every key (one contiguous read per key), and a logit whose key row belongs to another kv head
+than its query row is masked out.
+
 Dimension legend:
   T query tokens, B sequences, P page-table width, Hq / Hkv query / kv heads, G = Hq // Hkv,
   D / Dv key / value head dims, S kv splits (static bound), N work tiles (static bound),
-  M tile rows, R = T * Hq output rows.
+  M tile rows, R = T * Hq output rows, C kv heads per program.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, tile_rows
+from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, kv_heads_per_program, tile_rows
 from jax_attn.kernels.merge_state import load_rows, merge_splits, store_rows, store_vec
 from jax_attn.kernels.schedule import plan_schedule, row_num_splits
 from jax_attn.metadata import AttentionMetadata
@@ -46,6 +51,8 @@ class _Static:
     block_q: int
     block_k: int
     rows: int  # M
+    kv_pack: int  # C, kv heads per program
+    prefetch_pages: bool  # read the next step's page ids one step ahead
     split_mode: bool
     causal: bool
     window: tuple[int, int]
@@ -132,7 +139,7 @@ def _attn_kernel(*refs, st: _Static):
         rest = rest[2:]  # the aliased output initial values
     o_ref, lse_ref = rest
 
-    h = pl.program_id(0)
+    h = pl.program_id(0) * st.kv_pack  # first kv head of this program
     n = pl.program_id(1)
     seq = tile_seq_ref[n]
 
@@ -145,6 +152,7 @@ def _attn_kernel(*refs, st: _Static):
 def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref):
     g_count, hq, hkv = st.group, st.num_q_heads, st.num_kv_heads
+    heads_per_tok = g_count * st.kv_pack
     q_block = tile_qb_ref[n]
     split = tile_split_ref[n]
     q_start = cu_q_ref[b]
@@ -152,8 +160,9 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
     k_len = seqlens_ref[b]
 
     rows = jnp.arange(st.rows, dtype=jnp.int32)
-    tok_in_tile = rows // g_count
-    head = h * g_count + rows % g_count  # query head of each row
+    tok_in_tile = rows // heads_per_tok
+    head = h * g_count + rows % heads_per_tok  # query head of each row
+    row_kvh = (rows % heads_per_tok) // g_count  # kv head of each row, relative to h
     q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
     row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
@@ -168,20 +177,32 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
 
     k_scale = st.scale  # natural-log domain; LOG2E is applied after the softcap
     if st.has_k_descale:
-        k_scale = k_scale * kd_ref[b * hkv + h]
+        k_scale = k_scale * _head_descale(st, kd_ref, b * hkv + h, row_kvh)
     kv = (pt_ref, k_ref, v_ref, b, h)
-    acc, m, l = _key_loop(st, q, shift + q_idx, kv, k_scale, s_lo, s_hi, bounds)
+    acc, m, l = _key_loop(st, q, shift + q_idx, row_kvh, kv, k_scale, s_lo, s_hi, bounds)
 
     sink = None
     if st.has_sinks:
         sink = jnp.where(split == 0, plgpu.load(sinks_ref.at[head]) * LOG2E, _NEG_INF)
-    v_scale = vd_ref[b * hkv + h] if st.has_v_descale else None
+    v_scale = _head_descale(st, vd_ref, b * hkv + h, row_kvh) if st.has_v_descale else None
     out, lse = _finish(acc, m, l, sink, v_scale)
     out_row = q_row
     if st.split_mode:
         out_row = q_row + split * (st.num_tokens * hq)
     store_rows(o_ref, out_row, row_ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, out_row, row_ok, lse)
+
+
+def _head_descale(st: _Static, ref, first, row_kvh):
+    """Descale of the program's kv head (scalar), or of each row's kv head (f32[M]) when packed."""
+    if st.kv_pack == 1:
+        return ref[first]
+    return plgpu.load(ref.at[first + row_kvh])
+
+
+def _per_row(x):
+    """Broadcasts a per-row factor (f32[M]) against [M, columns]; scalars pass through."""
+    return x[:, None] if jnp.ndim(x) == 1 else x
 
 
 def _block_bounds(st: _Static, s_lo, s_hi, first_qpos, last_qpos):
@@ -202,55 +223,75 @@ def _block_bounds(st: _Static, s_lo, s_hi, first_qpos, last_qpos):
     return i_lo, i_hi, n
 
 
-def _key_loop(st: _Static, q, qpos, kv, k_scale, s_lo, s_hi, bounds):
-    """Online softmax (base 2) over key blocks; returns (acc f32[M, Dv], m f32[M], l f32[M])."""
-    pt_ref, k_ref, v_ref, b, h = kv
-    ps, hkv, bk = st.page_size, st.num_kv_heads, st.block_k
-    koffs = jnp.arange(bk, dtype=jnp.int32)
+def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
+    """Online softmax (base 2) over key blocks; returns (acc f32[M, Dv], m f32[M], l f32[M]).
 
-    def load_kv(keys, kv_ok):
+    A step covers ``block_k`` keys; with C packed kv heads its column ``j`` is key ``j // C`` of
+    kv head ``h + j % C``.
+    """
+    pt_ref, k_ref, v_ref, b, h = kv
+    ps, hkv, bk, pack = st.page_size, st.num_kv_heads, st.block_k, st.kv_pack
+    cols = jnp.arange(bk * pack, dtype=jnp.int32)
+    koffs, col_head, own_head = cols, h, None  # key of each column (relative to the step), its kv head
+    if pack > 1:  # a row only sees the columns of its own kv head
+        koffs, col_head = cols // pack, h + cols % pack
+        own_head = (cols % pack)[None, :] == row_kvh[:, None]  # bool[M, block_k * C]
+
+    def page_ids(keys, ok):  # i32[block_k * C]; 0 where not ok
+        return plgpu.load(pt_ref.at[jnp.where(ok, b * st.max_pages + keys // ps, 0)], mask=ok, other=0)
+
+    def load_kv(page, keys, kv_ok):
+        kv_row = (page * ps + keys % ps) * hkv + col_head
         if kv_ok is None:
-            page = plgpu.load(pt_ref.at[b * st.max_pages + keys // ps])
-            kv_row = (page * ps + keys % ps) * hkv + h
             return load_rows(k_ref, kv_row, None), load_rows(v_ref, kv_row, None)
-        page = plgpu.load(pt_ref.at[jnp.where(kv_ok, b * st.max_pages + keys // ps, 0)], mask=kv_ok, other=0)
-        kv_row = jnp.where(kv_ok, (page * ps + keys % ps) * hkv + h, 0)
+        kv_row = jnp.where(kv_ok, kv_row, 0)
         fill = None if st.fp8_kv else 0
         return load_rows(k_ref, kv_row, kv_ok, fill), load_rows(v_ref, kv_row, kv_ok, fill)
 
     def make_body(masked: bool):
         def body(it, carry):
-            acc, m, l = carry
+            acc, m, l, *ahead = carry
             keys = s_lo + it * bk + koffs
             kv_ok = keys < s_hi if masked else None
-            k, v = load_kv(keys, kv_ok)
-            s = _dot(q, k.astype(st.compute_dtype), trans_b=True)  # [M, block_k] f32
+            if st.prefetch_pages:  # this step's page ids came with the carry; read the next step's
+                page, ahead = ahead[0], [page_ids(keys + bk, keys + bk < s_hi)]
+            elif masked:
+                page = page_ids(keys, kv_ok)
+            else:
+                page = plgpu.load(pt_ref.at[b * st.max_pages + keys // ps])
+            k, v = load_kv(page, keys, kv_ok)
+            s = _dot(q, k.astype(st.compute_dtype), trans_b=True)  # [M, block_k * C] f32
             if st.softcap > 0:
-                s = jnp.tanh(s * (k_scale / st.softcap)) * (st.softcap * LOG2E)
+                s = jnp.tanh(s * _per_row(k_scale / st.softcap)) * (st.softcap * LOG2E)
                 c = 1.0
             else:
                 c = k_scale * LOG2E  # folded into the exponent: exp2(s * c - m)
-            if masked:
-                s = jnp.where(_visible(st, keys, s_hi, qpos), s, _NEG_INF)
+            seen = _visible(st, keys, s_hi, qpos) if masked else None
+            if own_head is not None:
+                seen = own_head if seen is None else seen & own_head
+            if seen is not None:
+                s = jnp.where(seen, s, _NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
             m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
             alpha = _exp2(m - m_use, st.fast_exp2)
-            p = _exp2(s * c - m_use[:, None], st.fast_exp2)
+            p = _exp2(s * _per_row(c) - m_use[:, None], st.fast_exp2)
             l = l * alpha + jnp.sum(p, axis=1)
             v = v.astype(st.compute_dtype)
             if masked and kv_ok is not None and st.fp8_kv:
                 v = jnp.where(kv_ok[:, None], v, 0)  # fp8 masked loads have no fill value
             acc = acc * alpha[:, None] + _dot(p.astype(st.compute_dtype), v)
-            return acc, m_new, l
+            return (acc, m_new, l, *ahead)
         return body
 
     i_lo, i_hi, n = bounds
     carry = (jnp.zeros((st.rows, v_ref.shape[-1]), jnp.float32),
              jnp.full((st.rows,), _NEG_INF, jnp.float32),
              jnp.zeros((st.rows,), jnp.float32))
+    if st.prefetch_pages:  # the three loops walk consecutive blocks, so the carried ids stay in step
+        carry += (page_ids(s_lo + koffs, s_lo + koffs < s_hi),)
     carry = lax.fori_loop(0, i_lo, make_body(True), carry)
     carry = lax.fori_loop(i_lo, i_hi, make_body(False), carry)
-    return lax.fori_loop(i_hi, n, make_body(True), carry)
+    return lax.fori_loop(i_hi, n, make_body(True), carry)[:3]
 
 
 def _finish(acc, m, l, sink, v_scale):
@@ -320,11 +361,11 @@ def _run_tiles(st: _Static, sched, inputs, dv: int, out_dtype, knobs, interpret:
     return pl.pallas_call(
         functools.partial(_attn_kernel, st=st),
         out_shape=out_shape,
-        grid=(st.num_kv_heads, sched.tile_seq.shape[0]),
+        grid=(st.num_kv_heads // st.kv_pack, sched.tile_seq.shape[0]),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_m{st.rows}_k{st.block_k}",
+        name=f"paged_attention_m{st.rows}_k{st.block_k}" + (f"_c{st.kv_pack}" if st.kv_pack > 1 else ""),
     )(*inputs)
 
 
@@ -398,12 +439,15 @@ def paged_attention(
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_splits=num_splits,
                               num_tokens=t)
     decode = md.max_q_len <= 1 and sched.block_q == 1
-    block_k, num_warps, num_stages = config.tile_params(decode)
+    split_mode = sched.max_splits > 1
+    block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
+    pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
     compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     st = _Static(
         num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
-        block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, hq // hkv),
-        split_mode=sched.max_splits > 1, causal=causal, window=tuple(int(w) for w in window_size),
+        block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, pack * hq // hkv), kv_pack=pack,
+        prefetch_pages=config.prefetch_pages,
+        split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),
         softcap=float(softcap), scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=sinks is not None, has_k_descale=k_descale is not None,
         has_v_descale=v_descale is not None, compute_dtype=jnp.dtype(compute_dtype),
