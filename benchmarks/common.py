@@ -157,14 +157,9 @@ def time_host(fn, reps: int, warmup: int, sync, flag_host_bound: bool = False) -
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def time_device(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> Optional[Timing]:
-    """Median GPU time of one call from a CUPTI trace of ``calls`` back-to-back calls, or None.
-
-    The activities of the trace are split into ``calls`` equal consecutive groups (each call
-    launches the same sequence); when the count does not divide, the mean is returned instead.
-    """
-    if not cuda_available():
-        return None
+def device_activities(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> list:
+    """Sorted ``(start, duration us, name)`` of the GPU activities of ``calls`` back-to-back calls
+    (one CUPTI trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(fn())
@@ -181,14 +176,26 @@ def time_device(fn: Callable[[], object], sync: Callable[[object], None], calls:
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f).get("traceEvents", [])
-    acts = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") in _DEVICE_CATEGORIES and "dur" in e)
+    return sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
+                  if e.get("cat") in _DEVICE_CATEGORIES and "dur" in e)
+
+
+def time_device(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> Optional[Timing]:
+    """Median GPU time of one call from a CUPTI trace of ``calls`` back-to-back calls, or None.
+
+    The activities of the trace are split into ``calls`` equal consecutive groups (each call
+    launches the same sequence); when the count does not divide, the mean is returned instead.
+    """
+    if not cuda_available():
+        return None
+    acts = device_activities(fn, sync, calls)
     if not acts:
         return None
     per = len(acts) // calls
     if per == 0 or len(acts) % calls:
-        mean = sum(d for _, d in acts) / calls
+        mean = sum(a[1] for a in acts) / calls
         return Timing(mean, float("nan"), f"cupti mean, {len(acts)} activities / {calls} calls")
-    sums = [sum(d for _, d in acts[i * per:(i + 1) * per]) for i in range(calls)]
+    sums = [sum(a[1] for a in acts[i * per:(i + 1) * per]) for i in range(calls)]
     timing = _summary(sums)
     return Timing(timing.time_us, timing.spread, f"{per} kernels/call")
 

@@ -38,9 +38,7 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -149,24 +147,7 @@ def profile_call(fn, calls: int):
     """(total, {attn, merge, other}) median GPU us per call from one CUPTI trace, or None without CUDA."""
     if not common.cuda_available():
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    jax.block_until_ready(fn())
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        warnings.simplefilter("ignore")
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    acts = sorted((e["ts"], e["dur"], _part(e.get("name", ""))) for e in events
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    acts = [(ts, dur, _part(name)) for ts, dur, name in common.device_activities(fn, jax.block_until_ready, calls)]
     per = len(acts) // calls
     if per == 0 or len(acts) % calls:  # calls not separable: means
         parts = {k: sum(d for _, d, p in acts if p == k) / calls for k in ("attn", "merge", "other")}
