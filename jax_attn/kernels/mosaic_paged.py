@@ -1,47 +1,28 @@
-"""Ragged paged attention for Hopper in Pallas Mosaic GPU (TMA page loads, wgmma, warp specialization).
+"""Ragged paged attention for Hopper in Pallas Mosaic GPU: configuration, schedule and entry point.
 
-One CTA runs one work tile (sequence, block of ``2 * block_q`` rows) for one head of the row view.
-Three warpgroups: two compute warpgroups own ``block_q`` rows each and take turns on the tensor
-cores; the third issues the TMA copies, one per KV page, with page ids read from the page table in
-the kernel, into a ``stages``-deep ring of key/value buffers.
+The kernel itself lives in ``mosaic_kernel`` (see its docstring for the design). One CTA runs one
+work tile (sequence, block of ``2 * block_q`` rows) for one head of the row view.
 
 Row views (``pack``): with ``pack == 1`` a row is one query token of one query head (``q`` as it
 is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G`` query heads of a
-kv head are packed into the rows (``q`` seen as ``[T * G, Hkv, D]``), so decode and verify fill
-the tensor core tile with one read of each key block.
+kv head are packed into the rows (``q`` seen as ``[T * G, Hkv, D]``, see ``pack_rows``), so decode
+and verify fill the tensor core tile with one read of each key block.
 
-Ragged outputs: each compute warpgroup stores its valid rows with TMA copies of 64, 32, ..., 1 rows
-(the binary digits of the count), so a tile never writes rows of another sequence.
-
-Keys past ``cache_seqlens`` that share the last page are masked out of the scores, and their value
-rows are zeroed in shared memory before the P@V product (unused slots may hold anything, NaN too).
-
-Dimension legend: T tokens, B sequences, P page-table width, Hq / Hkv heads, G = Hq // Hkv,
-D / Dv head dims, N work tiles (static bound), R rows of the row view, H heads of the row view.
+Dimension legend: T tokens, B sequences, Hq / Hkv heads, G = Hq // Hkv, D / Dv head dims,
+N work tiles (static bound), R rows of the row view, H heads of the row view.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_call
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-_COMPUTE_WGS = 2
-
-
-def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,34 +54,6 @@ class MosaicConfig:
 DEFAULT_MOSAIC_CONFIG = MosaicConfig()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Trace-time constants of one kernel instance."""
-
-    num_rows: int  # R
-    num_heads: int  # H (row-view heads)
-    kv_group: int  # row-view heads per kv head
-    pack: int  # rows per query token
-    page_size: int
-    block_q: int
-    block_kv: int
-    stages: int
-    head_dim: int
-    head_dim_v: int
-    causal: bool
-    window: tuple[int, int]
-    softcap: float
-    scale: float
-    has_sinks: bool
-    return_lse: bool
-    dtype: jnp.dtype
-    interpret: bool
-
-    @property
-    def pages_per_block(self) -> int:
-        return max(self.block_kv // self.page_size, 1)
-
-
 def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_descale=None) -> str | None:
     """``None`` if the Mosaic kernel runs this call, else the reason it does not."""
     d, dv = k_cache.shape[-1], v_cache.shape[-1]
@@ -116,315 +69,6 @@ def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_de
     return None
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def _row_ranges(st: _Static, wg, row_base, seq_rows, q_len, k_len):
-    """Rows and key blocks of compute warpgroup ``wg``: (first row, valid rows, kv block lo, hi)."""
-    r0 = row_base + wg * st.block_q  # row offset within the sequence
-    n_valid = jnp.clip(seq_rows - r0, 0, st.block_q)
-    shift = k_len - q_len
-    p_first = shift + r0 // st.pack
-    p_last = shift + (r0 + jnp.maximum(n_valid, 1) - 1) // st.pack
-    left, right = st.window
-    hi = k_len
-    if st.causal:
-        hi = jnp.minimum(hi, p_last + 1)
-    if right >= 0:
-        hi = jnp.minimum(hi, p_last + right + 1)
-    lo = jnp.int32(0)
-    if left >= 0:
-        lo = jnp.maximum(p_first - left, 0)
-    blk_lo = lo // st.block_kv
-    blk_hi = jnp.where(n_valid > 0, jnp.maximum(_cdiv(hi, st.block_kv), blk_lo), blk_lo)
-    # Blocks every valid row sees whole (no mask needed): [full_lo, full_hi).
-    full_hi = jnp.minimum(k_len, (p_first + 1) if st.causal else k_len)
-    if right >= 0:
-        full_hi = jnp.minimum(full_hi, p_first + right + 1)
-    full_hi = full_hi // st.block_kv
-    full_lo = _cdiv(jnp.maximum(p_last - left, 0), st.block_kv) if left >= 0 else jnp.int32(0)
-    return r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi
-
-
-def _kernel(st: _Static, num_tiles, q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, sinks_ref,
-            out_ref, lse_ref, smem, bars, used, sched):
-    """One CTA: tile ``tiles`` of row-view head ``heads`` (see the module docstring).
-
-    Tiles past ``num_tiles`` write zeros to the padding rows (after the last sequence's rows).
-    """
-    q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2 = smem
-    (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
-    head = lax.axis_index("heads")
-    tile = lax.axis_index("tiles")
-    wg = lax.axis_index("wg")
-    seq = tseq_ref[jnp.minimum(tile, num_tiles - 1)]
-
-    @pl.when((tile >= num_tiles) & (wg < _COMPUTE_WGS))
-    def _padding_rows():
-        batch = seqlens_ref.shape[0]
-        start = cu_ref[batch] * st.pack + (tile - num_tiles) * (_COMPUTE_WGS * st.block_q) + wg * st.block_q
-        n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        o_smem = o_smem2.at[wg]
-        o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        _store_rows(st, o_smem, out_ref, start, n, head)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when((tile < num_tiles) & (seq >= 0))
-    def _valid_tile():
-        k_len = seqlens_ref[seq]
-        q_start = cu_ref[seq]
-        q_len = cu_ref[seq + 1] - q_start
-        seq_rows = q_len * st.pack
-        row_base = tqb_ref[tile] * (_COMPUTE_WGS * st.block_q)
-        ranges = [_row_ranges(st, i, row_base, seq_rows, q_len, k_len) for i in range(_COMPUTE_WGS)]
-        both = ranges[1][1] > 0  # the second warpgroup has rows
-        cta_lo = jnp.where(both, jnp.minimum(ranges[0][3], ranges[1][3]), ranges[0][3])
-        cta_hi = jnp.where(both, jnp.maximum(ranges[0][4], ranges[1][4]), ranges[0][4])
-        nblk = jnp.maximum(cta_hi - cta_lo, 0)
-        kv_head = head // st.kv_group
-
-        @pl.when(wg < _COMPUTE_WGS)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            rng = [jnp.where(wg == 0, a, b) for a, b in zip(ranges[0], ranges[1])]
-            _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out_ref, lse_ref,
-                        sinks_ref, q_smem2.at[wg], k_smem, v_smem, o_smem2.at[wg], lse_smem2, q_bar.at[wg],
-                        k_bar, v_bar, k_used, v_used, sched, tile, None if p_smem2 is None else p_smem2.at[wg])
-
-        @pl.when(wg == _COMPUTE_WGS)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
-                       k_used, v_used)
-
-
-def _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
-               v_used):
-    """Producer: one TMA copy per page (or per block when a page holds several blocks)."""
-    last_page = jnp.maximum(_cdiv(k_len, st.page_size) - 1, 0)
-
-    def issue(step, slot):
-        blk = cta_lo + step
-        for j in range(st.pages_per_block):
-            if st.page_size >= st.block_kv:
-                key0 = blk * st.block_kv
-                page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
-                src = pl.ds(key0 % st.page_size, st.block_kv)
-                dst = pl.ds(0, st.block_kv)
-            else:
-                page = pt_ref[seq, jnp.minimum(blk * st.pages_per_block + j, last_page)]
-                src = pl.ds(0, st.page_size)
-                dst = pl.ds(j * st.page_size, st.page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
-
-    for i in range(st.stages):
-        pl.when(i < nblk)(functools.partial(issue, i, i))
-
-    def consumed(step):
-        slot = lax.rem(step, st.stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
-        return slot
-
-    @pl.loop(st.stages, jnp.maximum(nblk, st.stages))
-    def _refill(step):
-        issue(step, consumed(step - st.stages))
-
-    # Drain: observe the consumers' last arrivals so every barrier ends on a completed phase.
-    @pl.loop(jnp.maximum(nblk - st.stages, 0), nblk)
-    def _drain(step):
-        consumed(step)
-
-
-def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
-                v_smem, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, p_smem):
-    """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
-    r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
-    bq, bk = st.block_q, st.block_kv
-    # Rows start anywhere, but TMA into the tiled layout needs 8-aligned rows: stage Q through the
-    # untiled output buffer, then store it tiled for wgmma.
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], o_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
-    q_smem[...] = o_smem[...]
-    plgpu.commit_smem()
-
-    def sched_barrier():
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
-
-    c = st.scale * LOG2E
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-    qpos = p_first + (r0 % st.pack + row_ids) // st.pack if st.pack > 1 else p_first + row_ids
-
-    def logits(qk):
-        if st.softcap > 0:
-            return jnp.tanh(qk * (st.scale / st.softcap)) * (st.softcap * LOG2E)
-        return qk * c
-
-    def step(blk, carry, masked):
-        acc, m_i, l_i = carry
-        slot = lax.rem(blk - cta_lo, st.stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk_fn(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            sched_barrier()
-            return acc_ref[...]
-
-        s = logits(pl.run_scoped(qk_fn, plgpu.ACC((bq, bk), jnp.float32)))
-        plgpu.barrier_arrive(k_used.at[slot])
-        if masked:
-            key = col_ids + blk * bk
-            ok = key < k_len
-            if st.causal:
-                ok &= key <= qpos
-            left, right = st.window
-            if left >= 0:
-                ok &= key >= qpos - left
-            if right >= 0:
-                ok &= key <= qpos + right
-            s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_i - m_sub)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = p.astype(st.dtype)
-        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(v_bar.at[slot])
-        if masked:
-            _zero_tail_values(st, v_smem.at[slot], blk, k_len)
-        plgpu.barrier_wait(sched)
-
-        acc = _pv(st, acc, p16, v_smem.at[slot], p_smem)
-        plgpu.barrier_arrive(v_used.at[slot])
-        return acc, m_new, l_i
-
-    def skip(blk, carry):
-        slot = lax.rem(blk - cta_lo, st.stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_arrive(k_used.at[slot])
-        sched_barrier()
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_arrive(v_used.at[slot])
-        sched_barrier()
-        return carry
-
-    acc = plgpu.layout_cast(jnp.zeros((bq, st.head_dim_v), jnp.float32), plgpu.Layout.WGMMA)
-    m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    cta_hi = cta_lo + nblk
-    lo = jnp.clip(blk_lo, cta_lo, cta_hi)
-    hi = jnp.clip(blk_hi, lo, cta_hi)
-    f_lo = jnp.clip(full_lo, lo, hi)
-    f_hi = jnp.clip(full_hi, f_lo, hi)
-    masked_step = functools.partial(step, masked=True)
-    pl.when(wg == 1)(sched_barrier)
-    carry = lax.fori_loop(cta_lo, lo, skip, None)
-    carry = (acc, m_i, l_i)
-    carry = lax.fori_loop(lo, f_lo, masked_step, carry)
-    carry = lax.fori_loop(f_lo, f_hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(f_hi, hi, masked_step, carry)
-    lax.fori_loop(hi, cta_hi, skip, None)
-    pl.when(wg == 0)(sched_barrier)
-    _epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2)
-
-
-def _pv(st, acc, p16, v_slot, p_smem):
-    """``acc + p16 @ v_slot`` accumulated in place by wgmma, ``p16`` from registers. (The interpreter
-    lacks ``run_state`` and register operands: there ``p16`` goes through shared memory and the
-    product gets its own accumulator.)"""
-    if st.interpret:
-        p_smem[...] = p16
-        plgpu.commit_smem()
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_slot)
-            return acc_ref[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
-
-    def chained(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_slot)
-
-    return pl.run_state(chained)(plgpu.ACC.init(acc))
-
-
-def _zero_tail_values(st, v_slot, blk, k_len):
-    """Zero value rows of keys >= k_len in this block (they meet p == 0, but 0 * NaN is NaN)."""
-    @pl.when((blk + 1) * st.block_kv > k_len)
-    def _():
-        for c in range(st.block_kv // 64):
-            rows = v_slot.at[pl.ds(c * 64, 64)]
-            ids = plgpu.broadcasted_iota(jnp.int32, (64, st.head_dim_v), 0, layout=plgpu.Layout.WGMMA)
-            v = rows[...]
-            rows[...] = jnp.where(ids + (blk * st.block_kv + c * 64) < k_len, v, jnp.zeros_like(v))
-        plgpu.commit_smem()
-
-
-def _store_rows(st, o_smem, out_ref, row0, n, head):
-    """TMA-stores rows ``[0, n)`` of ``o_smem`` to ``out_ref[row0:row0 + n, head]`` (n <= block_q):
-    one copy per binary digit of ``n``, so no row outside the range is written."""
-    off = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
-    size = st.block_q
-    while size >= 1:
-        take = (n & size) != 0
-        src, dst = o_smem.at[pl.ds(off, size)], out_ref.at[pl.ds(row0 + off, size), head]
-        pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
-        off = off + jnp.where(take, size, 0)
-        size //= 2
-
-
-def _epilogue(st, carry, n_valid, row0, head, wg, tile, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
-    acc, m_i, l_i = carry
-    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks)
-        sink = sinks_ref[head] * LOG2E
-        m_new = jnp.maximum(m_i, sink)
-        alpha = jnp.exp2(m_i - m_new)
-        l_i = l_i * alpha + jnp.exp2(sink - m_new)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        m_i = m_new
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    o_smem[...] = acc.astype(st.dtype)
-    if st.return_lse:
-        lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
-    plgpu.commit_smem()
-    _store_rows(st, o_smem, out_ref, row0, n_valid, head)
-    if st.return_lse:
-        plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _entry(st: _Static, num_tiles: int, *refs):
-    """Allocates shared memory and barriers, then runs ``_kernel`` on every warpgroup."""
-    tiled = _TILED()
-    smem = (
-        plgpu.SMEM((_COMPUTE_WGS, st.block_q, st.head_dim), st.dtype, transforms=tiled),
-        plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled),
-        plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled),
-        plgpu.SMEM((_COMPUTE_WGS, st.block_q, st.head_dim_v), st.dtype),
-        plgpu.SMEM((_COMPUTE_WGS, st.block_q), jnp.float32),
-        # P staging for the interpreter only (see ``_pv``).
-        plgpu.SMEM((_COMPUTE_WGS, st.block_q, st.block_kv), st.dtype, transforms=tiled) if st.interpret else None,
-    )
-    ppb = st.pages_per_block
-    bars = (
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_barriers=_COMPUTE_WGS),
-    )
-    used = (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=st.stages),) * 2
-    sched = plgpu.Barrier(num_arrivals=_COMPUTE_WGS)
-    pl.run_scoped(lambda *a: _kernel(st, num_tiles, *refs, *a), smem, bars, used, sched, collective_axes="wg")
-
-
 def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, config: MosaicConfig) -> int:
     """Rows per query token: the kv head's G query heads packed for short query runs, else 1."""
     g = num_q_heads // num_kv_heads
@@ -438,8 +82,44 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     pack = choose_pack(md, num_q_heads, num_kv_heads, config)
     t = md.num_tokens if num_tokens is None else num_tokens
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
-                           max_q_len=md.max_q_len * pack, block_q=_COMPUTE_WGS * config.block_q, max_splits=1)
+                           max_q_len=md.max_q_len * pack, block_q=COMPUTE_WGS * config.block_q, max_splits=1)
     return dataclasses.replace(sched, pack=pack)
+
+
+def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
+                   page_size: int, pack: int, dtype, causal: bool = True, window_size=(-1, -1),
+                   softcap: float = 0.0, softmax_scale: float | None = None, has_sinks: bool = False,
+                   return_lse: bool = False, config: MosaicConfig | None = None,
+                   interpret: bool = False) -> KernelStatics:
+    """The kernel's trace-time constants for one call shape (the row view follows ``pack``)."""
+    config = DEFAULT_MOSAIC_CONFIG if config is None else config
+    g = num_q_heads // num_kv_heads
+    if has_sinks and pack > 1:
+        raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
+                                  f"{config.pack_max_q_len}); use impl='triton'")
+    return KernelStatics(
+        num_rows=num_tokens * pack, num_heads=num_q_heads if pack == 1 else num_kv_heads, kv_group=g // pack,
+        pack=pack, page_size=page_size, block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),
+        softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
+        has_sinks=has_sinks, return_lse=return_lse, dtype=jnp.dtype(dtype), interpret=interpret,
+    )
+
+
+def pack_rows(q, pack: int, num_kv_heads: int):
+    """``q [T, Hq, D]`` -> the kernel's row view ``[T * pack, Hq // pack, D]`` (jax or torch arrays)."""
+    if pack == 1:
+        return q
+    t, hq, d = q.shape
+    return q.reshape(t, num_kv_heads, pack, d).swapaxes(1, 2).reshape(t * pack, num_kv_heads, d)
+
+
+def unpack_rows(out, pack: int, num_q_heads: int):
+    """The kernel's ``[T * pack, H, Dv]`` rows -> ``[T, Hq, Dv]`` (jax or torch arrays)."""
+    if pack == 1:
+        return out
+    rows, hkv, dv = out.shape
+    return out.reshape(rows // pack, pack, hkv, dv).swapaxes(1, 2).reshape(rows // pack, num_q_heads, dv)
 
 
 def paged_attention_mosaic(
@@ -480,48 +160,27 @@ def paged_attention_mosaic(
         raise ValueError(f"{hq=} query heads must be a multiple of {hkv=} kv heads")
     if page_size != md.page_size:
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
-    g = hq // hkv
     sched = md.mosaic_schedule
-    if (sched is None or sched.block_q != _COMPUTE_WGS * config.block_q
+    if (sched is None or sched.block_q != COMPUTE_WGS * config.block_q
             or sched.pack != choose_pack(md, hq, hkv, config)):
         sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_tokens=t)
     pack = sched.pack
-    if sinks is not None and pack > 1:
-        raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
-                                  f"{config.pack_max_q_len}); use impl='triton'")
-    qv = q if pack == 1 else q.reshape(t, hkv, g, d).swapaxes(1, 2).reshape(t * g, hkv, d)
-    rows, heads = qv.shape[0], qv.shape[1]
-    st = _Static(
-        num_rows=rows, num_heads=heads, kv_group=g // pack, pack=pack, page_size=page_size,
-        block_q=config.block_q, block_kv=config.block_kv, stages=config.stages, head_dim=d, head_dim_v=dv,
-        causal=causal, window=tuple(int(w) for w in window_size), softcap=float(softcap),
-        scale=float(d**-0.5 if softmax_scale is None else softmax_scale), has_sinks=sinks is not None,
-        return_lse=return_lse, dtype=jnp.dtype(q.dtype), interpret=interpret is not None,
-    )
-    num_tiles = sched.tile_seq.shape[0]
-    rows_per_tile = _COMPUTE_WGS * config.block_q
-    pad_tiles = _cdiv(rows, rows_per_tile)
-    sinks_arr = jnp.zeros((heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    out, lse_tiles = plgpu.kernel(
-        functools.partial(_entry, st, num_tiles),
-        out_type=(jax.ShapeDtypeStruct((rows, heads, dv), q.dtype),
-                  jax.ShapeDtypeStruct((num_tiles, heads, rows_per_tile), jnp.float32)),
-        grid=(heads, num_tiles + pad_tiles),
-        grid_names=("heads", "tiles"),
-        num_threads=_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-    )(qv, k_cache, v_cache, md.page_table.astype(jnp.int32), md.cache_seqlens.astype(jnp.int32),
-      md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block, sinks_arr)
-    if pack > 1:
-        out = out.reshape(t, g, hkv, dv).swapaxes(1, 2).reshape(t, hq, dv)
+    st = kernel_statics(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+                        page_size=page_size, pack=pack, dtype=q.dtype, causal=causal, window_size=window_size,
+                        softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
+                        return_lse=return_lse, config=config, interpret=interpret is not None)
+    sinks_arr = jnp.zeros((st.num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
+        pack_rows(q, pack, hkv), k_cache, v_cache, md.page_table.astype(jnp.int32),
+        md.cache_seqlens.astype(jnp.int32), md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq,
+        sched.tile_q_block, sinks_arr)
+    out = unpack_rows(out, pack, hq)
     if not return_lse:
         return out
-    return out, _gather_lse(lse_tiles, sched, md, t=t, hq=hq, g=g, pack=pack)
+    return out, _gather_lse(lse_tiles, sched, md, t=t, hq=hq, pack=pack)
 
 
-def _gather_lse(lse_tiles, sched, md, *, t, hq, g, pack):
+def _gather_lse(lse_tiles, sched, md, *, t, hq, pack):
     """``f32[T, Hq]`` from the per-tile LSE rows (``-inf`` where no tile wrote)."""
     n, heads, rows_per_tile = lse_tiles.shape
     seq = jnp.maximum(sched.tile_seq, 0)
