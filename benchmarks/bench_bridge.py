@@ -1,15 +1,17 @@
 """torch_bridge on the GPU: per-layer host overhead, and a 32-layer decode step vs native torch.
 
-    PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 1]
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 16]
 
 1. Host overhead of one bridge call (decode, batch 1, short context: the GPU work is negligible),
    measured as back-to-back host time per call, and split into its parts (import q, compiled call,
-   export). Calls are enqueued without synchronising, so this is what a layer costs the CPU.
+   export), and the same on the Mosaic launch path (page 16, Hopper). Calls are enqueued without
+   synchronising, so this is what a layer costs the CPU.
 2. Decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/8 heads, d=128, bf16,
    ``--layers`` layers), batch ``--batch`` at context ``--ctx``: through the bridge (paged pool,
-   plan replayed per step) vs the same model with SDPA on a contiguous KV cache. Also attention
-   alone (the per-layer calls of one step). Every row is measured in this process; ratios are
-   bridge / native (lower is better).
+   plan replayed per step) vs the same model with SDPA on a contiguous KV cache, each eager and
+   captured whole in a ``torch.cuda.graph`` (the bridge's launch path is capturable); also every
+   bridge layer through a JAX executable, and attention alone (the per-layer calls of one step).
+   Every row is measured in this process; ratios are bridge / native (lower is better).
 """
 
 from __future__ import annotations
@@ -84,7 +86,28 @@ def capture(backend, batch: int):
     backend.init_forward_metadata_capture_cuda_graph(batch, batch, z, z + 1, None, ForwardMode.DECODE, None)
 
 
+def bench_launch_overhead(cfg, iters: int) -> dict:
+    """Host time of a bridge call on the Mosaic launch path (page 16), if the device has it."""
+    runner = make_runner(cfg, 1, 256, 16, 1)
+    backend = FlashAttentionBackend(runner)
+    if backend.mosaic_path is None:
+        return {}
+    capture(backend, 1)
+    fb = decode_batch(runner, backend, 1, 256)
+    layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
+    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    backend.forward(q, k, k, layer, fb)
+    return {
+        "launch path (page 16): call, no KV write":
+            host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
+        "launch path (page 16): call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
+        "launch path (page 16): per-step plan + tables": host(lambda: decode_batch(runner, backend, 1, 256), iters),
+    }
+
+
 def bench_host_overhead(cfg, iters: int):
+    launch_rows = bench_launch_overhead(cfg, iters)
     runner = make_runner(cfg, 1, 256, 1, 1)
     backend = FlashAttentionBackend(runner)
     capture(backend, 1)
@@ -112,10 +135,27 @@ def bench_host_overhead(cfg, iters: int):
     rows["  chain: import + call + export"] = host(
         lambda: torch.from_dlpack(exe(backend.importer(q3), *views, *leaves)), iters)
     rows["per-step plan (replay hook)"] = host(lambda: decode_batch(runner, backend, 1, 256), iters)
-    print("\n## host time per call (us), decode batch 1, ctx 256")
+    rows.update(launch_rows)
+    print("\n## host time per call (us), decode batch 1, ctx 256 (JAX path: page 1)")
     for name, s in rows.items():
         print(f"{name:48s} {1e6 * s:8.1f}")
     del backend, runner
+
+
+def graph_step(run, refresh=None):
+    """``run`` captured once in a CUDA graph; the returned step calls ``refresh`` then replays it."""
+    run()  # warm-up outside the capture (compiles, learns layer shapes)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+
+    def step():
+        if refresh is not None:
+            refresh()
+        g.replay()
+    step.graph = g  # keep the graph alive with the step
+    return step
 
 
 def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
@@ -128,6 +168,10 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     kv.lens = torch.full((batch,), ctx - 1, device="cuda")
     attend = kv.decode_attend(uniform_len=ctx)
     results["native step"] = wall(lambda: model.forward(tokens, kv.lens, attend), iters)
+    try:
+        results["native step, CUDA graph"] = wall(graph_step(lambda: model.forward(tokens, kv.lens, attend)), iters)
+    except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
+        print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
     qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
            for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
     results["native attention x layers"] = wall(
@@ -135,37 +179,42 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     del kv, attend
     gc.collect()
     torch.cuda.empty_cache()
-    # Bridge: paged pool, plan replayed per step.
+    # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
+    # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
-    backend = FlashAttentionBackend(runner)
-    capture(backend, batch)
+    for name, path in (("bridge", None), ("bridge via JAX", False)):
+        backend = FlashAttentionBackend(runner, mosaic_path=path)
+        if path is None and backend.mosaic_path is None:
+            continue  # no launch path on this device
+        capture(backend, batch)
 
-    def step():
+        def step(backend=backend):
+            fb = decode_batch(runner, backend, batch, ctx)
+            return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+        results[f"{name} step"] = wall(step, iters)
         fb = decode_batch(runner, backend, batch, ctx)
-        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
-    results["bridge step"] = wall(step, iters)
-    fb = decode_batch(runner, backend, batch, ctx)
-    q, k, v = (x.reshape(batch, -1) for x in qkv)
-    results["bridge attention x layers"] = wall(
-        lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
-    exe = next(iter(backend._step_exes.values()))
-    views = tuple(backend.importer.view(b) for b in runner.token_to_kv_pool.get_kv_buffer(0)) + (None,)
-    jq = backend.importer(qkv[0])
-    leaves = backend._step.leaves
-
-    def jax_only():
-        return [exe(jq, *views, *leaves) for _ in range(cfg.n_layers)][-1].block_until_ready()
-    results["JAX attention alone x layers"] = wall(jax_only, iters)
+        q, k, v = (x.reshape(batch, -1) for x in qkv)
+        results[f"{name} attention x layers"] = wall(
+            lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
+        if path is None:
+            results[f"{name} step, CUDA graph"] = wall(graph_step(
+                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)),
+                lambda: decode_batch(runner, backend, batch, ctx)), iters)
+        del backend
+        gc.collect()
     print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
           f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms)")
     for name, s in results.items():
-        print(f"{name:32s} {1e3 * s:8.2f}")
-    print(f"{'ratio step (bridge/native)':32s} {results['bridge step'] / results['native step']:8.2f}")
-    print(f"{'ratio attention (bridge/native)':32s} "
-          f"{results['bridge attention x layers'] / results['native attention x layers']:8.2f}")
+        print(f"{name:36s} {1e3 * s:8.2f}")
+    for name in ("bridge", "bridge via JAX"):
+        if f"{name} step" in results:
+            print(f"{'ratio step (' + name + '/native)':36s} {results[name + ' step'] / results['native step']:8.2f}")
+    if "bridge step, CUDA graph" in results and "native step, CUDA graph" in results:
+        print(f"{'ratio graph step (bridge/native)':36s} "
+              f"{results['bridge step, CUDA graph'] / results['native step, CUDA graph']:8.2f}")
 
 
-def main(batch=64, ctx=4096, layers=32, page_size=1, iters=10, host_iters=2000):
+def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000):
     assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU"
     print(f"device: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}")
     cfg = dataclasses.replace(lt.CONFIGS["1b"], n_layers=layers)
@@ -179,7 +228,7 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--host-iters", type=int, default=2000)
     sys.exit(main(**vars(ap.parse_args())))

@@ -6,7 +6,8 @@
 
 Per step, the engine's (int64) index tensors are converted to int32 and packed into one tensor in
 torch, imported once, and planned by a compiled JAX function (no host sync). Per layer, torch
-writes the step's K/V into its own pool (``set_kv_buffer``), ``q`` is imported, the pools are read
+writes the step's K/V into its own pool (``set_kv_buffer``); then either the Mosaic kernel is
+launched on torch's stream (the launch path below), or ``q`` is imported, the pools are read
 through views imported once, one compiled executable runs, and the output is exported back.
 JAX never writes torch memory. See ``torch_bridge.dlpack`` for stream ordering.
 
@@ -31,10 +32,17 @@ its K/V at ``forward_batch.encoder_out_cache_loc`` and attends non-causally over
 tokens. The static bound ``max_encoder_len`` comes from the constructor or
 ``model_runner.model_config.max_encoder_len``.
 
-CUDA graphs: a JAX computation cannot be captured by ``torch.cuda.graph``; a forward call during a
-capture raises. The capture/replay hooks instead compile the plan of each batch bucket ahead of
-time and replay pads the batch with SGLang's rules; attention executables are compiled by the
-first forward of each bucket and reused afterwards (no retrace).
+Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic kernel covers (bf16/f16,
+head dim 64/128, page size a multiple of 8, no tree step, no cross attention) skip JAX at run time:
+torch writes K/V, the kernel is launched on torch's current stream by ``torch_bridge.launcher`` with
+tables made once per step (``torch_bridge.mosaic_path``). Such a forward is captured by
+``torch.cuda.graph`` (run the bucket once before capturing, as SGLang's graph runner does); the
+replay hook refreshes the tables in the persistent buffers the graph reads.
+
+Other layers run a compiled JAX executable per layer. A JAX computation cannot be captured by
+``torch.cuda.graph``, so such a forward call during a capture raises. The capture/replay hooks
+compile the plan of each batch bucket ahead of time and replay pads the batch with SGLang's rules;
+attention executables are compiled by the first forward of each bucket and reused afterwards.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
+from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, Tables
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -69,6 +78,8 @@ class _Step:
     leaves: Tuple[jax.Array, ...]  # AttentionMetadata's arrays
     real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
+    graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
+    tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +122,14 @@ class FlashAttentionBackend:
       impl: jax_attn implementation; default ``model_runner.attention_impl`` or ``"auto"``.
       max_encoder_len: static bound on encoder lengths (cross attention); default
         ``model_runner.model_config.max_encoder_len`` or 0 (no cross attention).
+      mosaic_path: the Mosaic launch path (``torch_bridge.mosaic_path.MosaicPath``) for the layers
+        it covers; default: one on Hopper GPUs when ``impl`` is ``auto`` or ``mosaic``; False: off
+        (every layer runs a compiled JAX executable).
     """
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
                  topk: int = 0, speculative_num_steps: int = 0, *, impl: Optional[str] = None,
-                 max_encoder_len: Optional[int] = None):
+                 max_encoder_len: Optional[int] = None, mosaic_path=None):
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
         self.speculative_step_id = speculative_step_id
@@ -151,11 +165,16 @@ class FlashAttentionBackend:
         self._graph_max: Optional[Tuple[int, int]] = None
         self._graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.trace_count = 0  # traces of the plan / attention functions (tests assert no retrace)
+        if mosaic_path is None:
+            mosaic_path = MosaicPath.for_device(self.device, impl)
+        self.mosaic_path = mosaic_path or None
+        self._launch_heads: set = set()  # (Hq, Hkv) of layers on the launch path: their tables are made per step
 
     def share_compiled(self, other: "FlashAttentionBackend") -> None:
         """Reuse ``other``'s imported views and compiled executables (same runner and settings)."""
         self.importer, self.jax_backend = other.importer, other.jax_backend
         self._plan_exes, self._attn_exes = other._plan_exes, other._attn_exes
+        self.mosaic_path, self._launch_heads = other.mosaic_path, other._launch_heads
 
     # ---- traced functions -------------------------------------------------------------------
     def _plan_fn(self, pk: _Packing, req_to_token, packed):  # packed: i32[sum(pk.sizes())]
@@ -302,10 +321,13 @@ class FlashAttentionBackend:
             exe = self._plan_exes[ck] = self._plan_jit.lower(pk, r2t, spec).compile()
         return exe(r2t, self.importer(packed))
 
-    def _install(self, key: PlanKey, md, real_tokens: int, loc_steps: int = 1) -> None:
+    def _install(self, key: PlanKey, md, real_tokens: int, loc_steps: int = 1, graph: bool = False) -> None:
         leaves, treedef = jax.tree_util.tree_flatten(md)
-        self._step = _Step(key, treedef, tuple(leaves), real_tokens, loc_steps)
+        step = self._step = _Step(key, treedef, tuple(leaves), real_tokens, loc_steps, graph)
         self._step_exes = {}
+        if self.mosaic_path is not None and key.topk == 1:  # tables for the layer shapes seen so far
+            for heads in self._launch_heads:
+                step.tables[heads] = self.mosaic_path.tables(treedef, step.leaves, key, heads, graph)
 
     # ---- capture / replay -------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -376,7 +398,7 @@ class FlashAttentionBackend:
             n_draft = key.q_len_per_req  # the static bound covers any committed lengths of the bucket
             words = pack_mask_words(mask, bs * n_draft * (self.max_context_len + n_draft), self.device)
         md = self._run_plan(self._packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words)
-        self._install(key, md, real, self._loc_steps(spec, mode))
+        self._install(key, md, real, self._loc_steps(spec, mode), graph=True)
 
     @staticmethod
     def get_cuda_graph_seq_len_fill_value() -> int:
@@ -402,7 +424,6 @@ class FlashAttentionBackend:
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks)
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks):
-        check_not_capturing()
         if q_rope is not None or k_rope is not None:
             raise NotImplementedError("q_rope / k_rope (MLA, absorbed latent attention) is not supported "
                                       "by torch_bridge yet")
@@ -414,13 +435,19 @@ class FlashAttentionBackend:
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         t = check_shapes(q, lp, step, k_buf, v_buf, self.page_size)
+        tables = self._launch_tables(lp, step, q, k_buf, v_buf, sinks)
+        if tables is None:
+            check_not_capturing()
         if save_kv_cache and k is not None:
             loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
         if t != step.key.num_tokens:
             q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, step.key.num_tokens - t))
-        elif not q.is_contiguous():
+        if tables is not None:  # the Mosaic kernel launched on torch's stream
+            out = self.mosaic_path.attend(q, k_buf, v_buf, lp, step.key, tables, sinks)
+            return out.reshape(step.key.num_tokens, -1)[:t]
+        if not q.is_contiguous():
             q = q.contiguous()
         fast = (layer.layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
         exe = self._step_exes.get(fast)
@@ -431,6 +458,20 @@ class FlashAttentionBackend:
             exe = self._step_exes[fast] = self._attn_exe(lp, step, jq, *views)
         out = export(exe(jq, *views, *step.leaves))
         return out if t == step.key.num_tokens else out[:t]
+
+    def _launch_tables(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
+        """The step's kernel tables when this layer runs on the Mosaic launch path, else None."""
+        path = self.mosaic_path
+        if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
+            return None
+        heads = (lp.num_q_heads, lp.num_kv_heads)
+        tables = step.tables.get(heads)
+        if tables is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(WARM_UP_MESSAGE)
+            tables = step.tables[heads] = path.tables(step.treedef, step.leaves, step.key, heads, step.graph)
+            self._launch_heads.add(heads)
+        return None if sinks is not None and tables.pack > 1 else tables
 
     def _attn_exe(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
         def sig(x):

@@ -63,10 +63,16 @@ class KernelStatics:
     return_lse: bool
     dtype: jnp.dtype
     interpret: bool
+    num_splits: int = 1  # S: static bound on kv splits; > 1 selects the split kernel (``mosaic_split``)
 
     @property
     def pages_per_block(self) -> int:
         return max(self.block_kv // self.page_size, 1)
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
 
 def _cdiv(a, b):
     return (a + b - 1) // b
@@ -99,29 +105,38 @@ def _row_ranges(st: KernelStatics, wg, row_base, seq_rows, q_len, k_len):
     return r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi
 
 
-def _kernel(st: KernelStatics, num_tiles, q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, sinks_ref,
-            out_ref, lse_ref, smem, bars, used, sched):
+def _split_blocks(cta_lo, cta_hi, split, num_splits):
+    """Key blocks ``[lo, hi)`` of kv split ``split``: the CTA's blocks cut into ``num_splits`` runs."""
+    chunk = _cdiv(jnp.maximum(cta_hi - cta_lo, 0), num_splits)
+    lo = jnp.minimum(cta_lo + split * chunk, cta_hi)
+    return lo, jnp.minimum(cta_hi, lo + chunk)
+
+
+def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     """One CTA: tile ``tiles`` of row-view head ``heads`` (see the module docstring).
 
-    Tiles past ``num_tiles`` write zeros to the padding rows (after the last sequence's rows).
+    Unsplit: tiles past ``num_tiles`` write zeros to the padding rows (after the last sequence's
+    rows). Split (``st.split``): the tile's kv split covers one run of the CTA's key blocks and
+    its partial output goes to ``out_ref[split]`` in float32; padding rows are the merge's job.
     """
-    q_smem2, k_smem, v_smem, o_smem2, lse_smem2, p_smem2 = smem
+    if st.split:
+        (q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, tsplit_ref, nsplit_ref, sinks_ref,
+         out_ref, lse_ref) = refs
+    else:
+        q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, sinks_ref, out_ref, lse_ref = refs
+    q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
+    # Q is staged through the output buffer; the split kernel's float32 output buffer shares its
+    # memory with a separate Q staging buffer instead (a ``RefUnion``, see ``kernel_entry``).
+    q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)
     (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
     seq = tseq_ref[jnp.minimum(tile, num_tiles - 1)]
 
-    @pl.when((tile >= num_tiles) & (wg < COMPUTE_WGS))
-    def _padding_rows():
-        batch = seqlens_ref.shape[0]
-        start = cu_ref[batch] * st.pack + (tile - num_tiles) * (COMPUTE_WGS * st.block_q) + wg * st.block_q
-        n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        o_smem = o_smem2.at[wg]
-        o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        _store_rows(st, o_smem, out_ref, start, n, head)
-        plgpu.wait_smem_to_gmem(0)
+    if not st.split:
+        pad = functools.partial(_padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
+        pl.when((tile >= num_tiles) & (wg < COMPUTE_WGS))(pad)
 
     @pl.when((tile < num_tiles) & (seq >= 0))
     def _valid_tile():
@@ -134,6 +149,10 @@ def _kernel(st: KernelStatics, num_tiles, q_ref, k_ref, v_ref, pt_ref, seqlens_r
         both = ranges[1][1] > 0  # the second warpgroup has rows
         cta_lo = jnp.where(both, jnp.minimum(ranges[0][3], ranges[1][3]), ranges[0][3])
         cta_hi = jnp.where(both, jnp.maximum(ranges[0][4], ranges[1][4]), ranges[0][4])
+        split = None
+        if st.split:
+            split = tsplit_ref[tile]
+            cta_lo, cta_hi = _split_blocks(cta_lo, cta_hi, split, nsplit_ref[seq])
         nblk = jnp.maximum(cta_hi - cta_lo, 0)
         kv_head = head // st.kv_group
 
@@ -141,15 +160,28 @@ def _kernel(st: KernelStatics, num_tiles, q_ref, k_ref, v_ref, pt_ref, seqlens_r
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             rng = [jnp.where(wg == 0, a, b) for a, b in zip(ranges[0], ranges[1])]
-            _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out_ref, lse_ref,
-                        sinks_ref, q_smem2.at[wg], k_smem, v_smem, o_smem2.at[wg], lse_smem2, q_bar.at[wg],
-                        k_bar, v_bar, k_used, v_used, sched, tile, None if p_smem2 is None else p_smem2.at[wg])
+            out = out_ref if split is None else out_ref.at[split]
+            _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out, lse_ref,
+                        sinks_ref, q_smem2.at[wg], k_smem, v_smem, q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
+                        q_bar.at[wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
+                        None if p_smem2 is None else p_smem2.at[wg])
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
                        k_used, v_used)
+
+
+def _padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
+    """Zeros for the rows after the last sequence's rows (padding tile ``pad_tile``)."""
+    start = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (COMPUTE_WGS * st.block_q) + wg * st.block_q
+    n = jnp.clip(st.num_rows - start, 0, st.block_q)
+    o_smem = o_smem2.at[wg]
+    o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    _store_rows(st, o_smem, out_ref, start, n, head)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
@@ -192,15 +224,17 @@ def _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sm
 
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
-                v_smem, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, p_smem):
+                v_smem, q_stage, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, split, p_smem):
     """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
-    # Rows start anywhere, but TMA into the tiled layout needs 8-aligned rows: stage Q through the
-    # untiled output buffer, then store it tiled for wgmma.
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], o_smem, q_bar)
+    # Rows start anywhere, but TMA into the tiled layout needs 8-aligned rows: stage Q through an
+    # untiled buffer, then store it tiled for wgmma. (The split kernel's ``q_stage`` shares memory
+    # with the other warpgroup's output buffer: that warpgroup reaches its epilogue only after a
+    # ``sched`` wait that this warpgroup's first arrival, below, completes.)
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], q_stage, q_bar)
     plgpu.barrier_wait(q_bar)
-    q_smem[...] = o_smem[...]
+    q_smem[...] = q_stage[...]
     plgpu.commit_smem()
 
     def sched_barrier():
@@ -285,7 +319,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     carry = lax.fori_loop(f_hi, hi, masked_step, carry)
     lax.fori_loop(hi, cta_hi, skip, None)
     pl.when(wg == 0)(sched_barrier)
-    _epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2)
+    _epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
+              lse_smem2)
 
 
 def _pv(st, acc, p16, v_slot, p_smem):
@@ -333,18 +368,21 @@ def _store_rows(st, o_smem, out_ref, row0, n, head):
         size //= 2
 
 
-def _epilogue(st, carry, n_valid, row0, head, wg, tile, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
+def _epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
     acc, m_i, l_i = carry
-    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks)
+    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks); kv split 0 only
         sink = sinks_ref[head] * LOG2E
+        if split is not None:
+            sink = jnp.where(split == 0, sink, -jnp.inf)
         m_new = jnp.maximum(m_i, sink)
-        alpha = jnp.exp2(m_i - m_new)
-        l_i = l_i * alpha + jnp.exp2(sink - m_new)
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_sub)
+        l_i = l_i * alpha + jnp.exp2(sink - m_sub)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         m_i = m_new
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    o_smem[...] = acc.astype(st.dtype)
+    o_smem[...] = acc.astype(o_smem.dtype)
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
@@ -354,27 +392,34 @@ def _epilogue(st, carry, n_valid, row0, head, wg, tile, sinks_ref, out_ref, lse_
     plgpu.wait_smem_to_gmem(0)
 
 
-def _entry(st: KernelStatics, num_tiles: int, *refs):
-    """Allocates shared memory and barriers, then runs ``_kernel`` on every warpgroup."""
+def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
+    """The ``plgpu.kernel`` body: allocates shared memory and barriers, then runs ``_kernel`` on every
+    warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
     tiled = _TILED()
+    wgs, bq = COMPUTE_WGS, st.block_q
+    if st.split:  # float32 partial outputs; Q gets its own staging buffer in the same memory
+        staging = plgpu.RefUnion(plgpu.SMEM((wgs, bq, st.head_dim), st.dtype),
+                                 plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32))
+    else:
+        staging = plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype)
     smem = (
-        plgpu.SMEM((COMPUTE_WGS, st.block_q, st.head_dim), st.dtype, transforms=tiled),
+        plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled),
         plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled),
         plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled),
-        plgpu.SMEM((COMPUTE_WGS, st.block_q, st.head_dim_v), st.dtype),
-        plgpu.SMEM((COMPUTE_WGS, st.block_q), jnp.float32),
+        staging,
+        plgpu.SMEM((wgs, bq), jnp.float32),
         # P staging for the interpreter only (see ``_pv``).
-        plgpu.SMEM((COMPUTE_WGS, st.block_q, st.block_kv), st.dtype, transforms=tiled) if st.interpret else None,
+        plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled) if st.interpret else None,
     )
     ppb = st.pages_per_block
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=wgs),
     )
-    used = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st.stages),) * 2
-    sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
-    pl.run_scoped(lambda *a: _kernel(st, num_tiles, *refs, *a), smem, bars, used, sched, collective_axes="wg")
+    used = (plgpu.Barrier(num_arrivals=wgs, num_barriers=st.stages),) * 2
+    sched = plgpu.Barrier(num_arrivals=wgs)
+    pl.run_scoped(lambda *a: _kernel(st, num_tiles, refs, *a), smem, bars, used, sched, collective_axes="wg")
 
 
 def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
@@ -384,10 +429,12 @@ def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N], sinks f32[H])``
     returns ``out [R, H, Dv]`` (padding rows zeroed) and ``lse f32[N, H, 2 * block_q]`` per tile.
     """
+    if st.split:
+        raise ValueError(f"{st.num_splits=}: the split kernel is mosaic_split.kernel_call_split")
     rows_per_tile = COMPUTE_WGS * st.block_q
     pad_tiles = _cdiv(st.num_rows, rows_per_tile)
     return plgpu.kernel(
-        functools.partial(_entry, st, num_tiles),
+        functools.partial(kernel_entry, st, num_tiles),
         out_type=(jax.ShapeDtypeStruct((st.num_rows, st.num_heads, st.head_dim_v), st.dtype),
                   jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
         grid=(st.num_heads, num_tiles + pad_tiles),

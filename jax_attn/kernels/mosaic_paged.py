@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_attn.kernels.config import HOPPER_NUM_SMS
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_call
+from jax_attn.kernels.mosaic_split import kernel_call_split, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
 
@@ -35,12 +37,22 @@ class MosaicConfig:
       stages: depth of the key/value ring buffer.
       pack_max_q_len: row packing (``pack = G``) is used when the bucket's ``max_q_len`` is at
         most this; longer query runs use one head per CTA.
+      max_splits: static upper bound on kv splits per sequence when ``num_splits`` is left to the
+        heuristic (``mosaic_split.static_num_splits``).
+      min_kv_per_split: the heuristic never gives a split fewer keys than this.
+      num_sms: multiprocessors the split heuristic tries to fill (one CTA each: the kernel's
+        shared memory allows one per multiprocessor).
+      split_waves: CTAs per multiprocessor the split heuristic aims for.
     """
 
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     pack_max_q_len: int = 16
+    max_splits: int = 16
+    min_kv_per_split: int = 512
+    num_sms: int = HOPPER_NUM_SMS
+    split_waves: int = 1
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -49,6 +61,9 @@ class MosaicConfig:
             raise ValueError(f"{self.block_kv=} must be a positive multiple of 64")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be >= 2")
+        for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
 
 DEFAULT_MOSAIC_CONFIG = MosaicConfig()
@@ -76,13 +91,28 @@ def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, conf
 
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
-                         config: MosaicConfig | None = None, num_tokens: int | None = None):
-    """The kernel's work tiles for one step (jit-able; a planner attaches it as ``md.mosaic_schedule``)."""
+                         config: MosaicConfig | None = None, num_tokens: int | None = None,
+                         num_splits: int | None = 1):
+    """The kernel's work tiles for one step (jit-able; a planner attaches it as ``md.mosaic_schedule``).
+
+    ``num_splits``: 1 (the default) = no split-KV, the unsplit kernel; None = the split heuristic
+    (splits only when the CTAs cannot fill the GPU; per sequence by its length); k > 1 = exactly
+    k kv splits per sequence (short sequences get empty splits). ``max_splits > 1`` in the result
+    selects the split kernel.
+    """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     pack = choose_pack(md, num_q_heads, num_kv_heads, config)
     t = md.num_tokens if num_tokens is None else num_tokens
+    rows_per_tile = COMPUTE_WGS * config.block_q
+    num_heads = num_q_heads if pack == 1 else num_kv_heads
+    s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
+                          num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
+                          max_splits=config.max_splits, num_sms=config.num_sms,
+                          min_kv_per_split=config.min_kv_per_split)
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
-                           max_q_len=md.max_q_len * pack, block_q=COMPUTE_WGS * config.block_q, max_splits=1)
+                           max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
+                           num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
+                           min_kv_per_split=config.min_kv_per_split, split_waves=config.split_waves)
     return dataclasses.replace(sched, pack=pack)
 
 
@@ -90,8 +120,9 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
                    page_size: int, pack: int, dtype, causal: bool = True, window_size=(-1, -1),
                    softcap: float = 0.0, softmax_scale: float | None = None, has_sinks: bool = False,
                    return_lse: bool = False, config: MosaicConfig | None = None,
-                   interpret: bool = False) -> KernelStatics:
-    """The kernel's trace-time constants for one call shape (the row view follows ``pack``)."""
+                   interpret: bool = False, num_splits: int = 1) -> KernelStatics:
+    """The kernel's trace-time constants for one call shape (the row view follows ``pack``;
+    ``num_splits > 1``: the split kernel, which always writes the LSE)."""
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     g = num_q_heads // num_kv_heads
     if has_sinks and pack > 1:
@@ -102,7 +133,8 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         pack=pack, page_size=page_size, block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
-        has_sinks=has_sinks, return_lse=return_lse, dtype=jnp.dtype(dtype), interpret=interpret,
+        has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
+        num_splits=num_splits,
     )
 
 
@@ -142,9 +174,13 @@ def paged_attention_mosaic(
 ):
     """Paged attention with the Mosaic GPU kernel (same semantics as ``triton_paged.paged_attention``).
 
+    ``md.mosaic_schedule`` is used when it fits the call (a planner attaches it once per step;
+    ``num_splits=None`` accepts its splits, an explicit ``num_splits`` must match its bound).
+    ``num_splits``: None = split-KV by the heuristic (``plan_mosaic_schedule``); 1 = no split
+    (deterministic, batch invariant); k > 1 = exactly k kv splits per sequence.
+
     Returns ``out [T, Hq, Dv]`` (zeros for padding tokens) and, with ``return_lse``, ``lse f32[T, Hq]``.
-    Raises ``NotImplementedError`` for what the kernel does not cover (see ``supports``), for
-    ``num_splits > 1`` (no split-KV in this kernel yet).
+    Raises ``NotImplementedError`` for what the kernel does not cover (see ``supports``).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     if interpret is None and jax.default_backend() == "cpu":
@@ -152,8 +188,6 @@ def paged_attention_mosaic(
     reason = supports(q, k_cache, v_cache, md, k_descale=k_descale, v_descale=v_descale)
     if reason is not None:
         raise NotImplementedError(f"impl='mosaic': {reason}; use impl='triton'")
-    if num_splits not in (None, 1):
-        raise NotImplementedError(f"impl='mosaic': {num_splits=} (split-KV is not in the Mosaic kernel yet)")
     t, hq, d = q.shape
     _, page_size, hkv, dv = v_cache.shape
     if hq % hkv:
@@ -162,18 +196,28 @@ def paged_attention_mosaic(
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
     if (sched is None or sched.block_q != COMPUTE_WGS * config.block_q
-            or sched.pack != choose_pack(md, hq, hkv, config)):
-        sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_tokens=t)
+            or sched.pack != choose_pack(md, hq, hkv, config)
+            or (num_splits is not None and sched.max_splits != num_splits)):
+        sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_tokens=t,
+                                     num_splits=num_splits)
     pack = sched.pack
     st = kernel_statics(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                         page_size=page_size, pack=pack, dtype=q.dtype, causal=causal, window_size=window_size,
                         softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
-                        return_lse=return_lse, config=config, interpret=interpret is not None)
+                        return_lse=return_lse, config=config, interpret=interpret is not None,
+                        num_splits=sched.max_splits)
     sinks_arr = jnp.zeros((st.num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    tables = (md.page_table.astype(jnp.int32), md.cache_seqlens.astype(jnp.int32),
+              md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block)
+    if st.split:
+        part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
+            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits, sinks_arr)
+        out, lse = merge_partials(part_o, lse_tiles, sched, tables[1], tables[2], num_tokens=t, out_dtype=q.dtype,
+                                  interpret=interpret is not None or jax.default_backend() == "cpu")
+        out = unpack_rows(out, pack, hq)
+        return (out, unpack_rows(lse[..., None], pack, hq)[..., 0]) if return_lse else out
     out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
-        pack_rows(q, pack, hkv), k_cache, v_cache, md.page_table.astype(jnp.int32),
-        md.cache_seqlens.astype(jnp.int32), md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq,
-        sched.tile_q_block, sinks_arr)
+        pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
     out = unpack_rows(out, pack, hq)
     if not return_lse:
         return out

@@ -1,0 +1,121 @@
+"""Split-KV (flash-decoding) for the Mosaic GPU paged attention kernel.
+
+When the (row-view head, work tile) CTAs cannot fill the GPU, as in decode of a few long
+sequences, each tile's key blocks are cut into kv splits. The split kernel (``mosaic_kernel``
+with ``KernelStatics.num_splits > 1``) runs one CTA per (head, sequence, row block, split): it
+writes the split's normalized partial output in float32 and its natural-log LSE (``-inf`` where
+the split saw no key). ``merge_splits`` (``merge_state``) then combines the partials of each row
+into the output and its LSE. Splits are whole key blocks of the CTA's causal/window key range,
+so a split never reads a key block that the unsplit kernel would skip.
+
+Dimension legend: T tokens, B sequences, Hq query heads, R rows of the row view, H heads of the
+row view, Dv value head dim, S kv splits (static bound), N work tiles (static bound).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_attn.kernels.config import DEFAULT_CONFIG
+from jax_attn.kernels.merge_state import merge_splits
+from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry
+from jax_attn.kernels.schedule import row_num_splits
+from jax_attn.metadata import WorkSchedule
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int, pack: int, num_heads: int,
+                      max_kv_len: int, block_rows: int, max_splits: int, num_sms: int,
+                      min_kv_per_split: int) -> int:
+    """Static bound S on kv splits: ``num_splits`` if given, else what the bucket can use.
+
+    The bucket's tiles are estimated as if every token were real (at least one tile per
+    sequence, ``ceil(T / max_q_len)`` sequences); with ``num_heads`` CTAs per tile, splitting
+    pays only when those CTAs leave multiprocessors idle. S is also capped so that no split of
+    the longest possible sequence (``max_kv_len``) gets fewer than ``min_kv_per_split`` keys.
+    """
+    if num_splits is not None:
+        if num_splits < 1:
+            raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
+        return int(num_splits)
+    tiles = max(_cdiv(num_tokens * pack, block_rows), _cdiv(num_tokens, max(max_q_len, 1)), 1)
+    if tiles * num_heads >= num_sms:
+        return 1
+    return int(max(1, min(max_splits, _cdiv(max_kv_len, min_kv_per_split))))
+
+
+def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
+    """The split kernel as a function of arrays.
+
+    ``fn(qv [R, H, D], k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
+    cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N],
+    tile_split i32[N], seq_num_splits i32[B], sinks f32[H])`` returns the partial outputs
+    ``f32[S, R, H, Dv]`` (rows of splits a sequence does not use, and of padding tokens, are not
+    written) and ``lse f32[N, H, 2 * block_q]`` per tile (``-inf`` for a split with no keys).
+    """
+    if not st.split or not st.return_lse:
+        raise ValueError(f"{st.num_splits=} must be > 1 and {st.return_lse=} True for the split kernel")
+    rows_per_tile = COMPUTE_WGS * st.block_q
+    return plgpu.kernel(
+        functools.partial(kernel_entry, st, num_tiles),
+        out_type=(jax.ShapeDtypeStruct((st.num_splits, st.num_rows, st.num_heads, st.head_dim_v), jnp.float32),
+                  jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
+        grid=(st.num_heads, num_tiles),
+        grid_names=("heads", "tiles"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+
+
+def partial_lse(
+    lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
+    sched: WorkSchedule,
+    cu_seqlens_q: jax.Array,  # i32[B + 1]
+    *,
+    num_rows: int,
+) -> jax.Array:
+    """``f32[S, R * H]``: each split's LSE per row of the row view, ``-inf`` where no tile wrote."""
+    n, heads, rows_per_tile = lse_tiles.shape
+    seq = jnp.maximum(sched.tile_seq, 0)
+    seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * sched.pack
+    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]  # [N, rows]
+    ok = (sched.tile_seq[:, None] >= 0) & (r < seq_rows[:, None])
+    row = cu_seqlens_q[seq][:, None] * sched.pack + r
+    flat_row = (sched.tile_split[:, None] * num_rows + row) * heads  # [N, rows]
+    h = jnp.arange(heads, dtype=jnp.int32)
+    flat = jnp.where(ok[:, None, :], flat_row[:, None, :] + h[None, :, None], sched.max_splits * num_rows * heads)
+    lse = jnp.full((sched.max_splits * num_rows * heads,), -jnp.inf, jnp.float32)
+    lse = lse.at[flat.reshape(-1)].set(lse_tiles.reshape(-1), mode="drop")
+    return lse.reshape(sched.max_splits, num_rows * heads)
+
+
+def merge_partials(
+    part_o: jax.Array,  # f32[S, R, H, Dv]
+    lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
+    sched: WorkSchedule,
+    cache_seqlens: jax.Array,  # i32[B]
+    cu_seqlens_q: jax.Array,  # i32[B + 1]
+    *,
+    num_tokens: int,
+    out_dtype,
+    interpret: bool,
+):
+    """Merges the split kernel's partials: ``out [R, H, Dv]`` in ``out_dtype`` and ``lse f32[R, H]``
+    in the row view (padding rows: zeros and ``-inf``)."""
+    s, rows, heads, dv = part_o.shape
+    lse = partial_lse(lse_tiles, sched, cu_seqlens_q, num_rows=rows)
+    # A row of the row view belongs to token row // pack: the token's splits, repeated per row.
+    ns = row_num_splits(cache_seqlens, cu_seqlens_q, sched.seq_num_splits, num_tokens=num_tokens,
+                        num_heads=sched.pack * heads)
+    out, lse = merge_splits(part_o.reshape(s, rows * heads, dv), lse, ns, out_dtype=out_dtype,
+                            config=DEFAULT_CONFIG, interpret=interpret)
+    return out.reshape(rows, heads, dv), lse.reshape(rows, heads)

@@ -1,0 +1,178 @@
+"""torch_bridge's Mosaic launch path (``torch_bridge.mosaic_path``) against the reference.
+
+On CPU the kernel runs in the Mosaic GPU interpreter through a stand-in for the launcher (same
+arguments, same tables, same torch-side packing); the compiled launch, the stream order and
+``torch.cuda.graph`` capture of whole steps are checked on the GPU (``gpu`` marker).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_attn.kernels.mosaic_kernel import kernel_call
+from jax_attn.kv_cache import paged_view
+from jax_attn.reference import paged_attention_reference
+from tests.paging import shuffled_table
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
+                          ModelRunner, RadixAttention, ReqToTokenPool)
+from torch_bridge.mosaic_path import MosaicPath
+
+HQ, HKV, D, PAGE, MAX_CTX = 4, 2, 64, 16, 96
+
+
+class InterpretedKernel:
+    """Stand-in for a launched kernel: the same call through the Mosaic GPU interpreter."""
+
+    calls = 0
+
+    def __init__(self, st, num_tiles, example):
+        call = kernel_call(dataclasses.replace(st, interpret=True), num_tiles, plgpu.InterpretGPUParams())
+        self.fn = jax.jit(lambda *a: call(*a)[0])
+        self.shapes = [tuple(t.shape) for t in example]
+
+    def __call__(self, *tensors, check=True):
+        if check:
+            assert [tuple(t.shape) for t in tensors] == self.shapes
+        InterpretedKernel.calls += 1
+        args = [jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16
+                else jnp.asarray(t.numpy()) for t in tensors]
+        return torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))).to(torch.bfloat16)
+
+
+def setup(seed, device="cpu"):
+    table, num_slots = shuffled_table(6, MAX_CTX, PAGE, seed)
+    pool = MHATokenToKVPool.create(num_slots, 1, HKV, D, torch.bfloat16, device)
+    for buf in pool.k_buffer + pool.v_buffer:  # NaN everywhere a step does not write or read
+        buf.fill_(float("nan"))
+        buf[0] = 0.0
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, ModelConfig(MAX_CTX),
+                         page_size=PAGE, device=str(device))
+    path = MosaicPath(make_kernel=InterpretedKernel) if device == "cpu" else None  # GPU: the device default
+    return runner, table, FlashAttentionBackend(runner, mosaic_path=path)
+
+
+def fill(runner, table, rows, lens, rng):
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    for r, n in zip(rows, lens):
+        s = torch.from_numpy(table[r, :n].astype(np.int64)).to(kb.device)
+        for b in (kb, vb):
+            b[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(b)
+
+
+def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None):
+    kb, vb = (jnp.asarray(b.float().cpu().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0))
+    pt = table[rows][:, ::PAGE] // PAGE
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = paged_attention_reference(jnp.asarray(q.float().cpu().numpy()).reshape(-1, HQ, D),
+                                    paged_view(kb, PAGE), paged_view(vb, PAGE), jnp.asarray(kv_lens, jnp.int32),
+                                    jnp.asarray(cu), jnp.asarray(pt), page_size=PAGE,
+                                    sinks=None if sinks is None else jnp.asarray(sinks.cpu().numpy()))
+    return np.asarray(out).reshape(q.shape[0], HQ * D)
+
+
+def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, sinks=None):
+    """Plan (eager, or the replay hook of bucket ``replay_bs``), run one layer, compare."""
+    rows, kv_lens, q_lens = (np.asarray(x) for x in (rows, kv_lens, q_lens))
+    fill(runner, table, rows, kv_lens - q_lens, rng)
+    loc = np.concatenate([table[r, n - m:n] for r, n, m in zip(rows, kv_lens, q_lens)]).astype(np.int64)
+    decode = bool((q_lens == 1).all())
+    dev = runner.req_to_token_pool.req_to_token.device
+    t64 = [torch.from_numpy(x.astype(np.int64)).to(dev) for x in (rows, kv_lens, loc, q_lens)]
+    fb = ForwardBatch(ForwardMode.DECODE if decode else ForwardMode.EXTEND, len(rows), t64[0], t64[1], t64[2],
+                      extend_seq_lens=None if decode else t64[3], token_to_kv_pool=runner.token_to_kv_pool)
+    if replay_bs is None:
+        backend.init_forward_metadata(fb)
+    else:
+        backend.init_forward_metadata_replay_cuda_graph(replay_bs, t64[0], t64[1], None, None, ForwardMode.DECODE,
+                                                        None, None, out_cache_loc=t64[2])
+    n = int(q_lens.sum())
+    q, k, v = (torch.from_numpy(rng.standard_normal((n, h * D)).astype(np.float32)).to(torch.bfloat16).to(dev)
+               for h in (HQ, HKV, HKV))
+    out = backend.forward(q, k, v, RadixAttention(HQ, D, D**-0.5, HKV, 0), fb, sinks=sinks)
+    assert out.shape == (n, HQ * D) and out.dtype == torch.bfloat16
+    ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+    return backend
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [3, 20]], ids=["decode_packed", "extend_rows"])
+def test_launch_path_eager(q_lens):
+    rng = np.random.default_rng(len(q_lens))
+    runner, table, backend = setup(1)
+    before = InterpretedKernel.calls
+    kv_lens = [40, 27, 90][:len(q_lens)]
+    step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng)
+    assert InterpretedKernel.calls == before + 1  # the layer ran on the launch path, not through JAX
+    assert backend._step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
+
+
+def test_launch_path_replay_reuses_persistent_tables():
+    rng = np.random.default_rng(7)
+    runner, table, backend = setup(2)
+    backend.init_cuda_graph_state(4, 4)
+    z = torch.zeros(4, dtype=torch.long)
+    backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
+    step(runner, table, backend, [1, 3, 4], [33, 5, 64], [1, 1, 1], rng, replay_bs=4)  # 3 rows padded to 4
+    flat = backend._step.tables[(HQ, HKV)].flat
+    # The next replay plans the bucket's tables before any layer runs, into the same buffer.
+    step(runner, table, backend, [2, 5, 6, 3], [80, 17, 1, 48], [1, 1, 1, 1], rng, replay_bs=4)
+    assert backend._step.tables[(HQ, HKV)].flat.data_ptr() == flat.data_ptr()
+
+
+def test_calls_the_kernel_does_not_cover_run_through_jax():
+    rng = np.random.default_rng(3)
+    runner, table, backend = setup(3)
+    backend.jax_backend.impl = "reference"
+    before = InterpretedKernel.calls
+    sinks = torch.from_numpy(rng.standard_normal(HQ).astype(np.float32))
+    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng, sinks=sinks)  # sinks + packed decode rows
+    assert InterpretedKernel.calls == before
+    lp = backend._layer_params(RadixAttention(HQ, D, D**-0.5, HKV, 0))
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    q32 = torch.zeros(2, HQ * D, dtype=torch.float32)
+    assert "dtypes" in backend.mosaic_path.reason(lp, backend._step.key, q32, kb, vb)
+
+
+@pytest.mark.gpu
+def test_launch_path_gpu_graph_capture():
+    """On a Hopper GPU: eager launch == reference, then a captured 1-layer decode step replays correctly
+    after the replay hook re-plans other lengths (pointers and tables fixed at capture)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(11)
+    runner, table, backend = setup(4, device="cuda", path=False)
+    assert backend.mosaic_path is not None, "Hopper + impl auto must enable the launch path"
+    step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng)
+    step(runner, table, backend, [4, 5], [33, 60], [3, 20], rng)
+    bs = 4
+    backend.init_cuda_graph_state(bs, bs)
+    z = torch.zeros(bs, dtype=torch.long, device="cuda")
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    q = torch.zeros(bs, HQ * D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.zeros(bs, HKV * D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    loc = torch.zeros(bs, dtype=torch.long, device="cuda")
+    fb = ForwardBatch(ForwardMode.DECODE, bs, z, z + 1, loc, token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, layer, fb)  # warm-up outside the capture
+    graph = torch.cuda.graph
+    g = torch.cuda.CUDAGraph()
+    with graph(g):
+        out = backend.forward(q, k, v, layer, fb)
+    rows, kv_lens = np.array([1, 2, 3, 4]), np.array([50, 9, 77, 31])
+    fill(runner, table, rows, kv_lens - 1, rng)
+    new_loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
+    t = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, kv_lens, new_loc)]
+    backend.init_forward_metadata_replay_cuda_graph(bs, t[0], t[1], None, None, ForwardMode.DECODE, None, None,
+                                                    out_cache_loc=t[2])
+    loc.copy_(t[2])
+    for x, h in ((q, HQ), (k, HKV), (v, HKV)):
+        x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)

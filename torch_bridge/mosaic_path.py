@@ -1,0 +1,190 @@
+"""Per-layer attention through the Mosaic GPU kernel, launched on torch's stream (no JAX dispatch).
+
+Once per step a compiled JAX function turns the step's plan into the kernel's int32 tables (page
+table, KV lengths, query offsets, work tiles) in one flat array that is exported to torch once.
+Per layer, torch writes K/V and packs ``q`` into the kernel's row view, ``torch_bridge.launcher``
+launches the kernel on torch's current stream with raw pointers, and torch unpacks the output. A
+layer is therefore a few torch kernels plus one raw launch: it costs a few microseconds of host
+time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
+
+Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
+that every replay hook overwrites, so a captured graph reads the current step's tables.
+
+Dimension legend: T tokens (the step's padded count), Hq / Hkv heads, D head dim, B sequences,
+P page-table width, N work tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_attn.backend import LayerParams, PlanKey
+from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
+from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, MosaicConfig, choose_pack, kernel_statics,
+                                           pack_rows, plan_mosaic_schedule, unpack_rows)
+
+_WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
+_DTYPES = (torch.bfloat16, torch.float16)
+WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not ready inside a torch.cuda.graph capture. "
+            "Run the bucket's forward once outside the capture first (a warm-up, as SGLang's graph runner "
+            "does): it compiles the kernel and learns the layer shapes the replay hooks must prepare.")
+
+
+def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
+    """The kernel of ``st`` compiled for torch launches: ``kernel(*tensors, out=None, check=True) -> out``."""
+    from torch_bridge.launcher import compile_for_torch
+
+    call = kernel_call(st, num_tiles)
+
+    def first_output(*args):  # the per-tile LSE becomes scratch the compiled kernel owns
+        return call(*args)[0]
+    return compile_for_torch(first_output, *example)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The kernel's per-step tables: torch views into one flat int32 tensor."""
+
+    flat: torch.Tensor  # i32[sum of the padded table sizes]
+    args: Tuple[torch.Tensor, ...]  # page_table [B, P], cache_seqlens [B], cu_seqlens_q [B + 1], tile_seq [N], tile_q_block [N]
+    pack: int  # rows per query token of the row view
+    num_tiles: int  # N
+
+
+def _padded(n: int) -> int:
+    return -(-n // _WORDS) * _WORDS
+
+
+def _flatten_tables(md, hq: int, hkv: int, config: MosaicConfig):
+    """The kernel's tables of plan ``md`` as one i32 array (traced once per plan key)."""
+    sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config)
+    parts = [md.page_table, md.cache_seqlens, md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block]
+    flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
+    return jnp.concatenate(flat)
+
+
+class MosaicPath:
+    """Runs a layer's attention with the Mosaic kernel from torch (see the module docstring).
+
+    Args:
+      make_kernel: ``make_kernel(statics, num_tiles, example_tensors)`` returns a torch-callable
+        ``kernel(*tensors, check=True) -> out`` for ``mosaic_kernel.kernel_call``; default
+        ``launcher_kernel`` (compiled, launched on torch's stream). Tests pass an interpreting one.
+      config: the kernel's ``MosaicConfig``.
+    """
+
+    def __init__(self, make_kernel: Optional[Callable] = None, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG):
+        self._make_kernel = make_kernel or launcher_kernel
+        self.config = config
+        self._kernels: Dict[tuple, Any] = {}
+        self._table_fns: Dict[tuple, Any] = {}
+        self._persistent: Dict[tuple, Tables] = {}
+        self._zeros: Dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def for_device(device: torch.device, impl: str) -> Optional["MosaicPath"]:
+        """A path for Hopper CUDA devices when ``impl`` allows the Mosaic kernel, else None."""
+        if device.type != "cuda" or impl not in ("auto", "mosaic") or not torch.cuda.is_available():
+            return None
+        return MosaicPath() if torch.cuda.get_device_capability(device) == (9, 0) else None
+
+    def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
+               v_buf: torch.Tensor) -> Optional[str]:
+        """None when this layer's call can run on this path, else why not (sinks: see ``attend``)."""
+        d, dv = lp.head_dim, lp.v_head_dim or lp.head_dim
+        ps = key.page_size
+        if key.topk > 1 or lp.is_cross_attention:
+            return "tree (topk > 1) steps and cross attention run through JAX"
+        if q.dtype not in _DTYPES or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+            return f"dtypes {q.dtype}/{k_buf.dtype}/{v_buf.dtype}: the kernel takes bf16 or f16 q and pools"
+        if d not in (64, 128) or dv != d:
+            return f"head dims {d}/{dv}: the kernel supports 64 and 128 (equal for K and V)"
+        if ps % 8 or not (ps % 64 == 0 or 64 % ps == 0):
+            return f"page_size={ps}: the kernel needs a multiple of 8 dividing or divided by 64"
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+            return "pool buffers must be contiguous"
+        return None
+
+    # ---- per step ---------------------------------------------------------------------------
+    def tables(self, treedef, leaves, key: PlanKey, heads: Tuple[int, int], persistent: bool) -> Tables:
+        """The step's tables for layers of ``heads = (Hq, Hkv)`` (one JAX call and one export).
+
+        ``persistent``: write them into the bucket's persistent buffer (graph buckets), whose
+        address a captured graph holds; else return the exported tensor itself.
+        """
+        fn_key = (treedef, heads)
+        fn = self._table_fns.get(fn_key)
+        if fn is None:
+            def flat_fn(*ls):
+                return _flatten_tables(jax.tree_util.tree_unflatten(treedef, ls), *heads, self.config)
+            fn = self._table_fns[fn_key] = jax.jit(flat_fn)
+        flat = torch.from_dlpack(fn(*leaves))  # torch's current stream waits for the JAX result
+        md = jax.tree_util.tree_unflatten(treedef, leaves)
+        buf_key = (key, heads, flat.device)
+        if persistent:
+            hit = self._persistent.get(buf_key)
+            if hit is None:
+                hit = self._persistent[buf_key] = self._views(torch.empty_like(flat), md, heads)
+            hit.flat.copy_(flat)
+            return hit
+        return self._views(flat, md, heads)
+
+    def _views(self, flat: torch.Tensor, md, heads: Tuple[int, int]) -> Tables:
+        b, p = md.page_table.shape
+        pack = choose_pack(md, heads[0], heads[1], self.config)
+        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b) - _padded(b + 1)) // 2
+        shapes = ((b, p), (b,), (b + 1,), (num_tiles,), (num_tiles,))
+        views, off = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape))
+            views.append(flat[off:off + n].view(shape))
+            off += _padded(n)
+        if off != flat.shape[0] or _padded(num_tiles) != num_tiles:
+            raise RuntimeError(f"table layout mismatch ({off} != {flat.shape[0]}): tile bound {num_tiles}")
+        return Tables(flat, tuple(views), pack, num_tiles)
+
+    # ---- per layer ---------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lp: LayerParams, key: PlanKey,
+               tables: Tables, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """``q [T, Hq, D]`` (T = the plan's padded token count) -> ``out [T, Hq, Dv]``."""
+        hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
+        ps = key.page_size
+        qv = pack_rows(q, tables.pack, hkv).contiguous()
+        kc = k_buf.view(-1, ps, hkv, d)
+        vc = v_buf.view(-1, ps, hkv, v_buf.shape[-1])
+        heads = qv.shape[1]
+        if sinks is None:
+            sk = (heads, q.device)
+            s = self._zeros.get(sk)
+            if s is None:
+                s = self._zeros[sk] = torch.zeros(heads, dtype=torch.float32, device=q.device)
+        else:
+            s = sinks.to(torch.float32).contiguous()
+        args = (qv, kc, vc, *tables.args, s)
+        kernel, fresh = self._kernel(lp, key, tables, q.dtype, sinks is not None, args)
+        out = kernel(*args, check=fresh)  # the first launch checks every tensor against the compiled shapes
+        return unpack_rows(out, tables.pack, hq)
+
+    def _kernel(self, lp: LayerParams, key: PlanKey, tables: Tables, dtype, has_sinks: bool, args):
+        ck = (lp.num_q_heads, lp.num_kv_heads, lp.head_dim, lp.v_head_dim, lp.scaling, lp.logit_cap,
+              lp.sliding_window_size, dtype, has_sinks, tables.pack, tables.num_tiles,
+              tuple(tuple(a.shape) for a in args), args[0].device)
+        kernel = self._kernels.get(ck)
+        if kernel is not None:
+            return kernel, False
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(WARM_UP_MESSAGE)
+        st = kernel_statics(
+            num_tokens=key.num_tokens, num_q_heads=lp.num_q_heads, num_kv_heads=lp.num_kv_heads,
+            head_dim=lp.head_dim, head_dim_v=lp.v_head_dim or lp.head_dim, page_size=key.page_size,
+            pack=tables.pack, dtype=jnp.dtype(str(dtype).removeprefix("torch.")), causal=True,
+            window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks,
+            config=self.config)
+        kernel = self._kernels[ck] = self._make_kernel(st, tables.num_tiles, args)
+        return kernel, True
