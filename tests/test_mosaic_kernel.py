@@ -54,13 +54,13 @@ def test_mosaic_rejects_what_it_does_not_cover():
     q, k, v, md, kw = build_inputs(next(c for c in CPU_CASES if c.fp8))
     assert "fp8 KV" in supports(q, k, v, md, k_descale=kw["k_descale"])
     q, k, v, md, _ = build_inputs(MOSAIC_CPU_CASES[1])
-    with pytest.raises(NotImplementedError, match="split-KV"):
-        paged_attention_mosaic(q.astype(jnp.bfloat16), k, v, md, num_splits=4, **INTERPRET)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_mosaic(q.astype(jnp.bfloat16), k, v, md, num_splits=0, **INTERPRET)
 
 
 def _covered(case):
     q, k, v, md, kw = build_inputs(case)
-    return supports(q, k, v, md, k_descale=kw.get("k_descale")) is None and case.num_splits in (None, 1)
+    return supports(q, k, v, md, k_descale=kw.get("k_descale")) is None
 
 
 @gpu

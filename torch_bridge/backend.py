@@ -64,7 +64,7 @@ from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
-from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, Tables
+from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerCall, MosaicPath, Tables
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -80,6 +80,21 @@ class _Step:
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
     tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
+    calls: Dict[int, "_LayerHit"] = dataclasses.field(default_factory=dict)  # layer_id -> checked launch
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerHit:
+    """A layer already checked on this step: later calls with the same layer and batch go straight
+    to the KV write and the bound launch."""
+
+    layer: Any
+    batch: Any
+    call: LayerCall
+    no_sinks: bool
+    lp: LayerParams
+    pool: Any
+    loc: Optional[torch.Tensor]  # the layer's KV slots (None: the first call did not write)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,24 +445,31 @@ class FlashAttentionBackend:
         step = self._step
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
+        hit = step.calls.get(layer.layer_id)
+        if (hit is not None and hit.layer is layer and hit.batch is forward_batch
+                and q.shape[0] == hit.call.t and (sinks is None) == hit.no_sinks
+                and (hit.loc is not None or not save_kv_cache or k is None)):
+            return self._launch(hit, q, k, v, save_kv_cache, sinks)  # checked on this step already
         lp = self._layer_params(layer)
         check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         t = check_shapes(q, lp, step, k_buf, v_buf, self.page_size)
-        tables = self._launch_tables(lp, step, q, k_buf, v_buf, sinks)
-        if tables is None:
+        call = self._launch_call(lp, step, q, k_buf, v_buf, sinks)
+        if call is None:
             check_not_capturing()
+        loc = None
         if save_kv_cache and k is not None:
             loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
+        if call is not None:
+            hit = step.calls[layer.layer_id] = _LayerHit(layer, forward_batch, call, sinks is None, lp, pool, loc)
+            return self._launch(hit, q, k, v, save_kv_cache, sinks)
+        if loc is not None:
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
         if t != step.key.num_tokens:
             q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, step.key.num_tokens - t))
-        if tables is not None:  # the Mosaic kernel launched on torch's stream
-            out = self.mosaic_path.attend(q, k_buf, v_buf, lp, step.key, tables, sinks)
-            return out.reshape(step.key.num_tokens, -1)[:t]
-        if not q.is_contiguous():
+        elif not q.is_contiguous():
             q = q.contiguous()
         fast = (layer.layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
         exe = self._step_exes.get(fast)
@@ -459,8 +481,17 @@ class FlashAttentionBackend:
         out = export(exe(jq, *views, *step.leaves))
         return out if t == step.key.num_tokens else out[:t]
 
-    def _launch_tables(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
-        """The step's kernel tables when this layer runs on the Mosaic launch path, else None."""
+    @staticmethod
+    def _launch(hit: "_LayerHit", q, k, v, save_kv_cache: bool, sinks):
+        """The launch path: torch KV write, then the bound Mosaic launch (see ``mosaic_path``)."""
+        if save_kv_cache and k is not None:
+            if k.shape[0] != hit.call.t or v.shape[0] != hit.call.t:
+                raise ValueError(f"{k.shape=} / {v.shape=} must have one row per token ({hit.call.t})")
+            hit.pool.set_kv_buffer(hit.layer, hit.loc, k, v, hit.lp.k_scale, hit.lp.v_scale)
+        return hit.call(q, sinks)
+
+    def _launch_call(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
+        """This layer's bound Mosaic launch when the launch path covers the call, else None."""
         path = self.mosaic_path
         if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
             return None
@@ -471,7 +502,9 @@ class FlashAttentionBackend:
                 raise RuntimeError(WARM_UP_MESSAGE)
             tables = step.tables[heads] = path.tables(step.treedef, step.leaves, step.key, heads, step.graph)
             self._launch_heads.add(heads)
-        return None if sinks is not None and tables.pack > 1 else tables
+        if sinks is not None and tables.pack > 1:
+            return None  # sinks with packed decode rows: the JAX path
+        return path.layer_call(lp, step.key, tables, q, k_buf, v_buf, sinks is not None)
 
     def _attn_exe(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
         def sig(x):

@@ -27,8 +27,9 @@ import torch
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, MosaicConfig, choose_pack, kernel_statics,
-                                           pack_rows, plan_mosaic_schedule, unpack_rows)
+                                           plan_mosaic_schedule)
 
+MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
 _WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
 _DTYPES = (torch.bfloat16, torch.float16)
 WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not ready inside a torch.cuda.graph capture. "
@@ -73,9 +74,10 @@ class MosaicPath:
     """Runs a layer's attention with the Mosaic kernel from torch (see the module docstring).
 
     Args:
-      make_kernel: ``make_kernel(statics, num_tiles, example_tensors)`` returns a torch-callable
-        ``kernel(*tensors, check=True) -> out`` for ``mosaic_kernel.kernel_call``; default
-        ``launcher_kernel`` (compiled, launched on torch's stream). Tests pass an interpreting one.
+      make_kernel: ``make_kernel(statics, num_tiles, example_tensors)`` returns a kernel for
+        ``mosaic_kernel.kernel_call`` with ``kernel.bind(*tensors, out=buffer)`` -> a callable that
+        launches it on those tensors; default ``launcher_kernel`` (``torch_bridge.launcher``,
+        compiled, launched on torch's current stream). Tests pass an interpreting one.
       config: the kernel's ``MosaicConfig``.
     """
 
@@ -84,8 +86,10 @@ class MosaicPath:
         self.config = config
         self._kernels: Dict[tuple, Any] = {}
         self._table_fns: Dict[tuple, Any] = {}
-        self._persistent: Dict[tuple, Tables] = {}
-        self._zeros: Dict[tuple, torch.Tensor] = {}
+        self._persistent: Dict[tuple, Tables] = {}  # insertion order = least recently planned first
+        self._pinned: set = set()
+        self._calls: Dict[tuple, LayerCall] = {}
+        self._scratch: Dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def for_device(device: torch.device, impl: str) -> Optional["MosaicPath"]:
@@ -112,11 +116,12 @@ class MosaicPath:
         return None
 
     # ---- per step ---------------------------------------------------------------------------
-    def tables(self, treedef, leaves, key: PlanKey, heads: Tuple[int, int], persistent: bool) -> Tables:
-        """The step's tables for layers of ``heads = (Hq, Hkv)`` (one JAX call and one export).
+    def tables(self, treedef, leaves, key: PlanKey, heads: Tuple[int, int], pinned: bool) -> Tables:
+        """The step's tables for layers of ``heads = (Hq, Hkv)``: one JAX call, one export, one copy.
 
-        ``persistent``: write them into the bucket's persistent buffer (graph buckets), whose
-        address a captured graph holds; else return the exported tensor itself.
+        They go into a persistent buffer per (plan key, heads), so a captured graph and the bound
+        launches of every layer keep reading the current step's values. ``pinned`` (graph buckets)
+        buffers stay; at most ``MAX_UNPINNED`` others (eager plans) are kept, oldest dropped first.
         """
         fn_key = (treedef, heads)
         fn = self._table_fns.get(fn_key)
@@ -125,15 +130,24 @@ class MosaicPath:
                 return _flatten_tables(jax.tree_util.tree_unflatten(treedef, ls), *heads, self.config)
             fn = self._table_fns[fn_key] = jax.jit(flat_fn)
         flat = torch.from_dlpack(fn(*leaves))  # torch's current stream waits for the JAX result
-        md = jax.tree_util.tree_unflatten(treedef, leaves)
         buf_key = (key, heads, flat.device)
-        if persistent:
-            hit = self._persistent.get(buf_key)
-            if hit is None:
-                hit = self._persistent[buf_key] = self._views(torch.empty_like(flat), md, heads)
-            hit.flat.copy_(flat)
-            return hit
-        return self._views(flat, md, heads)
+        hit = self._persistent.pop(buf_key, None)
+        if hit is None:
+            with torch.inference_mode(False):  # a normal tensor: later steps update it in place
+                buf = torch.empty_like(flat)
+            hit = self._views(buf, jax.tree_util.tree_unflatten(treedef, leaves), heads)
+        self._persistent[buf_key] = hit  # most recent last
+        if pinned:
+            self._pinned.add(buf_key)
+        self._evict()
+        hit.flat.copy_(flat)
+        return hit
+
+    def _evict(self) -> None:
+        unpinned = [k for k in self._persistent if k not in self._pinned]
+        for k in unpinned[:max(0, len(unpinned) - MAX_UNPINNED)]:
+            gone = self._persistent.pop(k)
+            self._calls = {ck: c for ck, c in self._calls.items() if c.tables is not gone}
 
     def _views(self, flat: torch.Tensor, md, heads: Tuple[int, int]) -> Tables:
         b, p = md.page_table.shape
@@ -150,41 +164,77 @@ class MosaicPath:
         return Tables(flat, tuple(views), pack, num_tiles)
 
     # ---- per layer ---------------------------------------------------------------------------
-    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, lp: LayerParams, key: PlanKey,
-               tables: Tables, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """``q [T, Hq, D]`` (T = the plan's padded token count) -> ``out [T, Hq, Dv]``."""
-        hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
-        ps = key.page_size
-        qv = pack_rows(q, tables.pack, hkv).contiguous()
-        kc = k_buf.view(-1, ps, hkv, d)
-        vc = v_buf.view(-1, ps, hkv, v_buf.shape[-1])
-        heads = qv.shape[1]
-        if sinks is None:
-            sk = (heads, q.device)
-            s = self._zeros.get(sk)
-            if s is None:
-                s = self._zeros[sk] = torch.zeros(heads, dtype=torch.float32, device=q.device)
-        else:
-            s = sinks.to(torch.float32).contiguous()
-        args = (qv, kc, vc, *tables.args, s)
-        kernel, fresh = self._kernel(lp, key, tables, q.dtype, sinks is not None, args)
-        out = kernel(*args, check=fresh)  # the first launch checks every tensor against the compiled shapes
-        return unpack_rows(out, tables.pack, hq)
+    def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
+                   v_buf: torch.Tensor, has_sinks: bool) -> "LayerCall":
+        """The bound launch of one layer for this plan key (built on first use, then reused)."""
+        ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), has_sinks)
+        call = self._calls.get(ck)
+        if call is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(WARM_UP_MESSAGE)
+            call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
+        return call
 
-    def _kernel(self, lp: LayerParams, key: PlanKey, tables: Tables, dtype, has_sinks: bool, args):
-        ck = (lp.num_q_heads, lp.num_kv_heads, lp.head_dim, lp.v_head_dim, lp.scaling, lp.logit_cap,
-              lp.sliding_window_size, dtype, has_sinks, tables.pack, tables.num_tiles,
-              tuple(tuple(a.shape) for a in args), args[0].device)
+    def kernel(self, st: KernelStatics, num_tiles: int, args: Tuple[torch.Tensor, ...]):
+        """The compiled kernel for ``st`` and these argument shapes (shared by layers alike)."""
+        ck = (st, num_tiles, tuple(tuple(a.shape) for a in args), args[0].device)
         kernel = self._kernels.get(ck)
-        if kernel is not None:
-            return kernel, False
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(WARM_UP_MESSAGE)
+        if kernel is None:
+            kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
+        return kernel
+
+    def scratch(self, shape, dtype, device) -> torch.Tensor:
+        """A row-view buffer shared by the layers of one shape (calls run one after another on a stream)."""
+        sk = (tuple(shape), dtype, device)
+        buf = self._scratch.get(sk)
+        if buf is None:
+            with torch.inference_mode(False):
+                buf = self._scratch[sk] = torch.zeros(shape, dtype=dtype, device=device)
+        return buf
+
+
+class LayerCall:
+    """One layer's attention for one plan key: copy q into the row view, launch, copy the output out.
+
+    The kernel is bound to fixed tensors (the shared row-view buffers, the layer's pools, the
+    key's tables), so a call is two torch copies plus one launch with prebuilt pointers.
+    """
+
+    def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
+                 k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
+        hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
+        dv = lp.v_head_dim or d
+        self.tables, self.pack, self.t, self.rows = tables, tables.pack, int(q.shape[0]), key.num_tokens
+        self.hq, self.hkv, self.d, self.dv = hq, hkv, d, dv
+        heads = hq if self.pack == 1 else hkv
+        dev = q.device
+        self.qbuf = path.scratch((self.rows * self.pack, heads, d), q.dtype, dev)
+        self.obuf = path.scratch((self.rows * self.pack, heads, dv), q.dtype, dev)
+        with torch.inference_mode(False):
+            self.sinks = torch.zeros(heads, dtype=torch.float32, device=dev)
         st = kernel_statics(
-            num_tokens=key.num_tokens, num_q_heads=lp.num_q_heads, num_kv_heads=lp.num_kv_heads,
-            head_dim=lp.head_dim, head_dim_v=lp.v_head_dim or lp.head_dim, page_size=key.page_size,
-            pack=tables.pack, dtype=jnp.dtype(str(dtype).removeprefix("torch.")), causal=True,
-            window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks,
-            config=self.config)
-        kernel = self._kernels[ck] = self._make_kernel(st, tables.num_tiles, args)
-        return kernel, True
+            num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+            page_size=key.page_size, pack=self.pack, dtype=jnp.dtype(str(q.dtype).removeprefix("torch.")),
+            causal=True, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
+            has_sinks=has_sinks, config=path.config)
+        args = (self.qbuf, k_buf.view(-1, key.page_size, hkv, d), v_buf.view(-1, key.page_size, hkv, dv),
+                *tables.args, self.sinks)
+        self.launch = path.kernel(st, tables.num_tiles, args).bind(*args, out=self.obuf)
+        # Views of the row-view buffers in the engine's [T, Hkv, G, D] order (pack > 1) or [T, Hq, D].
+        t = self.t
+        if self.pack > 1:
+            self.q_dst = self.qbuf.view(self.rows, self.pack, hkv, d)[:t].transpose(1, 2)
+            self.o_src = self.obuf.view(self.rows, self.pack, hkv, dv)[:t].transpose(1, 2)
+        else:
+            self.q_dst, self.o_src = self.qbuf[:t], self.obuf[:t]
+        self.q_shape = tuple(self.q_dst.shape)  # the engine's q seen as [t, Hkv, G, D] or [t, Hq, D]
+        self.out_shape = (t, hq * dv)
+
+    def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
+        self.q_dst.copy_(q.reshape(self.q_shape))
+        if sinks is not None:
+            self.sinks.copy_(sinks)
+        self.launch()
+        out = self.o_src.reshape(self.out_shape)  # a copy when the rows were packed
+        return out if self.pack > 1 else out.clone()

@@ -107,7 +107,7 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     num_heads = num_q_heads if pack == 1 else num_kv_heads
     s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
                           num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
-                          max_splits=config.max_splits, num_sms=config.num_sms,
+                          max_splits=config.max_splits, num_sms=config.num_sms, split_waves=config.split_waves,
                           min_kv_per_split=config.min_kv_per_split)
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,

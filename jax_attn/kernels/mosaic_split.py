@@ -32,23 +32,25 @@ def _cdiv(a, b):
 
 
 def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int, pack: int, num_heads: int,
-                      max_kv_len: int, block_rows: int, max_splits: int, num_sms: int,
+                      max_kv_len: int, block_rows: int, max_splits: int, num_sms: int, split_waves: int,
                       min_kv_per_split: int) -> int:
     """Static bound S on kv splits: ``num_splits`` if given, else what the bucket can use.
 
     The bucket's tiles are estimated as if every token were real (at least one tile per
-    sequence, ``ceil(T / max_q_len)`` sequences); with ``num_heads`` CTAs per tile, splitting
-    pays only when those CTAs leave multiprocessors idle. S is also capped so that no split of
-    the longest possible sequence (``max_kv_len``) gets fewer than ``min_kv_per_split`` keys.
+    sequence, ``ceil(T / max_q_len)`` sequences), each tile running ``num_heads`` CTAs. A CTA
+    holds a whole multiprocessor (shared memory), so S is the largest count that keeps the CTAs
+    within ``num_sms * split_waves`` (rounded down: a partial last wave costs a whole one), and
+    no split of the longest possible sequence (``max_kv_len``) gets fewer than
+    ``min_kv_per_split`` keys. On device, ``build_schedule`` gives each sequence at most S splits
+    by its length.
     """
     if num_splits is not None:
         if num_splits < 1:
             raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
         return int(num_splits)
     tiles = max(_cdiv(num_tokens * pack, block_rows), _cdiv(num_tokens, max(max_q_len, 1)), 1)
-    if tiles * num_heads >= num_sms:
-        return 1
-    return int(max(1, min(max_splits, _cdiv(max_kv_len, min_kv_per_split))))
+    by_sms = (num_sms * split_waves) // (tiles * num_heads)
+    return int(max(1, min(max_splits, by_sms, _cdiv(max_kv_len, min_kv_per_split))))
 
 
 def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
@@ -71,7 +73,9 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row reductions stay within warps (WGMMA layout): the default cross-warp reduction
+        # scratch would push the float32 output staging past the 227 KB of shared memory.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret,
     )
 
