@@ -98,7 +98,12 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
     q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
     backend.forward(q, k, k, layer, fb)
+    kv = lt.ContiguousKV(dataclasses.replace(cfg, n_layers=1), 1, 256, torch.bfloat16, "cuda")
+    kv.lens = torch.full((1,), 255, device="cuda")
+    native = kv.decode_attend(uniform_len=256)
+    q3, k3 = q.view(1, cfg.n_heads, cfg.head_dim), k.view(1, cfg.n_kv_heads, cfg.head_dim)
     return {
+        "native torch attention (KV write + SDPA), same shape": host(lambda: native(0, q3, k3, k3), iters),
         "launch path (page 16): call, no KV write":
             host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
         "launch path (page 16): call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),

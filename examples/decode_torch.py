@@ -4,7 +4,9 @@
     python examples/decode_torch.py --config 1b        # GPU: 1B-class shapes (32/8 heads, d=128)
 
 The engine speaks SGLang's backend interface: ``init_forward_metadata`` for the prefill (EXTEND),
-the capture hook once for the decode bucket, then the replay hook per decode step. The script
+the capture hook once for the decode bucket, then the replay hook per decode step. On Hopper GPUs
+with a page size the Mosaic kernel takes (e.g. ``--page-size 16``) the bridge launches attention on
+torch's stream, so the whole decode step is captured in a ``torch.cuda.graph`` and replayed. The script
 checks itself against the same torch model with dense SDPA attention (teacher-forced: identical
 greedy tokens, ties excepted, and close logits), times decode steps through the bridge and through
 SDPA over a contiguous KV cache, and exits non-zero on a mismatch.
@@ -12,6 +14,7 @@ SDPA over a contiguous KV cache, and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -75,6 +78,7 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
     backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, zeros, zeros + 1, None, ForwardMode.DECODE, None)
     cap = ForwardBatch(ForwardMode.DECODE, bucket, zeros, zeros + 1, zeros, token_to_kv_pool=pool, attn_backend=backend)
     model.forward(zeros, zeros, lt.bridge_attend(model, cap))  # the capture run: compiles attention (slot 0)
+    graph = capture_decode(model, cap) if backend.mosaic_path is not None else None
     sync(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
@@ -83,12 +87,39 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
                           token_to_kv_pool=pool, attn_backend=backend)
         backend.init_forward_metadata_replay_cuda_graph(bucket, rows, lens + 1, None, None, ForwardMode.DECODE,
                                                         None, None, out_cache_loc=loc)
-        step = model.forward(tokens[-1], lens, lt.bridge_attend(model, fb))
+        if graph is None:
+            step = model.forward(tokens[-1], lens, lt.bridge_attend(model, fb))
+        else:
+            step = graph(tokens[-1], lens, loc)
         logits.append(step)
         tokens.append(step.argmax(-1))
         lens = lens + 1
     sync(device)
     return torch.stack(tokens, 1), torch.stack(logits, 1), (time.perf_counter() - t0) / max(new_tokens - 1, 1)
+
+
+def capture_decode(model, cap):
+    """The bucket's decode step captured whole in a ``torch.cuda.graph`` (the bridge's launch path
+    is capturable). Returns ``step(ids, positions, out_cache_loc) -> logits`` for the real rows:
+    it copies them into the captured inputs (padding rows: token 0, position 0, slot 0) and replays.
+    Call the replay hook first: it refreshes the tables the captured kernels read."""
+    ids, pos, loc = (cap.out_cache_loc.clone() for _ in range(3))
+    fb = dataclasses.replace(cap, positions=pos, out_cache_loc=loc)
+    model.forward(ids, pos, lt.bridge_attend(model, fb))  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        logits = model.forward(ids, pos, lt.bridge_attend(model, fb))
+
+    def step(new_ids, new_pos, new_loc):
+        n = new_ids.shape[0]
+        for dst, src in ((ids, new_ids), (pos, new_pos), (loc, new_loc)):
+            dst.zero_()
+            dst[:n] = src
+        g.replay()
+        return logits[:n].clone()
+    step.graph = g
+    return step
 
 
 def run_sdpa_decode(model, prompts, tokens, max_ctx, device):
@@ -136,8 +167,9 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     tokens, logits, bridge_s = run_bridge(model, runner, backend, prompts, new_tokens, device)
     sdpa_logits, sdpa_s = run_sdpa_decode(model, prompts, tokens, max_ctx, device)
 
+    launch = "Mosaic launch path, decode step in a CUDA graph" if backend.mosaic_path else "JAX executables"
     print(f"device={device} impl={backend.jax_backend.impl} config={config} batch={batch} "
-          f"page_size={page_size} prompts={prompt_lens.tolist()}")
+          f"page_size={page_size} attention via {launch} prompts={prompt_lens.tolist()}")
     print(f"decode step: bridge {1e3 * bridge_s:.2f} ms, SDPA contiguous KV {1e3 * sdpa_s:.2f} ms "
           f"(ratio {bridge_s / sdpa_s:.2f}x)")
     for b in range(min(batch, 4)):

@@ -178,3 +178,21 @@ def test_launch_path_gpu_graph_capture():
     torch.cuda.synchronize()
     ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_launch_path_gpu_side_stream_and_concurrent_allocations():
+    """Work queued on a non-default torch stream (KV fill, q) is seen by the launch, and the output
+    is valid on that stream while other allocations churn the caching allocator."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(12)
+    runner, table, backend = setup(5, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            churn = [torch.randn(1 << 20, device="cuda") for _ in range(4)]  # the allocator reuses blocks
+            backend = step(runner, table, backend, [1, 2, 3], [70, 12, 33], [1, 1, 1], rng)
+            backend = step(runner, table, backend, [4, 6], [40, 90], [5, 30], rng)
+            del churn
+    side.synchronize()

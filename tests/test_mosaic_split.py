@@ -66,17 +66,17 @@ def test_split_interpret(case):
     check_attention(fn, case)
 
 
-def _decode_md(batch: int, ctx: int, page_size: int = 16) -> AttentionMetadata:
-    """Metadata of a uniform decode batch (lengths and an identity page table; no cache needed)."""
+def _uniform_md(batch: int, ctx: int, page_size: int = 16, q_len: int = 1) -> AttentionMetadata:
+    """Metadata of a uniform batch (lengths and an identity page table; no cache needed)."""
     pages = -(-ctx // page_size)
     return AttentionMetadata(
         cache_seqlens=jnp.full((batch,), ctx, jnp.int32),
-        cu_seqlens_q=jnp.arange(batch + 1, dtype=jnp.int32),
+        cu_seqlens_q=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
         cu_seqlens_k=jnp.arange(batch + 1, dtype=jnp.int32) * ctx,
         page_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
-        out_cache_loc=jnp.zeros((batch,), jnp.int32), max_seqlen_q=jnp.int32(1), max_seqlen_k=jnp.int32(ctx),
-        mode=ForwardMode.DECODE, batch_size=batch, num_tokens=batch, page_size=page_size, max_q_len=1,
-        max_pages=pages,
+        out_cache_loc=jnp.zeros((batch * q_len,), jnp.int32), max_seqlen_q=jnp.int32(q_len),
+        max_seqlen_k=jnp.int32(ctx), mode=ForwardMode.DECODE if q_len == 1 else ForwardMode.EXTEND,
+        batch_size=batch, num_tokens=batch * q_len, page_size=page_size, max_q_len=q_len, max_pages=pages,
     )
 
 
@@ -90,7 +90,7 @@ def _decode_md(batch: int, ctx: int, page_size: int = 16) -> AttentionMetadata:
     (2, 100, 4, 4, 4),  # explicit: exactly 4 per sequence, however short
 ])
 def test_split_heuristic(batch, ctx, num_splits, want_bound, want_seq):
-    md = _decode_md(batch, ctx)
+    md = _uniform_md(batch, ctx)
     sched = jax.jit(functools.partial(plan_mosaic_schedule, num_q_heads=HEADS[0], num_kv_heads=HEADS[1],
                                       num_splits=num_splits))(md)
     assert sched.max_splits == want_bound and sched.pack == 4
@@ -100,16 +100,19 @@ def test_split_heuristic(batch, ctx, num_splits, want_bound, want_seq):
     assert sorted(tiles.tolist()) == sorted(list(range(want_seq)) * batch)
 
 
-@pytest.mark.parametrize("head_dim,block_kv,stages", [(128, 128, 2), (128, 64, 4), (64, 128, 2)])
-def test_split_lowers_for_cuda(head_dim, block_kv, stages):
-    """The compiled (not interpreted) split kernel lowers, within the 227 KB of shared memory."""
-    md = _decode_md(2, 3000)
+@pytest.mark.parametrize("head_dim,block_kv,stages,q_len", [(128, 128, 2, 1), (128, 64, 4, 1), (64, 128, 2, 1),
+                                                             (128, 128, 2, 100)])
+def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len):
+    """The compiled (not interpreted) split kernel lowers, within the 227 KB of shared memory
+    (q_len 100: unpacked rows, with sinks)."""
+    md = _uniform_md(1, 3000, q_len=q_len)
     config = MosaicConfig(block_kv=block_kv, stages=stages)
-    sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config, num_splits=None)
+    sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config,
+                                 num_splits=None if q_len == 1 else 3)
     assert sched.max_splits > 1
     st = kernel_statics(num_tokens=md.num_tokens, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim=head_dim,
                         head_dim_v=head_dim, page_size=16, pack=sched.pack, dtype=jnp.bfloat16, config=config,
-                        num_splits=sched.max_splits)
+                        num_splits=sched.max_splits, has_sinks=q_len > 1)
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], head_dim), jnp.bfloat16)
     args = (s((st.num_rows, st.num_heads, head_dim), jnp.bfloat16), cache, cache, md.page_table, md.cache_seqlens,
@@ -168,7 +171,7 @@ def _time_table(shapes=((1, 32768), (8, 8192), (64, 4096)), splits=(None, 1, 2, 
     hq, hkv, d = HEADS[0], HEADS[1], 128
     print(f"{'B x ctx':>12} {'kernel (num_splits)':>20} {'S':>3} {'us':>8} {'TB/s':>6}  note")
     for batch, ctx in shapes:
-        md = _decode_md(batch, ctx, page_size)
+        md = _uniform_md(batch, ctx, page_size)
         keys = jax.random.split(jax.random.key(0), 3)
         cache_shape = (md.page_table.size, page_size, hkv, d)
         k, v = (jax.random.normal(key, cache_shape, jnp.bfloat16) for key in keys[:2])

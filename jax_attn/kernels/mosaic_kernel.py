@@ -13,6 +13,9 @@ the tensor core tile with one read of each key block.
 Ragged outputs: each compute warpgroup stores its valid rows with TMA copies of 64, 32, ..., 1 rows
 (the binary digits of the count), so a tile never writes rows of another sequence.
 
+Split-KV (``KernelStatics.num_splits > 1``, launched by ``mosaic_split``): a tile also names a kv
+split, a run of the CTA's key blocks; it writes a float32 partial output and its LSE for a merge.
+
 Keys past ``cache_seqlens`` that share the last page are masked out of the scores, and their value
 rows are zeroed in shared memory before the P@V product (unused slots may hold anything, NaN too).
 
@@ -125,9 +128,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     else:
         q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, sinks_ref, out_ref, lse_ref = refs
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
-    # Q is staged through the output buffer; the split kernel's float32 output buffer shares its
-    # memory with a separate Q staging buffer instead (a ``RefUnion``, see ``kernel_entry``).
-    q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)
+    q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)  # see ``kernel_entry``
     (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
@@ -397,7 +398,9 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
     tiled = _TILED()
     wgs, bq = COMPUTE_WGS, st.block_q
-    if st.split:  # float32 partial outputs; Q gets its own staging buffer in the same memory
+    # Q is staged through the output buffer; the split kernel's float32 output buffer shares its
+    # memory with a Q staging buffer instead (a ``RefUnion``).
+    if st.split:
         staging = plgpu.RefUnion(plgpu.SMEM((wgs, bq, st.head_dim), st.dtype),
                                  plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32))
     else:
