@@ -5,7 +5,7 @@ bucket shapes, and the split kernel lowered for CUDA (catches layout and shared-
 the interpreter does not). GPU (``-m gpu``): long-context decode against the reference.
 
 Run as a script on a GPU machine for a timing table of kv split counts (TB/s over the KV bytes):
-  python -m tests.test_mosaic_split
+  python -m tests.test_mosaic_split [1x32768 8x8192 ...]
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.mosaic_paged import (MosaicConfig, kernel_statics, pack_rows, paged_attention_mosaic,
-                                           plan_mosaic_schedule)
+from jax_attn.kernels.mosaic_paged import MosaicConfig, kernel_statics, paged_attention_mosaic, plan_mosaic_schedule
 from jax_attn.kernels.mosaic_split import kernel_call_split
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from tests.attention_cases import Case, build_inputs, check_attention
@@ -190,5 +189,5 @@ def _time_table(shapes=((1, 32768), (8, 8192), (64, 4096)), splits=(None, 1, 2, 
                   f"  {t.note}")
 
 
-if __name__ == "__main__":
-    _time_table()
+if __name__ == "__main__":  # optional shapes as BxCTX, e.g. 1x32768 8x8192
+    _time_table(*[tuple(tuple(int(x) for x in a.split("x")) for a in sys.argv[1:])] if sys.argv[1:] else [])

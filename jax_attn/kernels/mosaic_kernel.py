@@ -230,9 +230,9 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
     # Rows start anywhere, but TMA into the tiled layout needs 8-aligned rows: stage Q through an
-    # untiled buffer, then store it tiled for wgmma. (The split kernel's ``q_stage`` shares memory
-    # with the other warpgroup's output buffer: that warpgroup reaches its epilogue only after a
-    # ``sched`` wait that this warpgroup's first arrival, below, completes.)
+    # untiled buffer, then store it tiled for wgmma. (The split kernel's ``q_stage`` may share memory
+    # with the other warpgroup's output buffer: each warpgroup reaches its epilogue only after a
+    # ``sched`` wait that needs the other's first arrival, which follows its Q staging.)
     plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], q_stage, q_bar)
     plgpu.barrier_wait(q_bar)
     q_smem[...] = q_stage[...]

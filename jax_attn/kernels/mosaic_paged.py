@@ -8,6 +8,9 @@ is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G``
 kv head are packed into the rows (``q`` seen as ``[T * G, Hkv, D]``, see ``pack_rows``), so decode
 and verify fill the tensor core tile with one read of each key block.
 
+Split-KV (flash-decoding, ``mosaic_split``): when the CTAs cannot fill the GPU (a few long decode
+sequences), each tile's key blocks are cut into kv splits whose float32 partials are merged.
+
 Dimension legend: T tokens, B sequences, Hq / Hkv heads, G = Hq // Hkv, D / Dv head dims,
 N work tiles (static bound), R rows of the row view, H heads of the row view.
 """
@@ -42,7 +45,8 @@ class MosaicConfig:
       min_kv_per_split: the heuristic never gives a split fewer keys than this.
       num_sms: multiprocessors the split heuristic tries to fill (one CTA each: the kernel's
         shared memory allows one per multiprocessor).
-      split_waves: CTAs per multiprocessor the split heuristic aims for.
+      split_waves: CTAs per multiprocessor the split heuristic aims for (rounded down to whole
+        waves of ``num_sms`` CTAs).
     """
 
     block_q: int = 64
