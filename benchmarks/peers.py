@@ -194,7 +194,8 @@ def ours_mosaic(p: Problem) -> PeerRun:
     reason = supports(q, k, v, md)
     if reason is not None:
         raise Unavailable(reason)
-    sched = jax.jit(functools.partial(plan_mosaic_schedule, num_q_heads=q.shape[1], num_kv_heads=k.shape[2]))(md)
+    sched = jax.jit(functools.partial(plan_mosaic_schedule, num_q_heads=q.shape[1], num_kv_heads=k.shape[2],
+                                      num_splits=None))(md)  # split-KV by the heuristic, as the backend plans
     md = dataclasses.replace(md, mosaic_schedule=jax.block_until_ready(sched))
     fn = jax.jit(functools.partial(paged_attention_mosaic, causal=True))
     return PeerRun("ours_mosaic", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")

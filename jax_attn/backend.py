@@ -110,7 +110,8 @@ class FlashAttentionBackend:
         if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(md, deterministic=self.deterministic)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
-            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv)
+            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,
+                                          num_splits=1 if self.deterministic else None)
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":

@@ -37,13 +37,28 @@ class InterpretedKernel:
 
     def bind(self, *tensors, out):
         assert [tuple(t.shape) for t in tensors] == self.shapes and out.is_contiguous()
+        return _InterpretedLaunch(self.fn, list(tensors), [out])
 
-        def launch():  # reads the bound tensors' current contents, as a launch would
-            InterpretedKernel.calls += 1
-            args = [jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16
-                    else jnp.asarray(t.numpy()) for t in tensors]
-            out.copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
-        return launch
+
+class _InterpretedLaunch:
+    """A bound launch: reads the bound tensors' current contents when called, as a launch would."""
+
+    def __init__(self, fn, args, outs):
+        self.fn, self.args, self.outs = fn, args, outs
+
+    def set_arg(self, i, t):
+        assert t.shape == self.args[i].shape and t.dtype == self.args[i].dtype
+        self.args[i] = t
+
+    def set_out(self, i, t):
+        assert t.shape == self.outs[i].shape and t.is_contiguous()
+        self.outs[i] = t
+
+    def __call__(self):
+        InterpretedKernel.calls += 1
+        args = [jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16
+                else jnp.asarray(t.numpy()) for t in self.args]
+        self.outs[0].copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
 
 
 def setup(seed, device="cpu"):

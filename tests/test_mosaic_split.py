@@ -122,6 +122,26 @@ def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("q_len", [1, 100])
+def test_unsplit_lowers_for_cuda(q_len):
+    """The compiled unsplit kernel lowers for CUDA: token-major packed rows (q_len 1, reshaped
+    shared-memory views the interpreter does not run) and one head per row (q_len 100)."""
+    from jax_attn.kernels.mosaic_kernel import kernel_call
+
+    md = _uniform_md(3, 3000, q_len=q_len)
+    sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1])
+    st = kernel_statics(num_tokens=md.num_tokens, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim=128,
+                        head_dim_v=128, page_size=16, pack=sched.pack, dtype=jnp.bfloat16)
+    assert st.token_major == (q_len == 1)
+    s = jax.ShapeDtypeStruct
+    cache = s((md.page_table.size + 1, 16, HEADS[1], 128), jnp.bfloat16)
+    q = s((md.num_tokens, HEADS[1], st.pack, 128) if st.token_major else (md.num_tokens, HEADS[0], 128), jnp.bfloat16)
+    args = (q, cache, cache, md.page_table, md.cache_seqlens, md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block,
+            s((st.num_heads,), jnp.float32))
+    text = jax.jit(kernel_call(st, sched.tile_seq.shape[0])).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 SPLIT_GPU_CASES = [
     _c("decode_1x32768", [(1, 32768)], heads=HEADS, head_dim=128, num_splits=None),
     _c("decode_8x8192", [(1, 8192)] * 8, heads=HEADS, head_dim=128, num_splits=None),

@@ -379,11 +379,25 @@ class TorchKernel:
 
 
 class BoundLaunch:
-    """A kernel with its tensors fixed (persistent buffers): ``bound()`` launches and returns outputs."""
+    """A kernel with its tensors fixed (persistent buffers): ``bound()`` launches and returns outputs.
+
+    ``set_arg`` / ``set_out`` repoint one argument or output (same shape and dtype, unchecked) for
+    callers whose other tensors stay put, e.g. a new activation per call over fixed caches.
+    """
 
     def __init__(self, kernel: TorchKernel, ptrs, result, keep_alive):
         self._kernel, self._ptrs, self.result, self._keep = kernel, ptrs, result, keep_alive
         self._launch, self._handle, self._stream = kernel._launch, kernel._handle, kernel._stream
+        self._arg_slots = {a: [i for j, i in kernel._arg_pos if j == a] for a, _ in kernel._arg_pos}
+        self._out_slots = {o: [i for j, i in kernel._out_pos if j == o] for o, _ in kernel._out_pos}
+
+    def set_arg(self, index: int, tensor) -> None:
+        for i in self._arg_slots[index]:
+            self._ptrs[i] = tensor.data_ptr()
+
+    def set_out(self, index: int, tensor) -> None:
+        for i in self._out_slots[index]:
+            self._ptrs[i] = tensor.data_ptr()
 
     def __call__(self):
         for t, v in self._kernel._refill:

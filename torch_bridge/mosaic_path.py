@@ -89,7 +89,6 @@ class MosaicPath:
         self._persistent: Dict[tuple, Tables] = {}  # insertion order = least recently planned first
         self._pinned: set = set()
         self._calls: Dict[tuple, LayerCall] = {}
-        self._scratch: Dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def for_device(device: torch.device, impl: str) -> Optional["MosaicPath"]:
@@ -183,21 +182,14 @@ class MosaicPath:
             kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
         return kernel
 
-    def scratch(self, shape, dtype, device) -> torch.Tensor:
-        """A row-view buffer shared by the layers of one shape (calls run one after another on a stream)."""
-        sk = (tuple(shape), dtype, device)
-        buf = self._scratch.get(sk)
-        if buf is None:
-            with torch.inference_mode(False):
-                buf = self._scratch[sk] = torch.zeros(shape, dtype=dtype, device=device)
-        return buf
-
 
 class LayerCall:
-    """One layer's attention for one plan key: copy q into the row view, launch, copy the output out.
+    """One layer's attention for one plan key: the kernel bound to the layer's pools and the key's
+    tables; a call repoints q and a new output tensor and launches.
 
-    The kernel is bound to fixed tensors (the shared row-view buffers, the layer's pools, the
-    key's tables), so a call is two torch copies plus one launch with prebuilt pointers.
+    The kernel reads q and writes the output in the engine's ``[T, Hq, D]`` layout (packed decode
+    rows use its free view ``[T, Hkv, G, D]``), so a call is one allocation plus one launch (and
+    a pad when the engine passes fewer tokens than the plan's bucket).
     """
 
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
@@ -205,36 +197,36 @@ class LayerCall:
         hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
         dv = lp.v_head_dim or d
         self.tables, self.pack, self.t, self.rows = tables, tables.pack, int(q.shape[0]), key.num_tokens
-        self.hq, self.hkv, self.d, self.dv = hq, hkv, d, dv
-        heads = hq if self.pack == 1 else hkv
-        dev = q.device
-        self.qbuf = path.scratch((self.rows * self.pack, heads, d), q.dtype, dev)
-        self.obuf = path.scratch((self.rows * self.pack, heads, dv), q.dtype, dev)
+        g = self.pack
+        self.q_shape = (self.rows, hkv, g, d) if g > 1 else (self.rows, hq, d)
+        self.out_shape = (self.rows, hkv, g, dv) if g > 1 else (self.rows, hq, dv)
+        self.flat_out = (self.rows, hq * dv)
+        self.dtype, self.device = q.dtype, q.device
         with torch.inference_mode(False):
-            self.sinks = torch.zeros(heads, dtype=torch.float32, device=dev)
+            self.sinks = torch.zeros(hq if g == 1 else hkv, dtype=torch.float32, device=q.device)
         st = kernel_statics(
             num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-            page_size=key.page_size, pack=self.pack, dtype=jnp.dtype(str(q.dtype).removeprefix("torch.")),
+            page_size=key.page_size, pack=g, dtype=jnp.dtype(str(q.dtype).removeprefix("torch.")),
             causal=True, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
             has_sinks=has_sinks, config=path.config)
-        args = (self.qbuf, k_buf.view(-1, key.page_size, hkv, d), v_buf.view(-1, key.page_size, hkv, dv),
+        q_example = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
+        out_example = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        args = (q_example, k_buf.view(-1, key.page_size, hkv, d), v_buf.view(-1, key.page_size, hkv, dv),
                 *tables.args, self.sinks)
-        self.launch = path.kernel(st, tables.num_tiles, args).bind(*args, out=self.obuf)
-        # Views of the row-view buffers in the engine's [T, Hkv, G, D] order (pack > 1) or [T, Hq, D].
-        t = self.t
-        if self.pack > 1:
-            self.q_dst = self.qbuf.view(self.rows, self.pack, hkv, d)[:t].transpose(1, 2)
-            self.o_src = self.obuf.view(self.rows, self.pack, hkv, dv)[:t].transpose(1, 2)
-        else:
-            self.q_dst, self.o_src = self.qbuf[:t], self.obuf[:t]
-        self.q_shape = tuple(self.q_dst.shape)  # the engine's q seen as [t, Hkv, G, D] or [t, Hq, D]
-        self.out_shape = (t, hq * dv)
+        self.launch = path.kernel(st, tables.num_tiles, args).bind(*args, out=out_example)
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
-        self.q_dst.copy_(q.reshape(self.q_shape))
+        if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
+            q = torch.nn.functional.pad(q.reshape(self.t, -1), (0, 0, 0, self.rows - self.t))
+        q = q.reshape(self.q_shape)
+        if not q.is_contiguous():
+            q = q.contiguous()
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         if sinks is not None:
             self.sinks.copy_(sinks)
+        self.launch.set_arg(0, q)
+        self.launch.set_out(0, out)
         self.launch()
-        out = self.o_src.reshape(self.out_shape)  # a copy when the rows were packed
-        return out if self.pack > 1 else out.clone()
+        out = out.view(self.flat_out)
+        return out if self.t == self.rows else out[:self.t]

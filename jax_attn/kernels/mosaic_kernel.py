@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 COMPUTE_WGS = 2
+PAD_BLOCKS = 8  # row blocks of 2 * block_q rows zeroed by one padding CTA
 
 
 def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
@@ -67,6 +68,15 @@ class KernelStatics:
     dtype: jnp.dtype
     interpret: bool
     num_splits: int = 1  # S: static bound on kv splits; > 1 selects the split kernel (``mosaic_split``)
+
+    @property
+    def token_major(self) -> bool:
+        """Packed rows of the unsplit kernel read q and write the output in the token-major
+        ``[T, Hkv, G, D]`` layout, a free view of ``[T, Hq, D]``. A warpgroup's ``block_q`` rows are
+        then ``block_q // G`` tokens, stored head by head: row ``j * (block_q // G) + t`` is query
+        head ``j`` of the group for token ``t`` of the block. The split kernel keeps the row view
+        ``[T * G, Hkv, D]`` (row ``t * G + j``)."""
+        return self.pack > 1 and not self.split
 
     @property
     def pages_per_block(self) -> int:
@@ -175,13 +185,16 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
 
 def _padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
-    """Zeros for the rows after the last sequence's rows (padding tile ``pad_tile``)."""
-    start = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (COMPUTE_WGS * st.block_q) + wg * st.block_q
-    n = jnp.clip(st.num_rows - start, 0, st.block_q)
+    """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile)."""
     o_smem = o_smem2.at[wg]
     o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
-    _store_rows(st, o_smem, out_ref, start, n, head)
+    rows_per_block = COMPUTE_WGS * st.block_q
+    first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block) + wg * st.block_q
+    for j in range(PAD_BLOCKS):
+        start = first + j * rows_per_block
+        n = jnp.clip(st.num_rows - start, 0, st.block_q)
+        pl.when(n > 0)(functools.partial(_store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -233,7 +246,13 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     # untiled buffer, then store it tiled for wgmma. (The split kernel's ``q_stage`` may share memory
     # with the other warpgroup's output buffer: each warpgroup reaches its epilogue only after a
     # ``sched`` wait that needs the other's first arrival, which follows its Q staging.)
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], q_stage, q_bar)
+    if st.token_major:  # one copy per query head of the group (see ``KernelStatics.token_major``)
+        tpb = bq // st.pack
+        for j in range(st.pack):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((seq_row0 + r0) // st.pack, tpb), head, j],
+                                    q_stage.at[pl.ds(j * tpb, tpb)], q_bar)
+    else:
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], q_stage, q_bar)
     plgpu.barrier_wait(q_bar)
     q_smem[...] = q_stage[...]
     plgpu.commit_smem()
@@ -243,9 +262,25 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         plgpu.barrier_wait(sched)
 
     c = st.scale * LOG2E
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-    col_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-    qpos = p_first + (r0 % st.pack + row_ids) // st.pack if st.pack > 1 else p_first + row_ids
+
+    def mask(s, blk):  # built inside the masked steps only: index arrays held across the loop spill
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+        key = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA) + blk * bk
+        if st.token_major:
+            qpos = p_first + row_ids % (bq // st.pack)
+        elif st.pack > 1:
+            qpos = p_first + (r0 % st.pack + row_ids) // st.pack
+        else:
+            qpos = p_first + row_ids
+        ok = key < k_len
+        if st.causal:
+            ok &= key <= qpos
+        left, right = st.window
+        if left >= 0:
+            ok &= key >= qpos - left
+        if right >= 0:
+            ok &= key <= qpos + right
+        return jnp.where(ok, s, -jnp.inf)
 
     def logits(qk):
         if st.softcap > 0:
@@ -265,16 +300,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         s = logits(pl.run_scoped(qk_fn, plgpu.ACC((bq, bk), jnp.float32)))
         plgpu.barrier_arrive(k_used.at[slot])
         if masked:
-            key = col_ids + blk * bk
-            ok = key < k_len
-            if st.causal:
-                ok &= key <= qpos
-            left, right = st.window
-            if left >= 0:
-                ok &= key >= qpos - left
-            if right >= 0:
-                ok &= key <= qpos + right
-            s = jnp.where(ok, s, -jnp.inf)
+            s = mask(s, blk)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_sub)
@@ -356,15 +382,21 @@ def _zero_tail_values(st, v_slot, blk, k_len):
         plgpu.commit_smem()
 
 
-def _store_rows(st, o_smem, out_ref, row0, n, head):
+def _store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
     """TMA-stores rows ``[0, n)`` of ``o_smem`` to ``out_ref[row0:row0 + n, head]`` (n <= block_q):
-    one copy per binary digit of ``n``, so no row outside the range is written."""
+    one copy per binary digit of ``n``, so no row outside the range is written. ``token_major``:
+    ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G)."""
+    g = st.pack if token_major else 1
+    tpb = st.block_q // g  # rows (tokens) per query head in the buffer
+    row0, n = (row0 // g, n // g) if token_major else (row0, n)
     off = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
-    size = st.block_q
+    size = tpb
     while size >= 1:
         take = (n & size) != 0
-        src, dst = o_smem.at[pl.ds(off, size)], out_ref.at[pl.ds(row0 + off, size), head]
-        pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
+        for j in range(g):
+            src = o_smem.at[pl.ds(j * tpb + off, size)]
+            dst = out_ref.at[pl.ds(row0 + off, size), head, j] if token_major else out_ref.at[pl.ds(row0 + off, size), head]
+            pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
         off = off + jnp.where(take, size, 0)
         size //= 2
 
@@ -387,7 +419,7 @@ def _epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_re
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
-    _store_rows(st, o_smem, out_ref, row0, n_valid, head)
+    _store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
     if st.return_lse:
         plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
     plgpu.wait_smem_to_gmem(0)
@@ -418,7 +450,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_barriers=wgs),
+        plgpu.Barrier(num_arrivals=st.pack if st.token_major else 1, num_barriers=wgs),  # Q: one copy per head
     )
     used = (plgpu.Barrier(num_arrivals=wgs, num_barriers=st.stages),) * 2
     sched = plgpu.Barrier(num_arrivals=wgs)
@@ -428,17 +460,21 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
 def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     """The kernel as a function of arrays (nothing else: the torch launcher compiles it alone).
 
-    ``fn(qv [R, H, D], k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
-    cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N], sinks f32[H])``
-    returns ``out [R, H, Dv]`` (padding rows zeroed) and ``lse f32[N, H, 2 * block_q]`` per tile.
+    ``fn(q, k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P], cache_seqlens i32[B],
+    cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N], sinks f32[H])`` with ``q [T, Hq, D]``
+    (``pack == 1``) or ``[T, Hkv, G, D]`` (packed rows: a free view of ``[T, Hq, D]``) returns ``out``
+    in q's layout with ``Dv`` (padding tokens zeroed) and ``lse f32[N, H, 2 * block_q]`` per tile.
     """
     if st.split:
         raise ValueError(f"{st.num_splits=}: the split kernel is mosaic_split.kernel_call_split")
     rows_per_tile = COMPUTE_WGS * st.block_q
-    pad_tiles = _cdiv(st.num_rows, rows_per_tile)
+    pad_tiles = _cdiv(st.num_rows, rows_per_tile * PAD_BLOCKS)
+    out_shape = (st.num_rows, st.num_heads, st.head_dim_v)
+    if st.token_major:
+        out_shape = (st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=(jax.ShapeDtypeStruct((st.num_rows, st.num_heads, st.head_dim_v), st.dtype),
+        out_type=(jax.ShapeDtypeStruct(out_shape, st.dtype),
                   jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
         grid=(st.num_heads, num_tiles + pad_tiles),
         grid_names=("heads", "tiles"),

@@ -5,8 +5,10 @@ work tile (sequence, block of ``2 * block_q`` rows) for one head of the row view
 
 Row views (``pack``): with ``pack == 1`` a row is one query token of one query head (``q`` as it
 is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G`` query heads of a
-kv head are packed into the rows (``q`` seen as ``[T * G, Hkv, D]``, see ``pack_rows``), so decode
-and verify fill the tensor core tile with one read of each key block.
+kv head are packed into the rows (row ``t * G + g`` of kv head ``h`` is query head ``h * G + g`` of
+token ``t``), so decode and verify fill the tensor core tile with one read of each key block. The
+kernel reads q and writes the output as ``[T, Hkv, G, D]``, a free view of ``[T, Hq, D]``
+(``pack_rows``); the split kernel uses the row view ``[T * G, Hkv, D]`` for q and its partials.
 
 Split-KV (flash-decoding, ``mosaic_split``): when the CTAs cannot fill the GPU (a few long decode
 sequences), each tile's key blocks are cut into kv splits whose float32 partials are merged.
@@ -21,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS
@@ -89,9 +92,10 @@ def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_de
 
 
 def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, config: MosaicConfig) -> int:
-    """Rows per query token: the kv head's G query heads packed for short query runs, else 1."""
+    """Rows per query token: the kv head's G query heads packed for short query runs (G dividing
+    ``block_q``, so a row block is whole tokens), else 1."""
     g = num_q_heads // num_kv_heads
-    return g if (g > 1 and md.max_q_len <= config.pack_max_q_len) else 1
+    return g if (g > 1 and config.block_q % g == 0 and md.max_q_len <= config.pack_max_q_len) else 1
 
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
@@ -142,16 +146,18 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     )
 
 
-def pack_rows(q, pack: int, num_kv_heads: int):
-    """``q [T, Hq, D]`` -> the kernel's row view ``[T * pack, Hq // pack, D]`` (jax or torch arrays)."""
+def pack_rows(q, pack: int, num_kv_heads: int, split: bool = False):
+    """``q [T, Hq, D]`` -> the kernel's q argument: itself, or with packed rows the free view
+    ``[T, Hkv, G, D]`` (unsplit kernel) or the row view ``[T * G, Hkv, D]`` (split kernel)."""
     if pack == 1:
         return q
     t, hq, d = q.shape
-    return q.reshape(t, num_kv_heads, pack, d).swapaxes(1, 2).reshape(t * pack, num_kv_heads, d)
+    q = q.reshape(t, num_kv_heads, pack, d)
+    return q.swapaxes(1, 2).reshape(t * pack, num_kv_heads, d) if split else q
 
 
-def unpack_rows(out, pack: int, num_q_heads: int):
-    """The kernel's ``[T * pack, H, Dv]`` rows -> ``[T, Hq, Dv]`` (jax or torch arrays)."""
+def rows_to_tokens(out, pack: int, num_q_heads: int):
+    """Row-view ``[T * pack, Hkv, Dv]`` (the split merge's output) -> ``[T, Hq, Dv]``."""
     if pack == 1:
         return out
     rows, hkv, dv = out.shape
@@ -215,14 +221,15 @@ def paged_attention_mosaic(
               md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block)
     if st.split:
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
-            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits, sinks_arr)
+            pack_rows(q, pack, hkv, split=True), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits,
+            sinks_arr)
         out, lse = merge_partials(part_o, lse_tiles, sched, tables[1], tables[2], num_tokens=t, out_dtype=q.dtype,
                                   interpret=interpret is not None or jax.default_backend() == "cpu")
-        out = unpack_rows(out, pack, hq)
-        return (out, unpack_rows(lse[..., None], pack, hq)[..., 0]) if return_lse else out
+        out = rows_to_tokens(out, pack, hq)
+        return (out, rows_to_tokens(lse[..., None], pack, hq)[..., 0]) if return_lse else out
     out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
         pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
-    out = unpack_rows(out, pack, hq)
+    out = out.reshape(t, hq, dv)
     if not return_lse:
         return out
     return out, _gather_lse(lse_tiles, sched, md, t=t, hq=hq, pack=pack)
@@ -231,6 +238,11 @@ def paged_attention_mosaic(
 def _gather_lse(lse_tiles, sched, md, *, t, hq, pack):
     """``f32[T, Hq]`` from the per-tile LSE rows (``-inf`` where no tile wrote)."""
     n, heads, rows_per_tile = lse_tiles.shape
+    if pack > 1:  # token-major rows (``KernelStatics.token_major``) back in the row view's order
+        bq, r = rows_per_tile // COMPUTE_WGS, np.arange(rows_per_tile)
+        tpb = bq // pack
+        row_view = (r // bq) * bq + (r % bq % tpb) * pack + (r % bq) // tpb
+        lse_tiles = lse_tiles[..., np.argsort(row_view)]
     seq = jnp.maximum(sched.tile_seq, 0)
     q_len = md.cu_seqlens_q[seq + 1] - md.cu_seqlens_q[seq]
     r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]  # [N, rows]

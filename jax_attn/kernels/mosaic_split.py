@@ -56,7 +56,7 @@ def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int
 def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     """The split kernel as a function of arrays.
 
-    ``fn(qv [R, H, D], k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
+    ``fn(q (as for ``kernel_call``), k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
     cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N],
     tile_split i32[N], seq_num_splits i32[B], sinks f32[H])`` returns the partial outputs
     ``f32[S, R, H, Dv]`` (rows of splits a sequence does not use, and of padding tokens, are not
