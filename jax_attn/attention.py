@@ -1,9 +1,9 @@
 """One entry point for paged attention over every implementation (``impl``).
 
 ``impl``:
-  ``"auto"``      per call: the Mosaic GPU kernel on Hopper GPUs when it covers the call (bf16/f16,
-                  head dim 64/128, page size a multiple of 8, no fp8 descale, not deterministic
-                  mode), else the Triton-lowered kernel (interpret mode on CPU);
+  ``"auto"``      per call: the Mosaic GPU kernel for prefill/extend on Hopper GPUs when it covers
+                  the call (bf16/f16, head dim 64/128, page size a multiple of 8, no fp8 descale,
+                  not deterministic mode), else the Triton-lowered kernel (interpret mode on CPU);
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature);
   ``"mosaic"``    the Pallas Mosaic GPU kernel for Hopper (raises ``NotImplementedError`` for what
                   it does not cover: see ``jax_attn.kernels.mosaic_paged.supports``);
@@ -38,12 +38,16 @@ def on_hopper() -> bool:
 
 
 def mosaic_wanted(md: AttentionMetadata, *, deterministic: bool = False) -> bool:
-    """``auto``'s static rule: Mosaic on Hopper for page sizes it takes (decode splits the KV of
-    few long sequences, see ``mosaic_paged.plan_mosaic_schedule``).
+    """``auto``'s static rule: Mosaic on Hopper for query runs longer than the packed-decode bound.
 
+    Decode stays on the Triton kernel: on an H100 (page 16, 32/8 heads) it is ahead of the Mosaic
+    kernel at 1 x 32768, 64 x 4096 and 256 x 1024 and behind only at 8 x 8192 (benchmarks/RESULTS.md).
     Deterministic mode keeps one kernel for every batch (bitwise batch invariance).
     """
-    return not deterministic and on_hopper() and md.page_size % 8 == 0
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG
+
+    return (not deterministic and on_hopper() and md.page_size % 8 == 0
+            and md.max_q_len > DEFAULT_MOSAIC_CONFIG.pack_max_q_len)
 
 
 def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> str:
