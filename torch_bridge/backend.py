@@ -80,21 +80,21 @@ class _Step:
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
     tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
-    calls: Dict[int, "_LayerHit"] = dataclasses.field(default_factory=dict)  # layer_id -> checked launch
 
 
 @dataclasses.dataclass(frozen=True)
 class _LayerHit:
-    """A layer already checked on this step: later calls with the same layer and batch go straight
-    to the KV write and the bound launch."""
+    """A layer checked once on the launch path: a later call of the same layer object, pool, token
+    count and plan tables (same plan key) goes straight to the KV write and the bound launch."""
 
     layer: Any
-    batch: Any
     call: LayerCall
+    heads: Tuple[int, int]
     no_sinks: bool
     lp: LayerParams
     pool: Any
-    loc: Optional[torch.Tensor]  # the layer's KV slots (None: the first call did not write)
+    buffers: Tuple[Any, Any]  # the (k, v) buffers the launch is bound to
+    numel: Tuple[int, int]  # elements of q and of k per call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +184,7 @@ class FlashAttentionBackend:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         self.mosaic_path = mosaic_path or None
         self._launch_heads: set = set()  # (Hq, Hkv) of layers on the launch path: their tables are made per step
+        self._hits: Dict[int, _LayerHit] = {}  # layer_id -> the layer's checked launch (see ``_run``)
 
     def share_compiled(self, other: "FlashAttentionBackend") -> None:
         """Reuse ``other``'s imported views and compiled executables (same runner and settings)."""
@@ -445,11 +446,12 @@ class FlashAttentionBackend:
         step = self._step
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
-        hit = step.calls.get(layer.layer_id)
-        if (hit is not None and hit.layer is layer and hit.batch is forward_batch
-                and q.shape[0] == hit.call.t and (sinks is None) == hit.no_sinks
-                and (hit.loc is not None or not save_kv_cache or k is None)):
-            return self._launch(hit, q, k, v, save_kv_cache, sinks)  # checked on this step already
+        hit = self._hits.get(layer.layer_id)
+        if (hit is not None and hit.layer is layer and step.tables.get(hit.heads) is hit.call.tables
+                and q.shape[0] == hit.call.t and q.numel() == hit.numel[0] and (sinks is None) == hit.no_sinks
+                and forward_batch.token_to_kv_pool is hit.pool and step.loc_steps == 1
+                and hit.pool.get_kv_buffer(layer.layer_id)[0] is hit.buffers[0]):
+            return self._launch(hit, q, k, v, forward_batch.out_cache_loc if save_kv_cache else None, sinks)
         lp = self._layer_params(layer)
         check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
@@ -462,8 +464,11 @@ class FlashAttentionBackend:
         if save_kv_cache and k is not None:
             loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
         if call is not None:
-            hit = step.calls[layer.layer_id] = _LayerHit(layer, forward_batch, call, sinks is None, lp, pool, loc)
-            return self._launch(hit, q, k, v, save_kv_cache, sinks)
+            heads = (lp.num_q_heads, lp.num_kv_heads)
+            numel = (t * lp.num_q_heads * lp.head_dim, t * lp.num_kv_heads * lp.head_dim)
+            hit = self._hits[layer.layer_id] = _LayerHit(layer, call, heads, sinks is None, lp, pool, (k_buf, v_buf),
+                                                         numel)
+            return self._launch(hit, q, k, v, loc, sinks)
         if loc is not None:
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
@@ -482,12 +487,14 @@ class FlashAttentionBackend:
         return out if t == step.key.num_tokens else out[:t]
 
     @staticmethod
-    def _launch(hit: "_LayerHit", q, k, v, save_kv_cache: bool, sinks):
-        """The launch path: torch KV write, then the bound Mosaic launch (see ``mosaic_path``)."""
-        if save_kv_cache and k is not None:
-            if k.shape[0] != hit.call.t or v.shape[0] != hit.call.t:
-                raise ValueError(f"{k.shape=} / {v.shape=} must have one row per token ({hit.call.t})")
-            hit.pool.set_kv_buffer(hit.layer, hit.loc, k, v, hit.lp.k_scale, hit.lp.v_scale)
+    def _launch(hit: "_LayerHit", q, k, v, loc, sinks):
+        """The launch path: torch KV write at ``loc`` (None: no write), then the bound Mosaic launch."""
+        if loc is not None and k is not None:
+            t = hit.call.t
+            if k.numel() != hit.numel[1] or v.shape[0] != t or loc.shape[0] != t:
+                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
+                                 f"per token ({t}) of [{hit.lp.num_kv_heads} * {hit.lp.head_dim}]")
+            hit.pool.set_kv_buffer(hit.layer, loc, k, v, hit.lp.k_scale, hit.lp.v_scale)
         return hit.call(q, sinks)
 
     def _launch_call(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
