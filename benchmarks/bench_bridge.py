@@ -86,18 +86,24 @@ def capture(backend, batch: int):
     backend.init_forward_metadata_capture_cuda_graph(batch, batch, z, z + 1, None, ForwardMode.DECODE, None)
 
 
-def bench_launch_overhead(cfg, iters: int) -> dict:
-    """Host time of a bridge call on the Mosaic launch path (page 16), if the device has it."""
-    runner = make_runner(cfg, 1, 256, 16, 1)
+def one_layer(cfg, page_size: int):
+    """A batch-1, ctx-256 decode step planned through the replay hook, one layer and its q / k, run once."""
+    runner = make_runner(cfg, 1, 256, page_size, 1)
     backend = FlashAttentionBackend(runner)
-    if backend.mosaic_path is None:
-        return {}
     capture(backend, 1)
     fb = decode_batch(runner, backend, 1, 256)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
     backend.forward(q, k, k, layer, fb)
+    return runner, backend, fb, layer, q, k
+
+
+def bench_launch_overhead(cfg, iters: int) -> dict:
+    """Host time of a bridge call on the Mosaic launch path (page 16), if the device has it."""
+    runner, backend, fb, layer, q, k = one_layer(cfg, 16)
+    if backend.mosaic_path is None:
+        return {}
     kv = lt.ContiguousKV(dataclasses.replace(cfg, n_layers=1), 1, 256, torch.bfloat16, "cuda")
     kv.lens = torch.full((1,), 255, device="cuda")
     native = kv.decode_attend(uniform_len=256)
@@ -113,14 +119,7 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
 
 def bench_host_overhead(cfg, iters: int):
     launch_rows = bench_launch_overhead(cfg, iters)
-    runner = make_runner(cfg, 1, 256, 1, 1)
-    backend = FlashAttentionBackend(runner)
-    capture(backend, 1)
-    fb = decode_batch(runner, backend, 1, 256)
-    layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
-    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    backend.forward(q, k, k, layer, fb)
+    runner, backend, fb, layer, q, k = one_layer(cfg, 1)
     rows = {
         "bridge call, no KV write": host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
         "bridge call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
