@@ -64,7 +64,7 @@ from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
-from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerCall, MosaicPath, Tables
+from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerHit, MosaicPath, Tables
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
@@ -80,21 +80,6 @@ class _Step:
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
     tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
-
-
-@dataclasses.dataclass(frozen=True)
-class _LayerHit:
-    """A layer checked once on the launch path: a later call of the same layer object, pool, token
-    count and plan tables (same plan key) goes straight to the KV write and the bound launch."""
-
-    layer: Any
-    call: LayerCall
-    heads: Tuple[int, int]
-    no_sinks: bool
-    lp: LayerParams
-    pool: Any
-    buffers: Tuple[Any, Any]  # the (k, v) buffers the launch is bound to
-    numel: Tuple[int, int]  # elements of q and of k per call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +169,7 @@ class FlashAttentionBackend:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         self.mosaic_path = mosaic_path or None
         self._launch_heads: set = set()  # (Hq, Hkv) of layers on the launch path: their tables are made per step
-        self._hits: Dict[int, _LayerHit] = {}  # layer_id -> the layer's checked launch (see ``_run``)
+        self._hits: Dict[int, LayerHit] = {}  # layer_id -> the layer's checked launch (see ``_run``)
 
     def share_compiled(self, other: "FlashAttentionBackend") -> None:
         """Reuse ``other``'s imported views and compiled executables (same runner and settings)."""
@@ -447,11 +432,8 @@ class FlashAttentionBackend:
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
         hit = self._hits.get(layer.layer_id)
-        if (hit is not None and hit.layer is layer and step.tables.get(hit.heads) is hit.call.tables
-                and q.shape[0] == hit.call.t and q.numel() == hit.numel[0] and (sinks is None) == hit.no_sinks
-                and forward_batch.token_to_kv_pool is hit.pool and step.loc_steps == 1
-                and hit.pool.get_kv_buffer(layer.layer_id)[0] is hit.buffers[0]):
-            return self._launch(hit, q, k, v, forward_batch.out_cache_loc if save_kv_cache else None, sinks)
+        if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
+            return hit(q, k, v, forward_batch.out_cache_loc if save_kv_cache else None, sinks)
         lp = self._layer_params(layer)
         check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
@@ -464,11 +446,8 @@ class FlashAttentionBackend:
         if save_kv_cache and k is not None:
             loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
         if call is not None:
-            heads = (lp.num_q_heads, lp.num_kv_heads)
-            numel = (t * lp.num_q_heads * lp.head_dim, t * lp.num_kv_heads * lp.head_dim)
-            hit = self._hits[layer.layer_id] = _LayerHit(layer, call, heads, sinks is None, lp, pool, (k_buf, v_buf),
-                                                         numel)
-            return self._launch(hit, q, k, v, loc, sinks)
+            hit = self._hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None)
+            return hit(q, k, v, loc, sinks)
         if loc is not None:
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
@@ -485,17 +464,6 @@ class FlashAttentionBackend:
             exe = self._step_exes[fast] = self._attn_exe(lp, step, jq, *views)
         out = export(exe(jq, *views, *step.leaves))
         return out if t == step.key.num_tokens else out[:t]
-
-    @staticmethod
-    def _launch(hit: "_LayerHit", q, k, v, loc, sinks):
-        """The launch path: torch KV write at ``loc`` (None: no write), then the bound Mosaic launch."""
-        if loc is not None and k is not None:
-            t = hit.call.t
-            if k.numel() != hit.numel[1] or v.shape[0] != t or loc.shape[0] != t:
-                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
-                                 f"per token ({t}) of [{hit.lp.num_kv_heads} * {hit.lp.head_dim}]")
-            hit.pool.set_kv_buffer(hit.layer, loc, k, v, hit.lp.k_scale, hit.lp.v_scale)
-        return hit.call(q, sinks)
 
     def _launch_call(self, lp: LayerParams, step: _Step, q, k_buf, v_buf, sinks):
         """This layer's bound Mosaic launch when the launch path covers the call, else None."""

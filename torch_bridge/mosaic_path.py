@@ -230,3 +230,30 @@ class LayerCall:
         self.launch()
         out = out.view(self.flat_out)
         return out if self.t == self.rows else out[:self.t]
+
+
+class LayerHit:
+    """A layer checked once on the launch path. A later call with the same layer object, pool and
+    buffers, token count and plan tables (so the same plan key) skips the checks: KV write, then
+    the bound launch."""
+
+    def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool):
+        self.layer, self.lp, self.call, self.pool, self.buffers, self.no_sinks = layer, lp, call, pool, buffers, no_sinks
+        self.heads = (lp.num_q_heads, lp.num_kv_heads)
+        self.numel = (call.t * lp.num_q_heads * lp.head_dim, call.t * lp.num_kv_heads * lp.head_dim)  # q, k
+
+    def matches(self, layer, step_tables: Dict[Tuple[int, int], Tables], q, forward_batch, sinks) -> bool:
+        return (self.layer is layer and step_tables.get(self.heads) is self.call.tables
+                and q.shape[0] == self.call.t and q.numel() == self.numel[0] and (sinks is None) == self.no_sinks
+                and forward_batch.token_to_kv_pool is self.pool
+                and self.pool.get_kv_buffer(layer.layer_id)[0] is self.buffers[0])
+
+    def __call__(self, q, k, v, loc, sinks):
+        """Torch KV write at ``loc`` (None: no write), then the bound Mosaic launch."""
+        if loc is not None and k is not None:
+            t = self.call.t
+            if k.numel() != self.numel[1] or v.shape[0] != t or loc.shape[0] != t:
+                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
+                                 f"per token ({t}) of [{self.lp.num_kv_heads} * {self.lp.head_dim}]")
+            self.pool.set_kv_buffer(self.layer, loc, k, v, self.lp.k_scale, self.lp.v_scale)
+        return self.call(q, sinks)
