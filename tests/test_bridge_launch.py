@@ -155,6 +155,20 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
     assert "dtypes" in backend.mosaic_path.reason(lp, backend._step.key, q32, kb, vb)
 
 
+def test_checked_layer_rebinds_when_the_pool_buffer_changes():
+    """The fast path of a checked layer is bound to the pool's buffers: an engine that reallocates a
+    layer's buffer gets a new binding (reads the new buffer), not a launch on freed memory."""
+    rng = np.random.default_rng(9)
+    runner, table, backend = setup(6)
+    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng)
+    first = backend._hits[0]
+    pool = runner.token_to_kv_pool
+    pool.k_buffer[0] = pool.k_buffer[0].clone()  # same contents, new storage
+    pool.v_buffer[0] = pool.v_buffer[0].clone()
+    step(runner, table, backend, [1, 2], [21, 31], [1, 1], rng)
+    assert backend._hits[0] is not first and backend._hits[0].buffers[0] is pool.k_buffer[0]
+
+
 @pytest.mark.gpu
 def test_launch_path_gpu_graph_capture():
     """On a Hopper GPU: eager launch == reference, then a captured 1-layer decode step replays correctly
