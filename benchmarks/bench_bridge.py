@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
+import statistics
 import sys
 import time
 
@@ -162,27 +162,33 @@ def graph_step(run, refresh=None):
     return step
 
 
+def interleaved(steps: dict, iters: int, rounds: int = 5) -> dict:
+    """Median over ``rounds`` of ``wall`` per step, the steps taken in turn each round: host speed
+    drifts on a shared machine (the same eager step measured 25.8 then 33.0 ms minutes apart), so
+    eager steps are compared in alternation, not one after the other."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            times[name].append(wall(fn, iters))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     model = lt.TorchLlama(cfg, 0, "cuda")
     tokens = torch.randint(0, cfg.vocab, (batch,), device="cuda")
-    results = {}
     # Native: SDPA over a contiguous cache, every request at ctx keys.
     kv = lt.ContiguousKV(cfg, batch, ctx, torch.bfloat16, "cuda")
     kv.k.normal_(), kv.v.normal_()
     kv.lens = torch.full((batch,), ctx - 1, device="cuda")
     attend = kv.decode_attend(uniform_len=ctx)
-    results["native step"] = wall(lambda: model.forward(tokens, kv.lens, attend), iters)
-    try:
-        results["native step, CUDA graph"] = wall(graph_step(lambda: model.forward(tokens, kv.lens, attend)), iters)
-    except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
-        print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
+    steps = {"native step": lambda: model.forward(tokens, kv.lens, attend)}
     qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
            for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
-    results["native attention x layers"] = wall(
-        lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)
-    del kv, attend
-    gc.collect()
-    torch.cuda.empty_cache()
+    results = {"native attention x layers": wall(lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)}
+    try:
+        results["native step, CUDA graph"] = wall(graph_step(steps["native step"]), iters)
+    except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
+        print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
     # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
@@ -195,7 +201,7 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
         def step(backend=backend):
             fb = decode_batch(runner, backend, batch, ctx)
             return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
-        results[f"{name} step"] = wall(step, iters)
+        steps[f"{name} step"] = step
         fb = decode_batch(runner, backend, batch, ctx)
         q, k, v = (x.reshape(batch, -1) for x in qkv)
         results[f"{name} attention x layers"] = wall(
@@ -204,11 +210,10 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
             results[f"{name} step, CUDA graph"] = wall(graph_step(
                 lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)),
                 lambda: decode_batch(runner, backend, batch, ctx)), iters)
-        del backend
-        gc.collect()
+    results.update(interleaved(steps, iters))
     print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
-          f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms)")
-    for name, s in results.items():
+          f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms; eager steps: median of 5 interleaved rounds)")
+    for name, s in sorted(results.items()):
         print(f"{name:36s} {1e3 * s:8.2f}")
     for name in ("bridge", "bridge via JAX"):
         if f"{name} step" in results:
