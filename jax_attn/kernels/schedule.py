@@ -148,8 +148,10 @@ def row_num_splits(
     """i32[T * H]: kv splits to merge for each (token, head) output row; 0 for padding tokens."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     b = cache_seqlens.shape[0]
-    seq = jnp.searchsorted(cu_seqlens_q, t, side="right").astype(jnp.int32) - 1
-    valid = (seq >= 0) & (t < cu_seqlens_q[b])
+    # A token's sequence = how many sequence ends lie at or before it. (jnp.searchsorted would be a
+    # loop of several small kernels per call; this [T, B] compare is one fused kernel.)
+    seq = jnp.sum(t[:, None] >= cu_seqlens_q[None, 1:], axis=1, dtype=jnp.int32)
+    valid = t < cu_seqlens_q[b]
     ns = jnp.where(valid, seq_num_splits[jnp.clip(seq, 0, b - 1)], 0)
     return jnp.repeat(ns, num_heads)
 
