@@ -169,6 +169,21 @@ def test_checked_layer_rebinds_when_the_pool_buffer_changes():
     assert backend._hits[0] is not first and backend._hits[0].buffers[0] is pool.k_buffer[0]
 
 
+def test_eager_table_buffers_are_bounded(monkeypatch):
+    """Eager plan keys keep at most MAX_UNPINNED table buffers; dropping one drops its bound launches."""
+    import torch_bridge.mosaic_path as mp
+
+    monkeypatch.setattr(mp, "MAX_UNPINNED", 1)
+    rng = np.random.default_rng(10)
+    runner, table, backend = setup(7)
+    for rows in ([1], [1, 2], [3, 4, 5]):  # three batch sizes: three plan keys
+        step(runner, table, backend, rows, [20 + 7 * r for r in rows], [1] * len(rows), rng)
+    path = backend.mosaic_path
+    assert len(path._persistent) == 1
+    live = next(iter(path._persistent.values()))
+    assert path._calls and all(c.tables is live for c in path._calls.values())
+
+
 @pytest.mark.gpu
 def test_launch_path_gpu_graph_capture():
     """On a Hopper GPU: eager launch == reference, then a captured 1-layer decode step replays correctly
