@@ -63,7 +63,7 @@ from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
-from torch_bridge.dlpack import Importer, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
+from torch_bridge.dlpack import Importer, capturing, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerHit, MosaicPath, Tables
 
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
@@ -473,7 +473,7 @@ class FlashAttentionBackend:
         heads = (lp.num_q_heads, lp.num_kv_heads)
         tables = step.tables.get(heads)
         if tables is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
             tables = step.tables[heads] = path.tables(step.treedef, step.leaves, step.key, heads, step.graph)
             self._launch_heads.add(heads)

@@ -32,9 +32,14 @@ _KDL_CPU, _KDL_CUDA = 1, 2
 _CPU_ALIGN = 64
 
 
+def capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_not_capturing() -> None:
     """Raise if torch is capturing a CUDA graph: a JAX computation cannot be captured."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise RuntimeError(
             "torch_bridge attention was called inside an active torch.cuda.graph capture. JAX "
             "computations cannot be captured into a torch CUDA graph, and the graph would silently "

@@ -49,6 +49,11 @@ _TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": 
                  "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2"}
 
 
+def jax_dtype(torch_dtype):
+    """The JAX dtype of a torch dtype (``torch.bfloat16`` -> ``bfloat16``)."""
+    return jax.numpy.dtype(str(torch_dtype).removeprefix("torch."))
+
+
 def check_jax_internals() -> None:
     """Raise RuntimeError if the jax/jaxlib internals this module relies on are not the pinned ones."""
     import jaxlib
@@ -424,7 +429,7 @@ def compile_for_torch(fn: Callable, *arg_structs, device=None, loader=cuda_loade
         device = next((a.device for a in arg_structs if isinstance(a, torch.Tensor)), None)
         device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     structs = [a if isinstance(a, jax.ShapeDtypeStruct) else
-               jax.ShapeDtypeStruct(tuple(a.shape), jax.numpy.dtype(str(a.dtype).removeprefix("torch.")))
+               jax.ShapeDtypeStruct(tuple(a.shape), jax_dtype(a.dtype))
                for a in arg_structs]
     return TorchKernel(plan_kernel(fn, *structs), device, loader)
 

@@ -2,10 +2,10 @@
 
 Once per step a compiled JAX function turns the step's plan into the kernel's int32 tables (page
 table, KV lengths, query offsets, work tiles) in one flat array that is exported to torch once.
-Per layer, torch writes K/V and packs ``q`` into the kernel's row view, ``torch_bridge.launcher``
-launches the kernel on torch's current stream with raw pointers, and torch unpacks the output. A
-layer is therefore a few torch kernels plus one raw launch: it costs a few microseconds of host
-time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
+Per layer, torch writes K/V, and ``torch_bridge.launcher`` launches the kernel on torch's current
+stream with raw pointers, reading ``q`` and writing a new output tensor in the engine's layout. A
+layer is therefore a KV write, one allocation and one raw launch: it costs a few microseconds of
+host time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
 
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
 that every replay hook overwrites, so a captured graph reads the current step's tables.
@@ -27,20 +27,20 @@ import torch
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, MosaicConfig, choose_pack, kernel_statics,
-                                           plan_mosaic_schedule)
+                                           plan_mosaic_schedule, unsupported)
+from torch_bridge.dlpack import capturing
+from torch_bridge.launcher import compile_for_torch, jax_dtype
 
 MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
 _WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
-_DTYPES = (torch.bfloat16, torch.float16)
-WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not ready inside a torch.cuda.graph capture. "
-            "Run the bucket's forward once outside the capture first (a warm-up, as SGLang's graph runner "
-            "does): it compiles the kernel and learns the layer shapes the replay hooks must prepare.")
+WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not ready inside a torch.cuda.graph "
+                   "capture. Run the bucket's forward once outside the capture first (a warm-up, as SGLang's "
+                   "graph runner does): it compiles the kernel and learns the layer shapes the replay hooks "
+                   "must prepare.")
 
 
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
     """The kernel of ``st`` compiled for torch launches: ``kernel(*tensors, out=None, check=True) -> out``."""
-    from torch_bridge.launcher import compile_for_torch
-
     call = kernel_call(st, num_tiles)
 
     def first_output(*args):  # the per-tile LSE becomes scratch the compiled kernel owns
@@ -99,20 +99,14 @@ class MosaicPath:
 
     def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
                v_buf: torch.Tensor) -> Optional[str]:
-        """None when this layer's call can run on this path, else why not (sinks: see ``attend``)."""
-        d, dv = lp.head_dim, lp.v_head_dim or lp.head_dim
-        ps = key.page_size
+        """None when this layer's call can run on this path, else why not (sinks with packed decode
+        rows are decided once the step's tables are known: the backend's ``_launch_call``)."""
         if key.topk > 1 or lp.is_cross_attention:
             return "tree (topk > 1) steps and cross attention run through JAX"
-        if q.dtype not in _DTYPES or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
-            return f"dtypes {q.dtype}/{k_buf.dtype}/{v_buf.dtype}: the kernel takes bf16 or f16 q and pools"
-        if d not in (64, 128) or dv != d:
-            return f"head dims {d}/{dv}: the kernel supports 64 and 128 (equal for K and V)"
-        if ps % 8 or not (ps % 64 == 0 or 64 % ps == 0):
-            return f"page_size={ps}: the kernel needs a multiple of 8 dividing or divided by 64"
         if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
             return "pool buffers must be contiguous"
-        return None
+        return unsupported(jax_dtype(q.dtype), jax_dtype(k_buf.dtype), jax_dtype(v_buf.dtype), lp.head_dim,
+                           lp.v_head_dim or lp.head_dim, key.page_size)
 
     # ---- per step ---------------------------------------------------------------------------
     def tables(self, treedef, leaves, key: PlanKey, heads: Tuple[int, int], pinned: bool) -> Tables:
@@ -169,7 +163,7 @@ class MosaicPath:
         ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), has_sinks)
         call = self._calls.get(ck)
         if call is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
             call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
         return call
@@ -196,8 +190,8 @@ class LayerCall:
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
         hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
         dv = lp.v_head_dim or d
-        self.tables, self.pack, self.t, self.rows = tables, tables.pack, int(q.shape[0]), key.num_tokens
-        g = self.pack
+        self.tables, self.t, self.rows = tables, int(q.shape[0]), key.num_tokens
+        g = tables.pack
         self.q_shape = (self.rows, hkv, g, d) if g > 1 else (self.rows, hq, d)
         self.out_shape = (self.rows, hkv, g, dv) if g > 1 else (self.rows, hq, dv)
         self.flat_out = (self.rows, hq * dv)
@@ -206,7 +200,7 @@ class LayerCall:
             self.sinks = torch.zeros(hq if g == 1 else hkv, dtype=torch.float32, device=q.device)
         st = kernel_statics(
             num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-            page_size=key.page_size, pack=g, dtype=jnp.dtype(str(q.dtype).removeprefix("torch.")),
+            page_size=key.page_size, pack=g, dtype=jax_dtype(q.dtype),
             causal=True, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
             has_sinks=has_sinks, config=path.config)
         q_example = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
@@ -246,7 +240,7 @@ class LayerHit:
         return (self.layer is layer and step_tables.get(self.heads) is self.call.tables
                 and q.shape[0] == self.call.t and q.numel() == self.numel[0] and (sinks is None) == self.no_sinks
                 and forward_batch.token_to_kv_pool is self.pool
-                and self.pool.get_kv_buffer(layer.layer_id)[0] is self.buffers[0])
+                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
 
     def __call__(self, q, k, v, loc, sinks):
         """Torch KV write at ``loc`` (None: no write), then the bound Mosaic launch."""

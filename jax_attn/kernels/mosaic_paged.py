@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_call
-from jax_attn.kernels.mosaic_split import kernel_call_split, merge_partials, static_num_splits
+from jax_attn.kernels.mosaic_split import kernel_call_split, merge_partials, static_num_splits, tile_rows
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
 
@@ -78,16 +78,21 @@ DEFAULT_MOSAIC_CONFIG = MosaicConfig()
 
 def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_descale=None) -> str | None:
     """``None`` if the Mosaic kernel runs this call, else the reason it does not."""
-    d, dv = k_cache.shape[-1], v_cache.shape[-1]
     if k_descale is not None or v_descale is not None or k_cache.dtype.itemsize == 1:
         return "fp8 KV with k/v descale is not in the Mosaic kernel"
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
-    if d not in (64, 128) or dv != d:
-        return f"head dims {d}/{dv}: the Mosaic kernel supports 64 and 128 (equal for K and V)"
-    ps = md.page_size
-    if ps % 8 or not (ps % 64 == 0 or 64 % ps == 0):
-        return f"page_size={ps}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
+    return unsupported(q.dtype, k_cache.dtype, v_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], md.page_size)
+
+
+def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_size: int) -> str | None:
+    """The kernel's dtype, head-dim and page-size rules (``supports``; the torch launch path):
+    ``None`` when they hold, else the reason. Dtypes are anything ``jnp.dtype`` accepts."""
+    dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
+    if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
+        return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
+    if head_dim not in (64, 128) or head_dim_v != head_dim:
+        return f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel supports 64 and 128 (equal for K and V)"
+    if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
+        return f"page_size={page_size}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
     return None
 
 
@@ -237,19 +242,15 @@ def paged_attention_mosaic(
 
 def _gather_lse(lse_tiles, sched, md, *, t, hq, pack):
     """``f32[T, Hq]`` from the per-tile LSE rows (``-inf`` where no tile wrote)."""
-    n, heads, rows_per_tile = lse_tiles.shape
+    _, heads, rows_per_tile = lse_tiles.shape
     if pack > 1:  # token-major rows (``KernelStatics.token_major``) back in the row view's order
         bq, r = rows_per_tile // COMPUTE_WGS, np.arange(rows_per_tile)
         tpb = bq // pack
         row_view = (r // bq) * bq + (r % bq % tpb) * pack + (r % bq) // tpb
         lse_tiles = lse_tiles[..., np.argsort(row_view)]
-    seq = jnp.maximum(sched.tile_seq, 0)
-    q_len = md.cu_seqlens_q[seq + 1] - md.cu_seqlens_q[seq]
-    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]  # [N, rows]
-    ok = (sched.tile_seq[:, None] >= 0) & (r < q_len[:, None] * pack)
-    tok = md.cu_seqlens_q[seq][:, None] + r // pack
+    ok, row = tile_rows(sched, md.cu_seqlens_q, rows_per_tile)  # [N, rows]
     h = jnp.arange(heads, dtype=jnp.int32)
-    qhead = h[None, :, None] * pack + (r % pack)[:, None, :] if pack > 1 else jnp.broadcast_to(h[None, :, None], (n, heads, rows_per_tile))
-    flat = jnp.where(ok[:, None, :], tok[:, None, :] * hq + qhead, t * hq)
+    qhead = h[None, :, None] * pack + (row % pack)[:, None, :]  # [N, H, rows]
+    flat = jnp.where(ok[:, None, :], (row // pack)[:, None, :] * hq + qhead, t * hq)
     lse = jnp.full((t * hq,), -jnp.inf, jnp.float32)
     return lse.at[flat.reshape(-1)].set(lse_tiles.reshape(-1), mode="drop").reshape(t, hq)

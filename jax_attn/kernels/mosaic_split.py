@@ -87,6 +87,17 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     )
 
 
+def tile_rows(sched: WorkSchedule, cu_seqlens_q: jax.Array, rows_per_tile: int):
+    """Where each tile's rows go: ``(ok, row)``, both ``[N, rows_per_tile]``; ``row`` is the row of
+    the row view (token ``row // pack``, query head ``h * pack + row % pack``), ``ok`` marks the rows
+    a tile wrote (its sequence's rows, not padding tiles)."""
+    seq = jnp.maximum(sched.tile_seq, 0)
+    seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * sched.pack
+    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]
+    ok = (sched.tile_seq[:, None] >= 0) & (r < seq_rows[:, None])
+    return ok, cu_seqlens_q[seq][:, None] * sched.pack + r
+
+
 def partial_lse(
     lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
     sched: WorkSchedule,
@@ -95,12 +106,8 @@ def partial_lse(
     num_rows: int,
 ) -> jax.Array:
     """``f32[S, R * H]``: each split's LSE per row of the row view, ``-inf`` where no tile wrote."""
-    n, heads, rows_per_tile = lse_tiles.shape
-    seq = jnp.maximum(sched.tile_seq, 0)
-    seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * sched.pack
-    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]  # [N, rows]
-    ok = (sched.tile_seq[:, None] >= 0) & (r < seq_rows[:, None])
-    row = cu_seqlens_q[seq][:, None] * sched.pack + r
+    _, heads, rows_per_tile = lse_tiles.shape
+    ok, row = tile_rows(sched, cu_seqlens_q, rows_per_tile)
     flat_row = (sched.tile_split[:, None] * num_rows + row) * heads  # [N, rows]
     h = jnp.arange(heads, dtype=jnp.int32)
     flat = jnp.where(ok[:, None, :], flat_row[:, None, :] + h[None, :, None], sched.max_splits * num_rows * heads)
