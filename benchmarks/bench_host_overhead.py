@@ -10,6 +10,8 @@ compiler options:
   nocb     compiled without XLA command buffers (CUDA graphs): kernels are launched one by one and
            the GPU starts on the first while the host enqueues the rest
   dsf      XLA dynamic-slice fusion: slices feeding library GEMMs become address offsets
+  static   ``StepRunner(static_buffers=True)``: inputs written into fixed device buffers and token
+           outputs donated back into fixed buffers, so no command buffer needs an update
 Per variant:
   leaves      params + pools arguments of the step
   device      back-to-back executable calls on the same device-resident inputs (the kernels' floor)
@@ -17,7 +19,9 @@ Per variant:
   host        time for the replay call to return (planning inputs, padding, dispatch)
   overhead    replay - device
   piped       wall time per step of replays issued without blocking, the next token ids taken on
-              device from the previous step's logits (how an overlap scheduler runs)
+              device from the previous step's logits
+  overlap     as ``piped``, but the host also reads every step's ids, one step late (after the next
+              step is launched), as SGLang's overlap scheduler does
   call same / call fresh: host time of the bare executable call with the same device inputs /
               with new input buffers (same values) every call
 and, from the optimized HLO (``compiled.as_text()``): copy / slice / dynamic-slice instructions,
@@ -56,9 +60,10 @@ from jax_attn.metadata import ForwardMode  # noqa: E402
 
 CALL_OPTIONS = ("jit", "staged")
 COMPILE_OPTIONS = {"nocb": {"xla_gpu_enable_command_buffer": ""},
-                   "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True}}
+                   "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
+                   "static": {}}  # StepRunner(static_buffers=True): fixed input/output buffers
 VARIANT_SETS = {
-    "main": ("list", "list-staged", "fused", "fused-jit", "fused-staged", "fused-nocb", "fused-dsf"),
+    "main": ("list", "list-staged", "fused", "fused-jit", "fused-staged", "fused-static", "fused-nocb", "fused-dsf"),
     "alternatives": ("list-nocb", "perlayer", "perlayer-nocb", "flat", "scan", "scan-dsf"),
 }
 VARIANT_SETS["all"] = VARIANT_SETS["main"] + VARIANT_SETS["alternatives"]
@@ -167,7 +172,13 @@ def random_pools(cfg, num_slots, seed, stacked=False):
     return [KVPool(pool.k[i], pool.v[i]) for i in range(cfg.n_layers)]
 
 
-def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", compiler_options=None):
+def runner_options(opts) -> dict:
+    """``StepRunner`` keyword arguments for a variant's compile options (see ``COMPILE_OPTIONS``)."""
+    xla = {k: v for o in opts for k, v in COMPILE_OPTIONS[o].items()}
+    return dict(compiler_options=xla or None, static_buffers="static" in opts)
+
+
+def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opts=()):
     """Model in ``layout``, backend and a runner with the decode bucket captured; batch/token factories."""
     cfg = llama.CONFIGS[config]
     if layers:
@@ -190,7 +201,7 @@ def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", com
                                             scan=layout == "scan")
         return dict(logits=logits, next_ids=jnp.argmax(logits, -1).astype(jnp.int32)), pools
 
-    runner = StepRunner(backend, step, batch_buckets=(batch,), donate_argnums=(1,), compiler_options=compiler_options)
+    runner = StepRunner(backend, step, batch_buckets=(batch,), donate_argnums=(1,), **runner_options(opts))
     rows = np.arange(1, batch + 1, dtype=np.int32)
     lens = np.full(batch, ctx, np.int32) - np.arange(batch, dtype=np.int32) % 7
 
@@ -248,16 +259,24 @@ def _median_us(ts):
 
 def time_calls(env, steps: int, fresh: bool):
     """Bare executable calls: (wall us per call, median host us per call). ``fresh``: new input buffers."""
-    exe, params, pools = env["exe"], env["params"], env["pools"]
+    exe, params, pools, runner = env["exe"], env["params"], env["pools"], env["runner"]
     same = device_args(env)
     arg_sets = [device_args(env) if fresh else same for _ in range(steps)]
+    bufs = next(iter(runner.buffers.values()), None)  # static_buffers: thread the donated outputs
+
+    def call(args, pools):
+        if bufs is None:
+            return exe(*args, params, pools)[1]
+        bufs[1], pools = exe(args[0], bufs[0], bufs[1], params, pools)
+        return pools
+
     for _ in range(3):
-        _, pools = exe(*same, params, pools)
+        pools = call(same, pools)
     jax.block_until_ready((pools, arg_sets))
     host, t0 = [], time.perf_counter()
     for args in arg_sets:
         t1 = time.perf_counter()
-        _, pools = exe(*args, params, pools)
+        pools = call(args, pools)
         host.append(time.perf_counter() - t1)
     jax.block_until_ready(pools)
     env["pools"] = pools
@@ -298,6 +317,33 @@ def time_pipelined(env, run, steps: int) -> float:
     t0 = time.perf_counter()
     ids, pools = go(steps, ids, pools)
     jax.block_until_ready(ids)
+    env["pools"] = pools
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def time_overlap(env, run, steps: int) -> float:
+    """Wall us per step when each step's sampled ids are read to the host one step late: step i+1 is
+    launched (its ids taken on device) before the host waits for step i's ids, as SGLang's overlap
+    scheduler runs. The host still sees every token, one step behind the GPU."""
+    fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
+    ids = jnp.asarray(env["tok"](lens)["ids"])
+    seen = []
+
+    def go(n, ids, pools):
+        pending = None
+        for i in range(n):
+            cur = lens + i
+            out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
+            ids = out["next_ids"]
+            if pending is not None:
+                seen.append(np.asarray(pending))  # blocks on the previous step only
+            pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
+        seen.append(np.asarray(pending))
+        return ids, pools
+
+    ids, pools = go(3, ids, pools)
+    t0 = time.perf_counter()
+    ids, pools = go(steps, ids, pools)
     env["pools"] = pools
     return (time.perf_counter() - t0) / steps * 1e6
 
@@ -343,13 +389,14 @@ def measure_group(env, group: str, variants, steps: int):
         run = call_path(env, call)
         replay, host = time_replay(env, run, steps)
         piped = time_pipelined(env, run, steps)
-        rows.append((name, leaves, device, replay, host, replay - device, piped, piped - device))
+        overlap = time_overlap(env, run, steps)
+        rows.append((name, leaves, device, replay, host, replay - device, piped, piped - device, overlap - device))
     return rows, (group, leaves, call_same, call_fresh, hlo)
 
 
 def print_tables(timing, calls, probe):
-    print("| variant | leaves | device | replay | host | overhead | piped | piped - device |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| variant | leaves | device | replay | host | overhead | piped | piped - device | overlap - device |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, leaves, *us in timing:
         print(f"| {name} | {leaves} | " + " | ".join(f"{u:.0f}" for u in us) + " |")
     print("\n| variant | call same | call fresh | copy | slice | dyn-slice | slice fusions | MB moved "
@@ -367,8 +414,7 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
     groups = parse_variants(variant)
     timing, calls = [], []
     for (layout, opts), variants in groups.items():
-        options = {k: v for o in opts for k, v in COMPILE_OPTIONS[o].items()} or None
-        env = setup(config, batch, ctx, page_size, steps, layers, impl, layout, options)
+        env = setup(config, batch, ctx, page_size, steps, layers, impl, layout, opts)
         if not timing:
             cfg = env["cfg"]
             print(f"device={jax.devices()[0].device_kind} config={config} layers={cfg.n_layers} batch={batch} "
@@ -376,7 +422,8 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
         rows, call_row = measure_group(env, "-".join((layout, *opts)), variants, steps)
         timing += rows
         calls.append(call_row)
-        print("  " + "; ".join(f"{r[0]}: overhead {r[5]:.0f}, piped - device {r[7]:.0f}" for r in rows),
+        print("  " + "; ".join(f"{r[0]}: overhead {r[5]:.0f}, piped - device {r[7]:.0f}, overlap - device {r[8]:.0f}"
+                               for r in rows),
               file=sys.stderr)
         del env
         gc.collect()

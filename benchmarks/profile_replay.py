@@ -41,9 +41,8 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, layers=None, variant="li
     if len(groups) != 1:
         raise ValueError(f"{variant=} must name one variant, e.g. 'fused' or 'fused-nocb'")
     (model_layout, opts), _ = next(iter(groups.items()))
-    options = {k: v for o in opts for k, v in bho.COMPILE_OPTIONS[o].items()} or None
     env = bho.setup(config, batch, ctx, page_size, steps=30, layers=layers, impl="auto", layout=model_layout,
-                    compiler_options=options)
+                    opts=opts)
     runner, fb, tok, params, pools = env["runner"], env["fb"], env["tok"], env["params"], env["pools"]
     exe = next(iter(runner.executables.values()))
     key = next(iter(runner.executables))

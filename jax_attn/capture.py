@@ -14,6 +14,7 @@ pads them (zeros) and slices the outputs back. Replay and the eager path run the
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -62,17 +63,32 @@ class StepRunner:
       donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
       compiler_options: XLA options for every executable of this runner, e.g.
         ``{"xla_gpu_enable_command_buffer": ""}`` to launch kernels one by one instead of as CUDA graphs.
+      static_buffers: replay like a CUDA graph with static input and output buffers: each bucket
+        keeps device buffers for its step inputs and token outputs; a replay first writes the new
+        inputs into them (one small call), then runs the executable with the outputs donated back
+        into the same buffers. Every buffer of a replay then keeps its address, so XLA's command
+        buffers (CUDA graphs) replay without being updated. Token outputs returned for a full
+        bucket *are* those buffers: they stay valid until the next replay of that bucket (copy
+        them, e.g. to the host, before it), as with SGLang's graph outputs.
     """
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
-                 compiler_options: Optional[dict] = None):
+                 compiler_options: Optional[dict] = None, static_buffers: bool = False):
         self.backend = backend
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
         # Positional layout of _full: (key, layout, req_to_token, packed plan inputs, tokens, *args).
         self._jit = jax.jit(self._full, static_argnums=(0, 1),
                             donate_argnums=tuple(5 + i for i in donate_argnums), compiler_options=compiler_options)
+        self.static_buffers = static_buffers
+        # _full_static: (key, layout, req_to_token, (packed, tokens), token outputs, *args); the unused
+        # token-output buffers are kept and donated, so XLA writes the new outputs into them.
+        self._jit_static = jax.jit(self._full_static, static_argnums=(0, 1), keep_unused=True,
+                                   donate_argnums=(4,) + tuple(5 + i for i in donate_argnums),
+                                   compiler_options=compiler_options)
+        self._stage = jax.jit(_write_into, donate_argnums=0)
+        self.buffers: dict = {}  # plan key -> [step inputs, token outputs] (static_buffers only)
         self.executables: dict = {}
         self.trace_count = 0
         self._warned_eager = False
@@ -81,6 +97,10 @@ class StepRunner:
         self.trace_count += 1  # Python side effect: runs once per trace
         md = self.backend.attach_schedule(plan_arrays(key, req_to_token, *unpack_int32(packed, layout)))
         return self.step_fn(md, token_inputs, *args)
+
+    def _full_static(self, key: PlanKey, layout, req_to_token, inputs, token_outputs, *args):
+        del token_outputs  # donated: only their buffers are used, for the new token outputs
+        return self._full(key, layout, req_to_token, *inputs, *args)
 
     def _padded(self, batch: ForwardBatch):
         bs = bucket_for(batch.batch_size, self.batch_buckets)
@@ -100,8 +120,15 @@ class StepRunner:
             key = self.backend.plan_static(padded)
             t0 = time.perf_counter()
             layout, packed = pack_int32(batch_arrays(padded))
-            lowered = self._jit.lower(key, layout, self.backend.req_to_token, packed,
-                                      _pad_tokens(token_inputs, padded.num_tokens), *args)
+            tokens = _pad_tokens(token_inputs, padded.num_tokens)
+            if self.static_buffers:
+                outs = jax.eval_shape(functools.partial(self._full, key, layout), self.backend.req_to_token, packed,
+                                      tokens, *args)[0]
+                bufs = [jax.device_put((packed, tokens)), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outs)]
+                lowered = self._jit_static.lower(key, layout, self.backend.req_to_token, *bufs, *args)
+                self.buffers[key] = bufs
+            else:
+                lowered = self._jit.lower(key, layout, self.backend.req_to_token, packed, tokens, *args)
             self.executables[key] = lowered.compile()
             if verbose:
                 print(f"captured {key.mode.name} bs={key.batch_size} tokens={key.num_tokens} "
@@ -120,7 +147,14 @@ class StepRunner:
             return self.eager(batch, token_inputs, *args)
         n = batch.num_tokens
         layout, packed = pack_int32(batch_arrays(padded))  # one host-to-device copy for the plan inputs
-        tok_out, other = exe(self.backend.req_to_token, packed, _pad_tokens(token_inputs, padded.num_tokens), *args)
+        tokens = _pad_tokens(token_inputs, padded.num_tokens)
+        if self.static_buffers:
+            bufs = self.buffers[key]
+            bufs[0] = self._stage(bufs[0], (packed, tokens))  # written in place: same addresses
+            tok_out, other = exe(self.backend.req_to_token, *bufs, *args)
+            bufs[1] = tok_out  # the donated output buffers, refilled
+        else:
+            tok_out, other = exe(self.backend.req_to_token, packed, tokens, *args)
         if n == padded.num_tokens:
             return tok_out, other
         return jax.tree.map(lambda x: x[:n], tok_out), other
@@ -130,6 +164,12 @@ class StepRunner:
         key = self.backend.plan_static(batch)
         layout, packed = pack_int32(batch_arrays(batch))
         return self._jit(key, layout, self.backend.req_to_token, packed, token_inputs, *args)
+
+
+def _write_into(old, new):
+    """``new`` written over ``old`` (same tree and shapes); with ``old`` donated, in place."""
+    return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, jnp.asarray(n, o.dtype), (0,) * o.ndim),
+                        old, new)
 
 
 def pack_int32(arrays):

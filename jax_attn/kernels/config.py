@@ -44,7 +44,8 @@ class KernelConfig:
         programs in flight per multiprocessor).
       prefetch_pages: read the page ids of the next key block one loop step ahead (carried in
         the loop state), so a step's K/V addresses do not wait on a page-table load of that step.
-      merge_block_rows: rows (token, head pairs) per program of the split-merge kernel.
+      merge_block_rows: most rows (token, head pairs) per program of the split-merge kernel; fewer
+        when that leaves multiprocessors idle (a split merge of one sequence has only Hq rows).
       merge_num_warps: warps per program of the merge kernels.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
         compiled (the interpreter always uses ``jnp.exp2``).

@@ -114,7 +114,8 @@ def merge_splits(
 ):
     """Merges the kv-split partials of ``paged_attention``; rows with 0 splits give (0, -inf)."""
     s, r, d = partial_o.shape
-    br = config.merge_block_rows
+    # Few rows (one long sequence) get few rows per program, so the merge still spans the SMs.
+    br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
     kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br)
     return pl.pallas_call(
         kernel,
