@@ -3,7 +3,7 @@
 Cases (32 query heads, 8 kv heads, head dim 128, bf16, random data):
   decode   B x ctx in {64x4096, 1x32768, 8x8192, 256x1024}, page size 1 and 16; TB/s over the
            KV bytes 2 * B * ctx * Hkv * D * 2.
-  prefill  causal B=4, S=4096, page size 16 and 1 for ours; TFLOP/s over 4 * B * Hq * S^2 * D / 2.
+  prefill  causal B=4, S=4096, page size 16, 64 and 1 for ours; TFLOP/s over 4 * B * Hq * S^2 * D / 2.
   extend   B=4, 1024 new tokens on a 4096-token prefix (kv_len 5120), bottom-right causal;
            TFLOP/s over 4 * Hq * D * (visible query-key pairs).
   verify   B=32, 4 draft tokens per sequence, ctx 2048 (drafts included), chain (causal) mask;
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import traceback
 
@@ -52,6 +53,9 @@ def parse_args(argv=None):
                     help="fewer repetitions; decode only 64x4096 and 1x32768")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per peer (default 30, quick 8)")
     ap.add_argument("--tiny", action="store_true", help="toy shapes for a CPU smoke run (numbers meaningless)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every peer of a case this many times, round-robin, and report each one's median "
+                         "(GPU clocks drift within a run: rounds keep peers of a case on the same footing)")
     return ap.parse_args(argv)
 
 
@@ -66,7 +70,7 @@ def case_list(args) -> list[tuple[str, int, int, int, int]]:
     for b, ctx in shapes["decode"]:
         cases += [("decode", b, 1, ctx, ps) for ps in (16, 1)]
     b, s = shapes["prefill"]
-    cases += [("prefill", b, s, s, ps) for ps in (16, 1)]
+    cases += [("prefill", b, s, s, ps) for ps in (16, 64, 1)]
     cases += [("extend", *shapes["extend"], ps) for ps in (16, 1)]
     cases += [("verify", *shapes["verify"], ps) for ps in (16, 1)]
     return [c for c in cases if args.only in (None, c[0])]
@@ -113,6 +117,7 @@ def measure(run: peers.PeerRun, ref, row: Row, amount: float, reps: int) -> Row:
     else:
         wall, sync = common.time_torch(run.call, reps=reps), (lambda out: None)
     dev = common.time_device(run.call, sync, calls=max(reps, 10))
+    row.timer = (run, sync, max(reps, 10))  # for later interleaved rounds
     row.wall_us = wall.time_us
     row.time_us = dev.time_us if dev else wall.time_us
     row.value = amount / (row.time_us * 1e-6) / 1e12
@@ -140,12 +145,30 @@ def _run_peer(name, build, p, ref, row: Row, amount, reps, flagged) -> Row:
     return row
 
 
+def interleaved_rounds(rows: list[Row], amount: float, rounds: int) -> None:
+    """Re-times every timed row of one case ``rounds - 1`` more times, round-robin; each row's time
+    becomes the median over all its rounds."""
+    timed = [r for r in rows if r.status == "ok" and getattr(r, "timer", None)]
+    samples = {id(r): [r.time_us] for r in timed}
+    for _ in range(rounds - 1):
+        for r in timed:
+            run, sync, calls = r.timer
+            dev = common.time_device(run.call, sync, calls=calls)
+            if dev:
+                samples[id(r)].append(dev.time_us)
+    for r in timed:
+        ts = samples[id(r)]
+        r.time_us = statistics.median(ts)
+        r.value = amount / (r.time_us * 1e-6) / 1e12
+        r.note += f"; median of {len(ts)} interleaved rounds (min {min(ts):.1f}, max {max(ts):.1f} us)"
+
+
 def _fastest(rows: list[Row]) -> Row:
     ok = [r for r in rows if r.status == "ok"]
     return min(ok, key=lambda r: r.time_us) if ok else rows[0]
 
 
-def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged) -> list[Row]:
+def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, rounds=1) -> list[Row]:
     """All peers on one case; SDPA runs first and its output is the reference for the others."""
     p = peers.make_problem(b, q_len, kv_len, ps, device=device, **HEADS)
     case = f"{kind} B={b} " + (f"ctx={kv_len}" if kind == "decode" else f"q={q_len} kv={kv_len}") + f" ps={ps}"
@@ -169,6 +192,10 @@ def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged) -
         (sglang if name.startswith("sglang_triton/") else rows).append(row)
     if sglang:  # keep the fastest kv-split setting only
         rows.insert(2, _fastest(sglang))
+    if rounds > 1:
+        interleaved_rounds(rows, amount, rounds)
+    for row in rows + sglang:
+        row.timer = None  # frees the peers' buffers
     del p, ref
     gc.collect()
     if torch.cuda.is_available():
@@ -257,7 +284,7 @@ def main(argv=None) -> int:
         with_dense = (kind, b, q_len, kv_len) not in seen  # dense peers: once per shape
         seen.add((kind, b, q_len, kv_len))
         rows += run_case(kind, b, q_len, kv_len, ps, reps=reps, device=device, with_dense=with_dense,
-                         flagged=flagged)
+                         flagged=flagged, rounds=args.rounds)
     common.fill_ratios(rows)
     meta["copy_tbps"] = common.copy_bandwidth_tbps()
 

@@ -77,6 +77,7 @@ def _decode(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
 
 SPLIT_CONFIGS = [
     ("default", KernelConfig()),
+    ("ms32", KernelConfig(max_splits=32)),
     ("ms64", KernelConfig(max_splits=64)),
     ("ms64 merge4", KernelConfig(max_splits=64, merge_block_rows=4)),
     ("prefetch", KernelConfig(prefetch_pages=True)),

@@ -109,9 +109,10 @@ def test_split_knobs_choose_tiles_and_splits():
             KernelConfig(**bad)
 
 
-@pytest.mark.parametrize("num_splits,block_rows", [(5, 4), (2, 16)])
-def test_merge_splits_interpret(num_splits, block_rows):
-    """Rows merge partials [0, row_num_splits); later partials hold NaN; empty ones have LSE -inf."""
+@pytest.mark.parametrize("num_splits,block_rows,num_sms", [(5, 4, 132), (40, 16, 132), (5, 4, 1), (2, 16, 1)])
+def test_merge_splits_interpret(num_splits, block_rows, num_sms):
+    """Rows merge partials [0, row_num_splits); later partials hold NaN; empty ones have LSE -inf.
+    With 132 SMs the 11 rows get one program each (all splits loaded at once); with 1, row blocks."""
     rng = np.random.default_rng(num_splits)
     r, d = 11, 32
     po = rng.standard_normal((num_splits, r, d)).astype(np.float32)
@@ -123,7 +124,7 @@ def test_merge_splits_interpret(num_splits, block_rows):
     for row in range(r):
         po[ns[row]:, row] = np.nan
         plse[ns[row]:, row] = np.nan
-    cfg = KernelConfig(merge_block_rows=block_rows)
+    cfg = KernelConfig(merge_block_rows=block_rows, num_sms=num_sms)
     o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), jnp.asarray(ns), out_dtype=jnp.float32, config=cfg,
                           interpret=True)
     want_o, want_lse = np.zeros((r, d), np.float32), np.full((r,), -np.inf, np.float32)

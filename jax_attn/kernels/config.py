@@ -62,7 +62,7 @@ class KernelConfig:
     split_num_warps: int | None = None
     split_num_stages: int | None = None
     split_kv_heads: int = 1
-    max_splits: int = 16
+    max_splits: int = 32
     min_kv_per_split: int = 512
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 4

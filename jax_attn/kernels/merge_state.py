@@ -103,6 +103,31 @@ def _splits_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int,
     store_vec(lse_ref, rows, ok, jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF))
 
 
+def _splits_row_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int):
+    """One row per program, every split's partial loaded at once as one ``[S_pad, D]`` block: the
+    loads do not queue behind one another, so a merge of many splits costs about one load latency."""
+    row = pl.program_id(0)
+    sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
+    valid = sp < plgpu.load(ns_ref.at[jnp.full_like(sp, row)])
+    idx = jnp.where(valid, row + sp * num_rows, 0)
+    lse_all = plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+    m = jnp.max(lse_all)
+    m_use = jnp.where(m == _NEG_INF, 0.0, m)
+    w = jnp.exp(lse_all - m_use)  # 0 for splits past the row's count
+    o_all = load_rows(po_ref, idx, valid, 0.0).astype(jnp.float32)
+    acc = jnp.sum(jnp.where(w[:, None] > 0.0, o_all * w[:, None], 0.0), axis=0)  # empty partials may hold garbage
+    tot = jnp.sum(w)
+    safe = jnp.where(tot > 0.0, tot, 1.0)
+    out = jnp.where(tot > 0.0, acc / safe, 0.0)
+    cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
+    plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype))
+    plgpu.store(lse_ref.at[jnp.full((1,), row, jnp.int32)],
+                jnp.full((1,), jnp.where(tot > 0.0, m_use + jnp.log(safe), _NEG_INF), jnp.float32))
+
+
+ROW_MERGE_MAX_ELEMENTS = 64 * 128  # f32 elements of one row's partials that one program loads at once
+
+
 def merge_splits(
     partial_o,  # f32[S, R, D]
     partial_lse,  # f32[S, R]
@@ -116,7 +141,10 @@ def merge_splits(
     s, r, d = partial_o.shape
     # Few rows (one long sequence) get few rows per program, so the merge still spans the SMs.
     br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
-    kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br)
+    if br == 1 and next_pow2(s) * d <= ROW_MERGE_MAX_ELEMENTS:
+        kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r)
+    else:
+        kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br)
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((r, d), out_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],

@@ -203,38 +203,46 @@ def _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sm
     """Producer: one TMA copy per page (or per block when a page holds several blocks)."""
     last_page = jnp.maximum(_cdiv(k_len, st.page_size) - 1, 0)
 
-    def issue(step, slot):
+    def copies(step):
+        """(page id, source rows, destination rows) of each TMA copy of key block ``step``."""
         blk = cta_lo + step
-        for j in range(st.pages_per_block):
-            if st.page_size >= st.block_kv:
-                key0 = blk * st.block_kv
-                page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
-                src = pl.ds(key0 % st.page_size, st.block_kv)
-                dst = pl.ds(0, st.block_kv)
-            else:
-                page = pt_ref[seq, jnp.minimum(blk * st.pages_per_block + j, last_page)]
-                src = pl.ds(0, st.page_size)
-                dst = pl.ds(j * st.page_size, st.page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, src, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, src, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+        if st.page_size >= st.block_kv:
+            key0 = blk * st.block_kv
+            page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
+            return [(page, pl.ds(key0 % st.page_size, st.block_kv), pl.ds(0, st.block_kv))]
+        return [(pt_ref[seq, jnp.minimum(blk * st.pages_per_block + j, last_page)], pl.ds(0, st.page_size),
+                 pl.ds(j * st.page_size, st.page_size)) for j in range(st.pages_per_block)]
+
+    def issue(plan, slot, src_ref, dst_smem, bar):
+        for page, src, dst in plan:
+            plgpu.copy_gmem_to_smem(src_ref.at[page, src, kv_head], dst_smem.at[slot, dst], bar.at[slot])
+
+    def issue_both(step, slot):
+        plan = copies(step)
+        issue(plan, slot, k_ref, k_smem, k_bar)
+        issue(plan, slot, v_ref, v_smem, v_bar)
 
     for i in range(st.stages):
-        pl.when(i < nblk)(functools.partial(issue, i, i))
+        pl.when(i < nblk)(functools.partial(issue_both, i, i))
 
-    def consumed(step):
-        slot = lax.rem(step, st.stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
-        return slot
-
+    # The page ids are read before waiting for the slot, and a key slot is refilled as soon as both
+    # warpgroups' Q @ K^T of it is done, before their P @ V: the next keys then have a whole softmax
+    # and P @ V to arrive.
     @pl.loop(st.stages, jnp.maximum(nblk, st.stages))
     def _refill(step):
-        issue(step, consumed(step - st.stages))
+        slot = lax.rem(step, st.stages)
+        plan = copies(step)
+        plgpu.barrier_wait(k_used.at[slot])
+        issue(plan, slot, k_ref, k_smem, k_bar)
+        plgpu.barrier_wait(v_used.at[slot])
+        issue(plan, slot, v_ref, v_smem, v_bar)
 
     # Drain: observe the consumers' last arrivals so every barrier ends on a completed phase.
     @pl.loop(jnp.maximum(nblk - st.stages, 0), nblk)
     def _drain(step):
-        consumed(step)
+        slot = lax.rem(step, st.stages)
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
 
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
@@ -282,10 +290,18 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             ok &= key <= qpos + right
         return jnp.where(ok, s, -jnp.inf)
 
+    # Scores in log2 units are ``s * post`` with ``s = logits(qk)``. Without softcap (and a positive
+    # scale) the scale is left out of ``s`` and applied to the row max and inside ``exp2(s * c - m)``,
+    # one fused multiply-add per score instead of a multiply and a subtraction.
+    post = c if st.softcap <= 0 and c > 0 else 1.0
+
     def logits(qk):
         if st.softcap > 0:
             return jnp.tanh(qk * (st.scale / st.softcap)) * (st.softcap * LOG2E)
-        return qk * c
+        return qk if post != 1.0 else qk * c
+
+    def scaled(x):
+        return x if post == 1.0 else x * post
 
     def step(blk, carry, masked):
         acc, m_i, l_i = carry
@@ -301,10 +317,10 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         plgpu.barrier_arrive(k_used.at[slot])
         if masked:
             s = mask(s, blk)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
+        m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_sub)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_sub, s.shape, [0]))
+        p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_sub, s.shape, [0]))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(st.dtype)
