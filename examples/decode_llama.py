@@ -2,16 +2,25 @@
 
     python examples/decode_llama.py --config tiny        # CPU, kernels in interpret mode
     python examples/decode_llama.py --config 1b          # GPU, 1B-class shapes (32/8 heads, d=128)
+    python examples/decode_llama.py --config 1b --batch 64 --new-tokens 32 --overlap --static-buffers
 
 Prefill runs the EXTEND plan eagerly; decode steps replay executables captured per batch bucket.
 The script checks itself against the same model with dense (non-paged) attention: identical greedy
 tokens (teacher-forced, ties excepted) and close logits; it exits non-zero on a mismatch.
 ``--layout`` picks how weights and pools reach the compiled step (``llama.LAYOUTS``); every layout
 runs the same model and the same check.
+
+Two decode loops: the default one reads each step's logits to the host and samples there before
+launching the next step (the device idles while the host works). ``--overlap`` runs one step ahead of
+the host, as SGLang's overlap scheduler does: the step also returns its greedy ids, step i+1 is
+launched with step i's ids still on the device, and only then does the host read step i.
+``--static-buffers`` replays with fixed input and output buffers (``StepRunner(static_buffers=True)``).
+Every combination produces the same tokens and runs the same check.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -29,6 +38,7 @@ from jax_attn.capture import StepRunner  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
 DEFAULT_LAYOUT = "list"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class PagedRequests:
@@ -50,11 +60,90 @@ class PagedRequests:
         return np.concatenate([self.req_to_token[r, s:s + n] for r, s, n in zip(self.rows, starts, lens)])
 
 
-def make_step(cfg, backend, layout="list"):
+def make_step(cfg, backend, layout="list", next_ids=False):
+    """The model step for ``StepRunner``. Token outputs: the logits f32[T, V], or with ``next_ids``
+    ``dict(logits=f32[T, V], next_ids=i32[T])`` where ``next_ids`` are the greedy ids, taken on the device."""
     def step(md, tokens, params, pools):
-        return llama.forward_paged(cfg, backend, params, md, tokens["ids"], tokens["pos"], pools,
-                                   scan=layout == "scan")
+        logits, pools = llama.forward_paged(cfg, backend, params, md, tokens["ids"], tokens["pos"], pools,
+                                            scan=layout == "scan")
+        if not next_ids:
+            return logits, pools
+        return dict(logits=logits, next_ids=jnp.argmax(logits, -1).astype(jnp.int32)), pools
     return step
+
+
+def decode_batch(reqs: PagedRequests, seq_lens: np.ndarray) -> ForwardBatch:  # seq_lens i32[B], before the step
+    """One new token per request, written at position ``seq_lens``."""
+    return ForwardBatch(ForwardMode.DECODE, reqs.rows, seq_lens + 1, reqs.slots(seq_lens, np.ones_like(seq_lens)))
+
+
+def prefill(runner, reqs, prompts, params, pools):
+    """EXTEND (no prefix) over the ragged prompts in one eager call.
+
+    Returns the last prompt token's logits f32[B, V] (host), the pools and the seconds taken.
+    """
+    lens = np.array([len(p) for p in prompts], np.int32)
+    fb = ForwardBatch(ForwardMode.EXTEND, reqs.rows, lens, reqs.slots(np.zeros_like(lens), lens),
+                      extend_seq_lens=lens)
+    tokens = dict(ids=jnp.asarray(np.concatenate(prompts)),
+                  pos=jnp.asarray(np.concatenate([np.arange(n) for n in lens]), jnp.int32))
+    t0 = time.perf_counter()
+    out, pools = runner.eager(fb, tokens, params, pools)
+    logits = out["logits"] if isinstance(out, dict) else out
+    last = np.asarray(logits)[np.cumsum(lens) - 1]
+    return last, pools, time.perf_counter() - t0
+
+
+def decode_blocking(runner, reqs, seq_lens, ids, steps, params, pools):
+    """Greedy decode that reads each step's logits to the host, and samples there, before the next launch.
+
+    Args:
+      seq_lens: i32[B] lengths before the first step.
+      ids: i32[B] the first step's input ids.
+    Returns:
+      ``(logits, ids, pools)``: per step, the logits f32[B, V] and the greedy ids i32[B] (host).
+    """
+    all_logits, all_ids = [], []
+    for _ in range(steps):
+        tokens = dict(ids=jnp.asarray(ids, jnp.int32), pos=jnp.asarray(seq_lens, jnp.int32))
+        logits, pools = runner.replay(decode_batch(reqs, seq_lens), tokens, params, pools)
+        logits = np.asarray(logits)  # host sync: greedy sampling on the host
+        ids = np.argmax(logits, -1).astype(np.int32)
+        seq_lens = seq_lens + 1
+        all_logits.append(logits)
+        all_ids.append(ids)
+    return all_logits, all_ids, pools
+
+
+def decode_overlap(runner, reqs, seq_lens, ids, steps, params, pools, copy_outputs=False):
+    """Greedy decode one step ahead of the host (SGLang's overlap schedule).
+
+    Step i+1 is launched with step i's ``next_ids`` still on the device; only then does the host wait
+    for step i's logits and ids, so the device has step i+1 queued while the host reads. Positions and
+    slots need no device value (each length grows by one). The step is ``make_step(..., next_ids=True)``.
+
+    Args:
+      seq_lens: i32[B] lengths before the first step.
+      ids: i32[B] the first step's input ids.
+      copy_outputs: copy each step's outputs on the device before the next launch. Needed with
+        ``StepRunner(static_buffers=True)``: its outputs for a full bucket are the bucket's output
+        buffers, refilled by the next replay.
+    Returns:
+      as ``decode_blocking``.
+    """
+    host, pending = [], None
+    ids = jnp.asarray(ids, jnp.int32)
+    for _ in range(steps):
+        tokens = dict(ids=ids, pos=np.asarray(seq_lens, np.int32))  # host positions: padded on the host
+        out, pools = runner.replay(decode_batch(reqs, seq_lens), tokens, params, pools)
+        seq_lens = seq_lens + 1
+        ids = out["next_ids"]  # the next step's input: never leaves the device
+        if pending is not None:
+            host.append(jax.device_get(pending))  # waits for the previous step only
+        pending = jax.tree.map(jnp.copy, out) if copy_outputs else out
+    if pending is not None:
+        host.append(jax.device_get(pending))
+    return [h["logits"] for h in host], [h["next_ids"] for h in host], pools
 
 
 def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
@@ -72,8 +161,13 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
     return worst, mismatches
 
 
-def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4,
-         impl="auto", seed=0, check=True, layout=DEFAULT_LAYOUT):
+def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
+             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False) -> dict:
+    """Prefill random ragged prompts, then greedy-decode ``new_tokens`` per request (arguments as ``main``).
+
+    Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
+    the logits f32[V] each token was taken from), the model and prompts for the check, and timings.
+    """
     cfg = llama.CONFIGS[config]
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(min_prompt, max_prompt + 1, batch).astype(np.int32)
@@ -84,58 +178,71 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
                                     num_heads=(cfg.n_heads, cfg.n_kv_heads))
     params = llama.with_layout(llama.init_params(cfg, seed), layout)
     pools = llama.layout_pools(cfg, layout, reqs.num_slots)
-    runner = StepRunner(backend, make_step(cfg, backend, layout), batch_buckets=(1, 2, 4, 8, 16, 32, 64),
-                        donate_argnums=(1,))
-
-    # Prefill (EXTEND, no prefix): ragged prompts in one call.
-    zeros = np.zeros(batch, np.int32)
-    fb = ForwardBatch(ForwardMode.EXTEND, reqs.rows, prompt_lens, reqs.slots(zeros, prompt_lens),
-                      extend_seq_lens=prompt_lens)
-    tokens = dict(ids=jnp.asarray(np.concatenate(prompts)),
-                  pos=jnp.asarray(np.concatenate([np.arange(n) for n in prompt_lens]), jnp.int32))
-    t0 = time.perf_counter()
-    logits, pools = runner.eager(fb, tokens, params, pools)
-    last = np.asarray(logits)[np.cumsum(prompt_lens) - 1]
-    prefill_s = time.perf_counter() - t0
-    paged_logits = [[row] for row in last]
-    generated = [[int(np.argmax(row))] for row in last]
+    runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap), batch_buckets=BATCH_BUCKETS,
+                        donate_argnums=(1,), static_buffers=static_buffers)
+    last, pools, prefill_s = prefill(runner, reqs, prompts, params, pools)
+    first = np.argmax(last, -1).astype(np.int32)
 
     # Decode: capture the bucket, then replay every step.
-    seq_lens = prompt_lens.copy()
-
-    def decode_batch():
-        return ForwardBatch(ForwardMode.DECODE, reqs.rows, seq_lens + 1, reqs.slots(seq_lens, np.ones_like(seq_lens)))
-
-    dec_tokens = lambda: dict(ids=jnp.asarray([g[-1] for g in generated], jnp.int32),  # noqa: E731
-                              pos=jnp.asarray(seq_lens, jnp.int32))
-    runner.capture([decode_batch()], dec_tokens(), params, pools)
-    t0, steps = time.perf_counter(), 0
-    for _ in range(new_tokens - 1):
-        logits, pools = runner.replay(decode_batch(), dec_tokens(), params, pools)
-        logits = np.asarray(logits)  # host sync: greedy sampling on the host
-        seq_lens += 1
-        steps += 1
-        for b in range(batch):
-            paged_logits[b].append(logits[b])
-            generated[b].append(int(np.argmax(logits[b])))
+    runner.capture([decode_batch(reqs, prompt_lens)], dict(ids=jnp.asarray(first), pos=jnp.asarray(prompt_lens)),
+                   params, pools)
+    if overlap:
+        loop = functools.partial(decode_overlap, copy_outputs=static_buffers)
+    else:
+        loop = decode_blocking
+    # One untimed step first, so the timed loop compiles nothing (the static-buffer input write and
+    # the output copy compile on first use); it writes the same KV slots the first timed step rewrites.
+    _, _, pools = loop(runner, reqs, prompt_lens, first, min(1, new_tokens - 1), params, pools)
+    t0, steps = time.perf_counter(), new_tokens - 1
+    logits, ids, pools = loop(runner, reqs, prompt_lens, first, steps, params, pools)
     decode_s = time.perf_counter() - t0
+    return dict(cfg=cfg, params=params, prompts=prompts, impl=backend.impl, bucket=bucket_for(batch, BATCH_BUCKETS),
+                generated=[[int(first[b])] + [int(s[b]) for s in ids] for b in range(batch)],
+                paged_logits=[[last[b]] + [s[b] for s in logits] for b in range(batch)],
+                prefill_s=prefill_s, decode_s=decode_s, steps=steps)
 
-    bucket = bucket_for(batch, runner.batch_buckets)
-    print(f"device={jax.devices()[0].device_kind} impl={backend.impl} config={config} batch={batch} "
-          f"(bucket {bucket}) page_size={page_size} layout={layout} prompts={prompt_lens.tolist()}")
-    print(f"prefill: {int(prompt_lens.sum())} tokens in {prefill_s:.2f}s (includes compile)")
+
+def report(run: dict, check: bool = True) -> int:
+    """Print the timings and the first requests' tokens; with ``check``, the dense check. Returns the exit code."""
+    batch, steps, decode_s = len(run["generated"]), run["steps"], run["decode_s"]
+    print(f"prefill: {sum(len(p) for p in run['prompts'])} tokens in {run['prefill_s']:.2f}s (includes compile)")
     if steps:
         print(f"decode: {steps} steps, {steps * batch / decode_s:.1f} tokens/s, {1e3 * decode_s / steps:.2f} ms/step")
     for b in range(min(batch, 4)):
-        print(f"  request {b}: {generated[b]}")
+        print(f"  request {b}: {run['generated'][b]}")
     if not check:
         return 0
+    cfg = run["cfg"]
     tol = 1e-4 if cfg.dtype == "float32" else 2e-2
-    worst, mismatches = check_against_dense(cfg, params, prompts, generated, paged_logits, tol)
+    worst, mismatches = check_against_dense(cfg, run["params"], run["prompts"], run["generated"],
+                                            run["paged_logits"], tol)
     ok = mismatches == 0 and worst < (1e-3 if cfg.dtype == "float32" else 5e-2)
     print(f"check vs dense attention: max rel logit diff {worst:.2e}, token mismatches {mismatches}: "
           f"{'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
+         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False) -> int:
+    """Prefill, decode, print tokens/s and ms/step, and check against dense attention.
+
+    Args:
+      config: a ``llama.CONFIGS`` name; batch: requests; min_prompt/max_prompt: prompt length range;
+      new_tokens: greedy tokens per request (the first from the prefill); page_size: KV page size;
+      impl: attention kernels (``FlashAttentionBackend``); seed: prompts, weights and page order;
+      check: run the dense check; layout: ``llama.LAYOUTS``; overlap: the overlap decode loop;
+      static_buffers: ``StepRunner(static_buffers=True)``.
+    Returns:
+      0 when the check passes (or is skipped), 1 when it fails.
+    """
+    run = generate(config=config, batch=batch, min_prompt=min_prompt, max_prompt=max_prompt, new_tokens=new_tokens,
+                   page_size=page_size, impl=impl, seed=seed, layout=layout, overlap=overlap,
+                   static_buffers=static_buffers)
+    print(f"device={jax.devices()[0].device_kind} impl={run['impl']} config={config} batch={batch} "
+          f"(bucket {run['bucket']}) page_size={page_size} layout={layout} "
+          f"loop={'overlap' if overlap else 'blocking'} static_buffers={static_buffers} "
+          f"prompts={[len(p) for p in run['prompts']]}")
+    return report(run, check)
 
 
 def parse():
@@ -144,6 +251,10 @@ def parse():
                     help="how weights and KV pools are passed to the step (see llama.LAYOUTS)")
     ap.add_argument("--stacked", dest="layout", action="store_const", const="scan",
                     help="same as --layout scan (layer-stacked weights and pool under lax.scan)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="launch decode step i+1 with step i's greedy ids still on the device, then read step i")
+    ap.add_argument("--static-buffers", action="store_true",
+                    help="replay with fixed step input and output buffers (StepRunner(static_buffers=True))")
     return vars(ap.parse_args())
 
 
