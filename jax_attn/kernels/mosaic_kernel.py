@@ -271,23 +271,29 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
 
     c = st.scale * LOG2E
 
-    def mask(s, blk):  # built inside the masked steps only: index arrays held across the loop spill
-        row_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
-        key = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA) + blk * bk
+    def mask(s, blk):
+        """-inf where a key is out of the row's causal/window range or past ``k_len``. The range is
+        worked out per row (``[bq]`` vectors), then one compare per score against the key iota;
+        built inside the masked steps only (index arrays held across the loop would spill)."""
+        base = blk * bk
+        row = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
         if st.token_major:
-            qpos = p_first + row_ids % (bq // st.pack)
+            qpos = p_first + row % (bq // st.pack)
         elif st.pack > 1:
-            qpos = p_first + (r0 % st.pack + row_ids) // st.pack
+            qpos = p_first + (r0 % st.pack + row) // st.pack
         else:
-            qpos = p_first + row_ids
-        ok = key < k_len
-        if st.causal:
-            ok &= key <= qpos
+            qpos = p_first + row
+        rel = qpos - base  # the row's query position, counted from the block's first key
         left, right = st.window
-        if left >= 0:
-            ok &= key >= qpos - left
+        hi = jnp.zeros_like(rel) + (k_len - 1 - base)
+        if st.causal:
+            hi = jnp.minimum(hi, rel)
         if right >= 0:
-            ok &= key <= qpos + right
+            hi = jnp.minimum(hi, rel + right)
+        key = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        ok = key <= lax.broadcast_in_dim(hi, (bq, bk), [0])
+        if left >= 0:
+            ok &= key >= lax.broadcast_in_dim(rel - left, (bq, bk), [0])
         return jnp.where(ok, s, -jnp.inf)
 
     # Scores in log2 units are ``s * post`` with ``s = logits(qk)``. Without softcap (and a positive
