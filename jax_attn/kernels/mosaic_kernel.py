@@ -19,6 +19,8 @@ split, a run of the CTA's key blocks; it writes a float32 partial output and its
 Keys past ``cache_seqlens`` that share the last page are masked out of the scores, and their value
 rows are zeroed in shared memory before the P@V product (unused slots may hold anything, NaN too).
 
+The producer, the ragged row stores and the padding rows live in ``mosaic_io``.
+
 Dimension legend: T tokens, B sequences, P page-table width, Hq / Hkv heads, G = Hq // Hkv,
 D / Dv head dims, N work tiles (static bound), R rows of the row view, H heads of the row view.
 """
@@ -35,10 +37,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_attn.kernels.mosaic_io import COMPUTE_WGS, PAD_BLOCKS, memory_wg, padding_rows, store_rows, zero_tail_values
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-COMPUTE_WGS = 2
-PAD_BLOCKS = 8  # row blocks of 2 * block_q rows zeroed by one padding CTA
 
 
 def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
@@ -146,7 +148,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     seq = tseq_ref[jnp.minimum(tile, num_tiles - 1)]
 
     if not st.split:
-        pad = functools.partial(_padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
+        pad = functools.partial(padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
         pl.when((tile >= num_tiles) & (wg < COMPUTE_WGS))(pad)
 
     @pl.when((tile < num_tiles) & (seq >= 0))
@@ -180,69 +182,8 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
+            memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
                        k_used, v_used)
-
-
-def _padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
-    """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile)."""
-    o_smem = o_smem2.at[wg]
-    o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
-    plgpu.commit_smem()
-    rows_per_block = COMPUTE_WGS * st.block_q
-    first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block) + wg * st.block_q
-    for j in range(PAD_BLOCKS):
-        start = first + j * rows_per_block
-        n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        pl.when(n > 0)(functools.partial(_store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
-               v_used):
-    """Producer: one TMA copy per page (or per block when a page holds several blocks)."""
-    last_page = jnp.maximum(_cdiv(k_len, st.page_size) - 1, 0)
-
-    def copies(step):
-        """(page id, source rows, destination rows) of each TMA copy of key block ``step``."""
-        blk = cta_lo + step
-        if st.page_size >= st.block_kv:
-            key0 = blk * st.block_kv
-            page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
-            return [(page, pl.ds(key0 % st.page_size, st.block_kv), pl.ds(0, st.block_kv))]
-        return [(pt_ref[seq, jnp.minimum(blk * st.pages_per_block + j, last_page)], pl.ds(0, st.page_size),
-                 pl.ds(j * st.page_size, st.page_size)) for j in range(st.pages_per_block)]
-
-    def issue(plan, slot, src_ref, dst_smem, bar):
-        for page, src, dst in plan:
-            plgpu.copy_gmem_to_smem(src_ref.at[page, src, kv_head], dst_smem.at[slot, dst], bar.at[slot])
-
-    def issue_both(step, slot):
-        plan = copies(step)
-        issue(plan, slot, k_ref, k_smem, k_bar)
-        issue(plan, slot, v_ref, v_smem, v_bar)
-
-    for i in range(st.stages):
-        pl.when(i < nblk)(functools.partial(issue_both, i, i))
-
-    # The page ids are read before waiting for the slot, and a key slot is refilled as soon as both
-    # warpgroups' Q @ K^T of it is done, before their P @ V: the next keys then have a whole softmax
-    # and P @ V to arrive.
-    @pl.loop(st.stages, jnp.maximum(nblk, st.stages))
-    def _refill(step):
-        slot = lax.rem(step, st.stages)
-        plan = copies(step)
-        plgpu.barrier_wait(k_used.at[slot])
-        issue(plan, slot, k_ref, k_smem, k_bar)
-        plgpu.barrier_wait(v_used.at[slot])
-        issue(plan, slot, v_ref, v_smem, v_bar)
-
-    # Drain: observe the consumers' last arrivals so every barrier ends on a completed phase.
-    @pl.loop(jnp.maximum(nblk - st.stages, 0), nblk)
-    def _drain(step):
-        slot = lax.rem(step, st.stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
 
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
@@ -334,7 +275,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(v_bar.at[slot])
         if masked:
-            _zero_tail_values(st, v_smem.at[slot], blk, k_len)
+            zero_tail_values(st, v_smem.at[slot], blk, k_len)
         plgpu.barrier_wait(sched)
 
         acc = _pv(st, acc, p16, v_smem.at[slot], p_smem)
@@ -392,37 +333,6 @@ def _pv(st, acc, p16, v_slot, p_smem):
     return pl.run_state(chained)(plgpu.ACC.init(acc))
 
 
-def _zero_tail_values(st, v_slot, blk, k_len):
-    """Zero value rows of keys >= k_len in this block (they meet p == 0, but 0 * NaN is NaN)."""
-    @pl.when((blk + 1) * st.block_kv > k_len)
-    def _():
-        for c in range(st.block_kv // 64):
-            rows = v_slot.at[pl.ds(c * 64, 64)]
-            ids = plgpu.broadcasted_iota(jnp.int32, (64, st.head_dim_v), 0, layout=plgpu.Layout.WGMMA)
-            v = rows[...]
-            rows[...] = jnp.where(ids + (blk * st.block_kv + c * 64) < k_len, v, jnp.zeros_like(v))
-        plgpu.commit_smem()
-
-
-def _store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
-    """TMA-stores rows ``[0, n)`` of ``o_smem`` to ``out_ref[row0:row0 + n, head]`` (n <= block_q):
-    one copy per binary digit of ``n``, so no row outside the range is written. ``token_major``:
-    ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G)."""
-    g = st.pack if token_major else 1
-    tpb = st.block_q // g  # rows (tokens) per query head in the buffer
-    row0, n = (row0 // g, n // g) if token_major else (row0, n)
-    off = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
-    size = tpb
-    while size >= 1:
-        take = (n & size) != 0
-        for j in range(g):
-            src = o_smem.at[pl.ds(j * tpb + off, size)]
-            dst = out_ref.at[pl.ds(row0 + off, size), head, j] if token_major else out_ref.at[pl.ds(row0 + off, size), head]
-            pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
-        off = off + jnp.where(take, size, 0)
-        size //= 2
-
-
 def _epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
     acc, m_i, l_i = carry
     if st.has_sinks:  # one query head per CTA (packed rows never carry sinks); kv split 0 only
@@ -441,7 +351,7 @@ def _epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_re
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
-    _store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
+    store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
     if st.return_lse:
         plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
     plgpu.wait_smem_to_gmem(0)
