@@ -62,12 +62,11 @@ from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
-from torch_bridge.checks import check_layer, check_shapes, scale_of, write_loc
+from torch_bridge.checks import check_layer, check_shapes, write_loc
 from torch_bridge.dlpack import Importer, capturing, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerHit, MosaicPath, Tables
-
-_UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
-
+from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, layer_params, loc_steps, locs_per_token,
+                                    plan_locs, to_mode)
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
@@ -96,16 +95,6 @@ class _Packing:
     def sizes(self) -> Tuple[int, ...]:
         b = self.key.batch_size
         return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words)
-
-
-def to_mode(mode) -> ForwardMode:
-    """SGLang's ``ForwardMode`` (or ours) -> ``jax_attn.metadata.ForwardMode`` by name."""
-    if isinstance(mode, ForwardMode):
-        return mode
-    try:
-        return ForwardMode[mode.name]
-    except (KeyError, AttributeError):
-        raise NotImplementedError(f"forward mode {mode!r} is not supported by torch_bridge") from None
 
 
 class FlashAttentionBackend:
@@ -210,20 +199,20 @@ class FlashAttentionBackend:
             self._step = None
             return
         spec = self._spec(forward_batch.spec_info, mode)
-        ext = self._extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
+        ext = extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
         enc = self._encoder_lens(getattr(forward_batch, "encoder_lens", None))
         bs = int(forward_batch.seq_lens.shape[0])
-        loc = self._plan_locs(forward_batch.out_cache_loc, spec, mode, bs)
-        tokens = int(loc.shape[0]) // self._locs_per_token(spec, mode)
+        loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.speculative_step_id)
+        tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
         key = self._key(mode, bs, tokens, spec, ext is not None, enc is not None)
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
-            n = int(_custom_mask(forward_batch.spec_info).numel())
+            n = int(custom_mask(forward_batch.spec_info).numel())
             words = pack_mask_words(forward_batch.spec_info.custom_mask, max(64, 1 << (n - 1).bit_length()),
                                     self.device)
         md = self._run_plan(self._packing(key, loc, ext, enc, words), forward_batch.req_pool_indices,
                             forward_batch.seq_lens, loc, ext, enc, words)
-        self._install(key, md, tokens, self._loc_steps(spec, mode))
+        self._install(key, md, tokens, loc_steps(spec, mode))
 
     def _spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
         """jax_attn's static SpecInfo from EAGLE's spec_info and this backend's settings."""
@@ -246,47 +235,6 @@ class FlashAttentionBackend:
                                num_steps=steps, draft_mask=placeholder,
                                with_swa=self.with_swa and mode == ForwardMode.TARGET_VERIFY)
 
-    @staticmethod
-    def _is_draft_decode(spec, mode: ForwardMode) -> bool:
-        return mode == ForwardMode.DECODE and spec is not None
-
-    def _locs_per_token(self, spec, mode: ForwardMode) -> int:
-        """out_cache_loc entries per query token in the plan's input (tree draft decode: num_steps)."""
-        return spec.num_steps if self._is_draft_decode(spec, mode) and spec.topk > 1 else 1
-
-    def _loc_steps(self, spec, mode: ForwardMode) -> int:
-        return spec.num_steps if self._is_draft_decode(spec, mode) else 1
-
-    def _plan_locs(self, out_cache_loc: torch.Tensor, spec, mode: ForwardMode, bs: Optional[int]) -> torch.Tensor:
-        """The slots the planner takes: all draft steps (tree draft decode), this step's column
-        (topk <= 1 draft decode given every step's slots), else ``out_cache_loc`` as it is.
-        ``bs`` is None on replay, where the engine's locs may cover fewer rows than the bucket."""
-        loc = out_cache_loc.reshape(-1)
-        if not self._is_draft_decode(spec, mode) or spec.num_steps == 1:
-            return loc
-        per_req = spec.topk * spec.num_steps
-        if spec.topk > 1:
-            if (bs is not None and loc.shape[0] != bs * per_req) or loc.shape[0] % per_req:
-                raise ValueError(f"tree draft decode: {out_cache_loc.shape=} must hold every draft step's "
-                                 f"slots, [bs, topk={spec.topk}, num_steps={spec.num_steps}] flattened")
-            return loc
-        if bs is not None and loc.shape[0] == bs:
-            return loc  # already this step's slots
-        if loc.shape[0] % spec.num_steps:
-            raise ValueError(f"draft decode: {out_cache_loc.shape=} must be [bs] or [bs, 1, "
-                             f"num_steps={spec.num_steps}] flattened")
-        return loc.reshape(-1, spec.num_steps)[:, self.speculative_step_id]
-
-    @staticmethod
-    def _extend_lens(mode: ForwardMode, extend_seq_lens, spec_info):
-        if mode in _UNIFORM:
-            return None
-        if extend_seq_lens is None and mode.is_draft_extend():
-            return spec_info.accept_length + 1
-        if extend_seq_lens is None:
-            raise ValueError(f"{mode.name} needs forward_batch.extend_seq_lens (new tokens per request)")
-        return extend_seq_lens
-
     def _encoder_lens(self, encoder_lens):
         if encoder_lens is not None and not self.jax_backend.max_encoder_len:
             raise ValueError("forward_batch.encoder_lens needs a static encoder bound: pass max_encoder_len= to "
@@ -296,7 +244,7 @@ class FlashAttentionBackend:
     def _key(self, mode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
         """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
         z = np.zeros(bs, np.int32)
-        locs = np.zeros(tokens * self._locs_per_token(spec, mode), np.int32)
+        locs = np.zeros(tokens * locs_per_token(spec, mode), np.int32)
         shape_batch = jbatch.ForwardBatch(mode, z, z, locs, extend_seq_lens=z if has_ext else None,
                                           encoder_lens=z if has_enc else None, spec_info=spec)
         return self.jax_backend.plan_static(shape_batch)
@@ -349,7 +297,7 @@ class FlashAttentionBackend:
         if num_tokens != bs * per_req:
             raise ValueError(f"{mode.name}: {num_tokens=} must be bs * {per_req} = {bs * per_req}")
         has_enc = self._encoder_lens(encoder_lens) is not None
-        key = self._key(mode, bs, num_tokens, spec, mode not in _UNIFORM, has_enc)
+        key = self._key(mode, bs, num_tokens, spec, mode not in UNIFORM, has_enc)
         self._graph_keys[(mode, bs)] = key
         self._replay(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
 
@@ -384,22 +332,22 @@ class FlashAttentionBackend:
         n = min(int(seq_lens.shape[0]), bs)
         rows = pad_int32(req_pool_indices[:n], bs, 0)
         lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
-        loc = rows[:0] if out_cache_loc is None else self._plan_locs(out_cache_loc, spec, mode, None)
-        loc = pad_int32(loc, tokens * self._locs_per_token(spec, mode), 0)
+        loc = rows[:0] if out_cache_loc is None else plan_locs(out_cache_loc, spec, mode, None, self.speculative_step_id)
+        loc = pad_int32(loc, tokens * locs_per_token(spec, mode), 0)
         enc = None if encoder_lens is None else pad_int32(encoder_lens[:n], bs, 0)
         ext = None
         real = n * (tokens // bs)
-        if mode not in _UNIFORM:
+        if mode not in UNIFORM:
             acc = getattr(spec_info, "accept_length", None)
             ext = pad_int32(acc[:n] + 1 if acc is not None else rows[:n] * 0 + 1, bs, 0)
             real = tokens  # draft extend replays the padded token layout
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
-            mask = getattr(spec_info, "custom_mask", None) if capturing else _custom_mask(spec_info)
+            mask = getattr(spec_info, "custom_mask", None) if capturing else custom_mask(spec_info)
             n_draft = key.q_len_per_req  # the static bound covers any committed lengths of the bucket
             words = pack_mask_words(mask, bs * n_draft * (self.max_context_len + n_draft), self.device)
         md = self._run_plan(self._packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words)
-        self._install(key, md, real, self._loc_steps(spec, mode), graph=True)
+        self._install(key, md, real, loc_steps(spec, mode), graph=True)
 
     @staticmethod
     def get_cuda_graph_seq_len_fill_value() -> int:
@@ -495,20 +443,6 @@ class FlashAttentionBackend:
         hit = self._layers.get(layer.layer_id)
         if hit is not None and hit[0] is layer:
             return hit[1]
-        window = getattr(layer, "sliding_window_size", -1)
-        lp = LayerParams(
-            num_q_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.head_dim,
-            v_head_dim=layer.v_head_dim, scaling=layer.scaling, logit_cap=float(layer.logit_cap or 0.0),
-            sliding_window_size=-1 if window is None else int(window),
-            is_cross_attention=bool(getattr(layer, "is_cross_attention", False)),
-            k_scale=scale_of(layer, "k"), v_scale=scale_of(layer, "v"),
-        )  # layer_id stays 0: layers with one configuration share one executable
+        lp = layer_params(layer)
         self._layers[layer.layer_id] = (layer, lp)
         return lp
-
-def _custom_mask(spec_info) -> torch.Tensor:
-    mask = getattr(spec_info, "custom_mask", None)
-    if mask is None:
-        raise ValueError("target verify with topk > 1 needs spec_info.custom_mask (SGLang's flat bool tree "
-                         "mask: per request, num_draft rows of seq_len + num_draft columns)")
-    return mask
