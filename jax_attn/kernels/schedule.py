@@ -103,7 +103,9 @@ def build_schedule(
         num_tokens=num_tokens, batch_size=batch, max_q_len=max_q_len, block_q=block_q, max_splits=max_splits
     )
     tile = jnp.arange(n, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends, tile, side="right").astype(jnp.int32)
+    # A tile's sequence = how many sequence ends lie at or before it: one [N, B] compare. (The default
+    # binary search is an XLA while loop, whose trip predicate the host reads back on every step.)
+    seq = jnp.searchsorted(ends, tile, side="right", method="compare_all").astype(jnp.int32)
     valid = seq < batch
     seq_c = jnp.minimum(seq, batch - 1)
     local = tile - starts[seq_c]
