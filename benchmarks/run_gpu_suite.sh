@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one go: gpu-marked tests, the 1B-class example decode, the
 # host-overhead figure and the kernel benchmark. Logs go to $OUT (default ./out).
 # Usage (repo root, peers fetched into .peers by ../shared/tools/get_peers.sh):
-#   bash benchmarks/run_gpu_suite.sh [tests|compiled|example|host|bench|all]...
+#   bash benchmarks/run_gpu_suite.sh [tests|compiled|example|host|timeline|bench|all]...
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -17,12 +17,17 @@ run() {  # name, command...
   status+=("| $name | rc=$rc | $((SECONDS - t0)) s |")
 }
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
-has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider
+# -n 4 when pytest-xdist is there: the Mosaic cases are bound by compile time.
+xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
+has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider "${xdist[@]}"
 # The backend / speculative suites again, kernels compiled for the GPU instead of interpreted.
 has compiled && run compiled python3 -m pytest -q -x -p no:cacheprovider tests/test_backend.py tests/test_spec.py \
   -k "triton or tree or multistep"
 has example && run example python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16
-has host && run host python3 benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20
-has bench && run bench python3 benchmarks/bench_attention.py
+has example && run example_overlap python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16 --overlap
+has host && run host python3 benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20 \
+  --variant fused,fused-static,fused-nocb
+has timeline && run timeline python3 benchmarks/profile_step.py --config 1b --batch 64 --ctx 4096 --variant fused,fused-static
+has bench && run bench python3 benchmarks/bench_attention.py --rounds 3
 nvidia-smi --query-gpu=name --format=csv,noheader
 printf '%s\n' "| step | result | time |" "|---|---|---|" "${status[@]}"
