@@ -128,3 +128,23 @@ def test_torch_engine_example_passes_its_check():
     import decode_torch
 
     assert decode_torch.main(config="tiny", batch=3, new_tokens=4, page_size=4, seed=2) == 0
+
+
+def test_step_timeline_splits_a_step_into_its_parts():
+    """``profile_step.analyze`` on a hand-made trace: two steps, overlapping GPU work, one gap."""
+    import profile_step
+
+    def ev(name, ts, dur, cat=None):
+        return dict(name=name, ts=ts, dur=dur, **({"cat": cat} if cat else {}))
+
+    events = []
+    for s0 in (0, 1000):
+        events += [ev("step", s0, 500), ev("call", s0, 80),
+                   ev("Memcpy HtoD", s0 + 50, 10, "gpu_memcpy"), ev("k1", s0 + 100, 100, "kernel"),
+                   ev("k2", s0 + 150, 100, "kernel"),  # overlaps k1: busy 150, not 200
+                   ev("k3", s0 + 300, 100, "kernel"), ev("cuLaunchKernelEx", s0 + 20, 5, "cuda_driver")]
+    rep = profile_step.analyze(events)
+    assert rep["steps"] == 2
+    assert rep["median"] == dict(wall=500, call=80, first=50, busy=260, idle=90, tail=100, acts=4)
+    assert rep["gaps"][0] == (50, "k2", "k3") and len(rep["gaps"]) == 4  # 40 and 50 us gaps, per step
+    assert rep["api"] == [("cuLaunchKernelEx", 5.0)]
