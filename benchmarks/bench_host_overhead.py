@@ -54,7 +54,7 @@ import llama  # noqa: E402
 
 from jax_attn.backend import FlashAttentionBackend, batch_arrays  # noqa: E402
 from jax_attn.batch import ForwardBatch  # noqa: E402
-from jax_attn.capture import StepRunner, _pad_tokens, pack_int32  # noqa: E402
+from jax_attn.capture import StepRunner, _pad_tokens, _write_into, pack_int32  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
@@ -229,10 +229,7 @@ class StagedReplay:
 
     def __init__(self, runner: StepRunner):
         self.runner, self.bufs = runner, None
-        def write_into(old, new):  # in place (donated): the buffers keep their device addresses
-            return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, n, (0,) * o.ndim), old, new)
-
-        self._update = jax.jit(write_into, donate_argnums=0)
+        self._update = jax.jit(_write_into, donate_argnums=0)  # in place: the buffers keep their addresses
 
     def __call__(self, batch, token_inputs, *args):
         runner = self.runner
@@ -300,34 +297,15 @@ def time_replay(env, run, steps: int):
     return _median_us(replay), _median_us(host)
 
 
-def time_pipelined(env, run, steps: int) -> float:
-    """Wall us per step of ``steps`` replays without blocking; token ids stay on device."""
+def time_pipelined(env, run, steps: int, read_ids: bool = False) -> float:
+    """Wall us per step of ``steps`` replays without blocking; token ids stay on device.
+
+    ``read_ids``: the host also reads every step's sampled ids, one step late: step i+1 is launched
+    (its ids taken on device) before the host waits for step i's ids, as SGLang's overlap scheduler
+    runs. The host then sees every token, one step behind the GPU.
+    """
     fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
     ids = jnp.asarray(env["tok"](lens)["ids"])
-
-    def go(n, ids, pools):
-        for i in range(n):
-            cur = lens + i
-            out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
-            ids = out["next_ids"]
-        return ids, pools
-
-    ids, pools = go(3, ids, pools)
-    jax.block_until_ready(ids)
-    t0 = time.perf_counter()
-    ids, pools = go(steps, ids, pools)
-    jax.block_until_ready(ids)
-    env["pools"] = pools
-    return (time.perf_counter() - t0) / steps * 1e6
-
-
-def time_overlap(env, run, steps: int) -> float:
-    """Wall us per step when each step's sampled ids are read to the host one step late: step i+1 is
-    launched (its ids taken on device) before the host waits for step i's ids, as SGLang's overlap
-    scheduler runs. The host still sees every token, one step behind the GPU."""
-    fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
-    ids = jnp.asarray(env["tok"](lens)["ids"])
-    seen = []
 
     def go(n, ids, pools):
         pending = None
@@ -335,10 +313,14 @@ def time_overlap(env, run, steps: int) -> float:
             cur = lens + i
             out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
             ids = out["next_ids"]
-            if pending is not None:
-                seen.append(np.asarray(pending))  # blocks on the previous step only
-            pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
-        seen.append(np.asarray(pending))
+            if read_ids:
+                if pending is not None:
+                    np.asarray(pending)  # blocks on the previous step only
+                pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
+        if pending is None:
+            jax.block_until_ready(ids)
+        else:
+            np.asarray(pending)
         return ids, pools
 
     ids, pools = go(3, ids, pools)
@@ -389,7 +371,7 @@ def measure_group(env, group: str, variants, steps: int):
         run = call_path(env, call)
         replay, host = time_replay(env, run, steps)
         piped = time_pipelined(env, run, steps)
-        overlap = time_overlap(env, run, steps)
+        overlap = time_pipelined(env, run, steps, read_ids=True)
         rows.append((name, leaves, device, replay, host, replay - device, piped, piped - device, overlap - device))
     return rows, (group, leaves, call_same, call_fresh, hlo)
 
