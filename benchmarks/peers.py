@@ -184,8 +184,9 @@ def ours(p: Problem) -> PeerRun:
     return PeerRun("ours", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")
 
 
-def ours_mosaic(p: Problem) -> PeerRun:
-    """jax_attn.kernels.mosaic_paged (Mosaic GPU, page size >= 8) on the shared paged cache."""
+def ours_mosaic(p: Problem, config=None, name: str = "ours_mosaic") -> PeerRun:
+    """jax_attn.kernels.mosaic_paged (Mosaic GPU, page size >= 8) on the shared paged cache
+    (``config``: a ``MosaicConfig``, default the library's)."""
     import jax
 
     from jax_attn.kernels.mosaic_paged import paged_attention_mosaic, plan_mosaic_schedule, supports
@@ -195,10 +196,10 @@ def ours_mosaic(p: Problem) -> PeerRun:
     if reason is not None:
         raise Unavailable(reason)
     sched = jax.jit(functools.partial(plan_mosaic_schedule, num_q_heads=q.shape[1], num_kv_heads=k.shape[2],
-                                      num_splits=None))(md)  # split-KV by the heuristic, as the backend plans
+                                      num_splits=None, config=config))(md)  # split-KV by the heuristic
     md = dataclasses.replace(md, mosaic_schedule=jax.block_until_ready(sched))
-    fn = jax.jit(functools.partial(paged_attention_mosaic, causal=True))
-    return PeerRun("ours_mosaic", lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")
+    fn = jax.jit(functools.partial(paged_attention_mosaic, causal=True, config=config))
+    return PeerRun(name, lambda: fn(q, k, v, md), _jax_to_tokens(p), "jax", f"{md.mode.name.lower()}")
 
 
 # ----------------------------------------------------------------------------- torch SDPA

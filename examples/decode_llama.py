@@ -14,7 +14,8 @@ Two decode loops: the default one reads each step's logits to the host and sampl
 launching the next step (the device idles while the host works). ``--overlap`` runs one step ahead of
 the host, as SGLang's overlap scheduler does: the step also returns its greedy ids, step i+1 is
 launched with step i's ids still on the device, and only then does the host read step i.
-``--static-buffers`` replays with fixed input and output buffers (``StepRunner(static_buffers=True)``).
+``--static-buffers`` replays with fixed input and output buffers (``StepRunner(static_buffers=True)``);
+``--command-buffers`` lets XLA record each step's kernels into CUDA graphs (off by default on a GPU).
 Every combination produces the same tokens and runs the same check.
 """
 
@@ -162,7 +163,7 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
 
 
 def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False) -> dict:
+             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=False) -> dict:
     """Prefill random ragged prompts, then greedy-decode ``new_tokens`` per request (arguments as ``main``).
 
     Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
@@ -179,7 +180,7 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     params = llama.with_layout(llama.init_params(cfg, seed), layout)
     pools = llama.layout_pools(cfg, layout, reqs.num_slots)
     runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap), batch_buckets=BATCH_BUCKETS,
-                        donate_argnums=(1,), static_buffers=static_buffers)
+                        donate_argnums=(1,), static_buffers=static_buffers, command_buffers=command_buffers)
     last, pools, prefill_s = prefill(runner, reqs, prompts, params, pools)
     first = np.argmax(last, -1).astype(np.int32)
 
@@ -223,7 +224,7 @@ def report(run: dict, check: bool = True) -> int:
 
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False) -> int:
+         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=False) -> int:
     """Prefill, decode, print tokens/s and ms/step, and check against dense attention.
 
     Args:
@@ -231,17 +232,17 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
       new_tokens: greedy tokens per request (the first from the prefill); page_size: KV page size;
       impl: attention kernels (``FlashAttentionBackend``); seed: prompts, weights and page order;
       check: run the dense check; layout: ``llama.LAYOUTS``; overlap: the overlap decode loop;
-      static_buffers: ``StepRunner(static_buffers=True)``.
+      static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=True)``.
     Returns:
       0 when the check passes (or is skipped), 1 when it fails.
     """
     run = generate(config=config, batch=batch, min_prompt=min_prompt, max_prompt=max_prompt, new_tokens=new_tokens,
                    page_size=page_size, impl=impl, seed=seed, layout=layout, overlap=overlap,
-                   static_buffers=static_buffers)
+                   static_buffers=static_buffers, command_buffers=command_buffers)
     print(f"device={jax.devices()[0].device_kind} impl={run['impl']} config={config} batch={batch} "
           f"(bucket {run['bucket']}) page_size={page_size} layout={layout} "
           f"loop={'overlap' if overlap else 'blocking'} static_buffers={static_buffers} "
-          f"prompts={[len(p) for p in run['prompts']]}")
+          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]}")
     return report(run, check)
 
 
@@ -255,6 +256,8 @@ def parse():
                     help="launch decode step i+1 with step i's greedy ids still on the device, then read step i")
     ap.add_argument("--static-buffers", action="store_true",
                     help="replay with fixed step input and output buffers (StepRunner(static_buffers=True))")
+    ap.add_argument("--command-buffers", action="store_true",
+                    help="XLA command buffers (CUDA graphs) inside each step (StepRunner(command_buffers=True))")
     return vars(ap.parse_args())
 
 

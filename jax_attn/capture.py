@@ -61,8 +61,14 @@ class StepRunner:
       step_fn: ``step_fn(md, token_inputs, *args) -> (token_outputs, other_outputs)``.
       batch_buckets: padded batch sizes; a larger batch runs eagerly (said once).
       donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
-      compiler_options: XLA options for every executable of this runner, e.g.
-        ``{"xla_gpu_enable_command_buffer": ""}`` to launch kernels one by one instead of as CUDA graphs.
+      compiler_options: XLA options for every executable of this runner.
+      command_buffers: let XLA record the kernels of each executable into command buffers (CUDA
+        graphs). ``None`` (default): off on GPUs. A decode step of a 1B-class model at batch 64 then
+        keeps the GPU busier: kernels are launched one by one, the GPU starts on the first while
+        the host enqueues the rest, and no graph has to be re-pointed at new buffer addresses before
+        the step can start (``benchmarks/RESULTS.md``: 66-72 us of GPU idle per pipelined step
+        against 104-124 with command buffers). Turn them on for steps of many tiny kernels, where
+        one graph launch beats hundreds of kernel launches.
       static_buffers: replay like a CUDA graph with static input and output buffers: each bucket
         keeps device buffers for its step inputs and token outputs; a replay first writes the new
         inputs into them (one small call), then runs the executable with the outputs donated back
@@ -74,8 +80,10 @@ class StepRunner:
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
-                 compiler_options: Optional[dict] = None, static_buffers: bool = False):
+                 compiler_options: Optional[dict] = None, command_buffers: Optional[bool] = None,
+                 static_buffers: bool = False):
         self.backend = backend
+        compiler_options = _with_command_buffers(compiler_options, command_buffers)
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
         # Positional layout of _full: (key, layout, req_to_token, packed plan inputs, tokens, *args).
@@ -164,6 +172,14 @@ class StepRunner:
         key = self.backend.plan_static(batch)
         layout, packed = pack_int32(batch_arrays(batch))
         return self._jit(key, layout, self.backend.req_to_token, packed, token_inputs, *args)
+
+
+def _with_command_buffers(options: Optional[dict], enabled: Optional[bool]) -> Optional[dict]:
+    """``options`` plus the XLA flag that turns command buffers off, unless ``enabled`` or not on a GPU
+    (the flag is GPU-only) or the caller set it already."""
+    if enabled or jax.default_backend() != "gpu" or "xla_gpu_enable_command_buffer" in (options or {}):
+        return options
+    return {**(options or {}), "xla_gpu_enable_command_buffer": ""}
 
 
 def _write_into(old, new):

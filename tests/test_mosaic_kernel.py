@@ -46,6 +46,16 @@ def test_mosaic_interpret(case):
     check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
 
 
+@pytest.mark.parametrize("name", ["prefill_ragged", "mixed_window"])
+def test_mosaic_late_k_wait_interpret(name):
+    """One-head rows wait for each key block from the step before it (``early_k_wait``, the default,
+    run by ``test_mosaic_interpret``); here the other order, each step waiting for its own block, on
+    the same rows: skipped blocks and window edges included."""
+    case = next(c for c in MOSAIC_CPU_CASES if c.name == name)
+    config = MosaicConfig(block_kv=64, early_k_wait=False)
+    check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
+
+
 def test_mosaic_rejects_what_it_does_not_cover():
     q, k, v, md, _ = build_inputs(dataclasses.replace(MOSAIC_CPU_CASES[0], dtype="float32"))
     assert "bf16 or f16" in supports(q, k, v, md)

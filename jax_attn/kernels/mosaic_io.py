@@ -85,8 +85,9 @@ def zero_tail_values(st, v_slot, blk, k_len):
         for c in range(st.block_kv // 64):
             rows = v_slot.at[pl.ds(c * 64, 64)]
             ids = plgpu.broadcasted_iota(jnp.int32, (64, st.head_dim_v), 0, layout=plgpu.Layout.WGMMA)
-            v = rows[...]
-            rows[...] = jnp.where(ids + (blk * st.block_kv + c * 64) < k_len, v, jnp.zeros_like(v))
+            v = plgpu.load(rows, layout=plgpu.Layout.WGMMA)  # layouts pinned: less for layout inference to search
+            keep = jnp.where(ids + (blk * st.block_kv + c * 64) < k_len, v, jnp.zeros_like(v))
+            rows[...] = plgpu.layout_cast(keep, plgpu.Layout.WGMMA)
         plgpu.commit_smem()
 
 

@@ -70,6 +70,7 @@ class KernelStatics:
     dtype: jnp.dtype
     interpret: bool
     num_splits: int = 1  # S: static bound on kv splits; > 1 selects the split kernel (``mosaic_split``)
+    early_k_wait: bool = False  # wait for the next key block while this block's P @ V runs
 
     @property
     def token_major(self) -> bool:
@@ -217,7 +218,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         worked out per row (``[bq]`` vectors), then one compare per score against the key iota;
         built inside the masked steps only (index arrays held across the loop would spill)."""
         base = blk * bk
-        row = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        row = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
         if st.token_major:
             qpos = p_first + row % (bq // st.pack)
         elif st.pack > 1:
@@ -226,7 +228,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             qpos = p_first + row
         rel = qpos - base  # the row's query position, counted from the block's first key
         left, right = st.window
-        hi = jnp.zeros_like(rel) + (k_len - 1 - base)
+        hi = plgpu.layout_cast(jnp.full((bq,), k_len - 1 - base, jnp.int32), row_layout)
         if st.causal:
             hi = jnp.minimum(hi, rel)
         if right >= 0:
@@ -250,10 +252,18 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     def scaled(x):
         return x if post == 1.0 else x * post
 
+    cta_end = cta_lo + nblk
+
+    def wait_keys(blk):
+        """Waits for key block ``blk`` (once per block: from the step itself, or with ``early_k_wait``
+        from the step before it, while that step's P @ V is in flight)."""
+        pl.when(blk < cta_end)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
+
     def step(blk, carry, masked):
         acc, m_i, l_i = carry
         slot = lax.rem(blk - cta_lo, st.stages)
-        plgpu.barrier_wait(k_bar.at[slot])
+        if not st.early_k_wait:
+            plgpu.barrier_wait(k_bar.at[slot])
 
         def qk_fn(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -278,13 +288,17 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             zero_tail_values(st, v_smem.at[slot], blk, k_len)
         plgpu.barrier_wait(sched)
 
-        acc = _pv(st, acc, p16, v_smem.at[slot], p_smem)
+        acc = _pv(st, acc, p16, v_smem.at[slot], p_smem,
+                  functools.partial(wait_keys, blk + 1) if st.early_k_wait else None)
         plgpu.barrier_arrive(v_used.at[slot])
         return acc, m_new, l_i
 
     def skip(blk, carry):
         slot = lax.rem(blk - cta_lo, st.stages)
-        plgpu.barrier_wait(k_bar.at[slot])
+        if st.early_k_wait:
+            wait_keys(blk + 1)  # this block's keys were waited for by the step before
+        else:
+            plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_arrive(k_used.at[slot])
         sched_barrier()
         plgpu.barrier_wait(v_bar.at[slot])
@@ -302,6 +316,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     f_hi = jnp.clip(full_hi, f_lo, hi)
     masked_step = functools.partial(step, masked=True)
     pl.when(wg == 1)(sched_barrier)
+    if st.early_k_wait:
+        wait_keys(cta_lo)
     carry = lax.fori_loop(cta_lo, lo, skip, None)
     carry = (acc, m_i, l_i)
     carry = lax.fori_loop(lo, f_lo, masked_step, carry)
@@ -313,7 +329,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
               lse_smem2)
 
 
-def _pv(st, acc, p16, v_slot, p_smem):
+def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
     """``acc + p16 @ v_slot`` accumulated in place by wgmma, ``p16`` from registers. (The interpreter
     lacks ``run_state`` and register operands: there ``p16`` goes through shared memory and the
     product gets its own accumulator.)"""
@@ -325,10 +341,15 @@ def _pv(st, acc, p16, v_slot, p_smem):
             plgpu.wgmma(acc_ref, p_smem, v_slot)
             return acc_ref[...]
 
-        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+        out = acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+        if while_running is not None:
+            while_running()
+        return out
 
     def chained(acc_ref):
         plgpu.wgmma(acc_ref, p16, v_slot)
+        if while_running is not None:
+            while_running()
 
     return pl.run_state(chained)(plgpu.ACC.init(acc))
 
