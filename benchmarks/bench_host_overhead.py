@@ -7,10 +7,8 @@ compiler options:
   jit      the same step through ``jax.jit``'s C++ dispatch instead of the AOT executable
   staged   step inputs first copied into persistent device buffers (stable input addresses, so a
            command buffer needs no update for them)
-  cb       compiled with XLA command buffers (CUDA graphs: ``StepRunner(command_buffers=True)``);
-           the default launches kernels one by one and the GPU starts on the first while the host
-           enqueues the rest
-  nocb     command buffers off through the XLA flag (what the default does on a GPU)
+  nocb     ``StepRunner(command_buffers=False)``: no XLA command buffers (CUDA graphs); kernels are
+           launched one by one and the GPU starts on the first while the host enqueues the rest
   dsf      XLA dynamic-slice fusion: slices feeding library GEMMs become address offsets
   static   ``StepRunner(static_buffers=True)``: inputs written into fixed device buffers and token
            outputs donated back into fixed buffers, so no command buffer needs an update
@@ -61,14 +59,13 @@ from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
 CALL_OPTIONS = ("jit", "staged")
-COMPILE_OPTIONS = {"cb": {},  # StepRunner(command_buffers=True)
-                   "nocb": {"xla_gpu_enable_command_buffer": ""},
+COMPILE_OPTIONS = {"nocb": {},  # StepRunner(command_buffers=False)
                    "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
                    "static": {}}  # StepRunner(static_buffers=True): fixed input/output buffers
 VARIANT_SETS = {
-    "main": ("list", "list-staged", "fused", "fused-jit", "fused-staged", "fused-static", "fused-cb",
-             "fused-static-cb", "fused-dsf"),
-    "alternatives": ("list-cb", "perlayer", "perlayer-cb", "flat", "scan", "scan-dsf"),
+    "main": ("list", "list-staged", "fused", "fused-jit", "fused-staged", "fused-static", "fused-nocb",
+             "fused-static-nocb", "fused-dsf"),
+    "alternatives": ("list-nocb", "perlayer", "perlayer-nocb", "flat", "scan", "scan-dsf"),
 }
 VARIANT_SETS["all"] = VARIANT_SETS["main"] + VARIANT_SETS["alternatives"]
 
@@ -179,7 +176,7 @@ def random_pools(cfg, num_slots, seed, stacked=False):
 def runner_options(opts) -> dict:
     """``StepRunner`` keyword arguments for a variant's compile options (see ``COMPILE_OPTIONS``)."""
     xla = {k: v for o in opts for k, v in COMPILE_OPTIONS[o].items()}
-    return dict(compiler_options=xla or None, static_buffers="static" in opts, command_buffers="cb" in opts or None)
+    return dict(compiler_options=xla or None, static_buffers="static" in opts, command_buffers="nocb" not in opts)
 
 
 def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opts=()):

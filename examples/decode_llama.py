@@ -15,7 +15,7 @@ launching the next step (the device idles while the host works). ``--overlap`` r
 the host, as SGLang's overlap scheduler does: the step also returns its greedy ids, step i+1 is
 launched with step i's ids still on the device, and only then does the host read step i.
 ``--static-buffers`` replays with fixed input and output buffers (``StepRunner(static_buffers=True)``);
-``--command-buffers`` lets XLA record each step's kernels into CUDA graphs (off by default on a GPU).
+``--no-command-buffers`` launches each step's kernels one by one instead of as XLA command buffers.
 Every combination produces the same tokens and runs the same check.
 """
 
@@ -163,7 +163,7 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
 
 
 def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=False) -> dict:
+             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=True) -> dict:
     """Prefill random ragged prompts, then greedy-decode ``new_tokens`` per request (arguments as ``main``).
 
     Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
@@ -224,7 +224,7 @@ def report(run: dict, check: bool = True) -> int:
 
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=False) -> int:
+         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=True) -> int:
     """Prefill, decode, print tokens/s and ms/step, and check against dense attention.
 
     Args:
@@ -232,7 +232,7 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
       new_tokens: greedy tokens per request (the first from the prefill); page_size: KV page size;
       impl: attention kernels (``FlashAttentionBackend``); seed: prompts, weights and page order;
       check: run the dense check; layout: ``llama.LAYOUTS``; overlap: the overlap decode loop;
-      static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=True)``.
+      static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=...)``.
     Returns:
       0 when the check passes (or is skipped), 1 when it fails.
     """
@@ -256,8 +256,8 @@ def parse():
                     help="launch decode step i+1 with step i's greedy ids still on the device, then read step i")
     ap.add_argument("--static-buffers", action="store_true",
                     help="replay with fixed step input and output buffers (StepRunner(static_buffers=True))")
-    ap.add_argument("--command-buffers", action="store_true",
-                    help="XLA command buffers (CUDA graphs) inside each step (StepRunner(command_buffers=True))")
+    ap.add_argument("--no-command-buffers", dest="command_buffers", action="store_false",
+                    help="launch each step's kernels one by one (StepRunner(command_buffers=False))")
     return vars(ap.parse_args())
 
 

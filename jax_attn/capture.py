@@ -63,12 +63,11 @@ class StepRunner:
       donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
       compiler_options: XLA options for every executable of this runner.
       command_buffers: let XLA record the kernels of each executable into command buffers (CUDA
-        graphs). ``None`` (default): off on GPUs. A decode step of a 1B-class model at batch 64 then
-        keeps the GPU busier: kernels are launched one by one, the GPU starts on the first while
-        the host enqueues the rest, and no graph has to be re-pointed at new buffer addresses before
-        the step can start (``benchmarks/RESULTS.md``: 66-72 us of GPU idle per pipelined step
-        against 104-124 with command buffers). Turn them on for steps of many tiny kernels, where
-        one graph launch beats hundreds of kernel launches.
+        graphs; the default). ``False`` launches them one by one (GPU only; ``benchmarks/RESULTS.md``,
+        H100, 1B-class decode step at batch 64): back-to-back steps with no host work between them
+        leave the GPU idle 50-72 us per step instead of 95-187, but the executable call then holds
+        the host thread until the step's kernels are done, so a loop that does host work per step
+        is slower (the example's overlap loop: 8.54 ms/step against 6.92).
       static_buffers: replay like a CUDA graph with static input and output buffers: each bucket
         keeps device buffers for its step inputs and token outputs; a replay first writes the new
         inputs into them (one small call), then runs the executable with the outputs donated back
@@ -80,7 +79,7 @@ class StepRunner:
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
-                 compiler_options: Optional[dict] = None, command_buffers: Optional[bool] = None,
+                 compiler_options: Optional[dict] = None, command_buffers: bool = True,
                  static_buffers: bool = False):
         self.backend = backend
         compiler_options = _with_command_buffers(compiler_options, command_buffers)
@@ -174,7 +173,7 @@ class StepRunner:
         return self._jit(key, layout, self.backend.req_to_token, packed, token_inputs, *args)
 
 
-def _with_command_buffers(options: Optional[dict], enabled: Optional[bool]) -> Optional[dict]:
+def _with_command_buffers(options: Optional[dict], enabled: bool) -> Optional[dict]:
     """``options`` plus the XLA flag that turns command buffers off, unless ``enabled`` or not on a GPU
     (the flag is GPU-only) or the caller set it already."""
     if enabled or jax.default_backend() != "gpu" or "xla_gpu_enable_command_buffer" in (options or {}):

@@ -270,15 +270,15 @@ def test_debug_mode_validates_plans():
         backend.plan(too_long)
 
 
-def test_command_buffers_default_off_on_gpu_only(monkeypatch):
-    """``StepRunner``'s executables get XLA's command-buffer flag cleared on a GPU unless asked to keep
-    them; other backends (the flag is GPU-only) and an explicit caller setting are left alone."""
+def test_command_buffers_flag_only_on_gpu(monkeypatch):
+    """``StepRunner(command_buffers=False)`` clears XLA's command-buffer flag on a GPU; the default
+    keeps them, other backends (the flag is GPU-only) and an explicit caller setting are left alone."""
     from jax_attn import capture
 
     flag = "xla_gpu_enable_command_buffer"
-    assert capture._with_command_buffers(None, None) is None  # CPU here
+    assert capture._with_command_buffers(None, False) is None  # CPU here
     monkeypatch.setattr(capture.jax, "default_backend", lambda: "gpu")
-    assert capture._with_command_buffers(None, None) == {flag: ""}
+    assert capture._with_command_buffers(None, True) is None
+    assert capture._with_command_buffers(None, False) == {flag: ""}
     assert capture._with_command_buffers({"a": 1}, False) == {"a": 1, flag: ""}
-    assert capture._with_command_buffers({"a": 1}, True) == {"a": 1}
-    assert capture._with_command_buffers({flag: "FUSION"}, None) == {flag: "FUSION"}
+    assert capture._with_command_buffers({flag: "FUSION"}, False) == {flag: "FUSION"}
