@@ -38,6 +38,8 @@ POINTS = {  # name: (kind, batch, q_len, kv_len, page_size)
 VARIANTS = {
     "default": MosaicConfig(),  # early_k_wait for one-head rows (prefill) only
     "late_k": MosaicConfig(early_k_wait=False),  # every step waits for its key block at its start
+    "paired": MosaicConfig(solo=False),  # packed decode keeps both compute warpgroups
+    "decode128": MosaicConfig(decode_block_kv=None, decode_stages=None),  # unsplit decode at block_kv 128 x 2
 }
 TOLERANCE = 2e-2
 

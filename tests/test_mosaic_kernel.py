@@ -56,6 +56,19 @@ def test_mosaic_late_k_wait_interpret(name):
     check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
 
 
+@pytest.mark.parametrize("name,config", [
+    ("decode_packed", MosaicConfig(block_kv=64, solo=False)),
+    ("verify_packed", MosaicConfig(block_kv=64, solo=False)),
+    ("decode_packed", MosaicConfig(decode_min_ctas=1)),  # the many-sequence decode ring: 64 keys x 4 stages
+], ids=["decode_paired", "verify_paired", "decode_deep_ring"])
+def test_mosaic_decode_variants_interpret(name, config):
+    """Packed decode/verify rows run one compute warpgroup by default (``MosaicConfig.solo``); here
+    both warpgroups, the second with no rows, taking turns as prefill tiles do; and the decode ring
+    that calls with many programs use (``decode_block_kv`` / ``decode_stages``)."""
+    case = next(c for c in MOSAIC_CPU_CASES if c.name == name)
+    check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
+
+
 def test_mosaic_rejects_what_it_does_not_cover():
     q, k, v, md, _ = build_inputs(dataclasses.replace(MOSAIC_CPU_CASES[0], dtype="float32"))
     assert "bf16 or f16" in supports(q, k, v, md)

@@ -56,6 +56,7 @@ class Tables:
     args: Tuple[torch.Tensor, ...]  # page_table [B, P], cache_seqlens [B], cu_seqlens_q [B + 1], tile_seq [N], tile_q_block [N]
     pack: int  # rows per query token of the row view
     num_tiles: int  # N
+    max_q_len: int  # static bound on queries per sequence (the plan's)
 
 
 def _padded(n: int) -> int:
@@ -154,7 +155,7 @@ class MosaicPath:
             off += _padded(n)
         if off != flat.shape[0] or _padded(num_tiles) != num_tiles:
             raise RuntimeError(f"table layout mismatch ({off} != {flat.shape[0]}): tile bound {num_tiles}")
-        return Tables(flat, tuple(views), pack, num_tiles)
+        return Tables(flat, tuple(views), pack, num_tiles, md.max_q_len)
 
     # ---- per layer ---------------------------------------------------------------------------
     def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
@@ -202,7 +203,8 @@ class LayerCall:
             num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
             page_size=key.page_size, pack=g, dtype=jax_dtype(q.dtype),
             causal=True, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
-            has_sinks=has_sinks, config=path.config)
+            has_sinks=has_sinks, config=path.config,
+            max_q_len=tables.max_q_len)
         q_example = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
         out_example = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         args = (q_example, k_buf.view(-1, key.page_size, hkv, d), v_buf.view(-1, key.page_size, hkv, dv),

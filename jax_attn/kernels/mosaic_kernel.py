@@ -71,6 +71,12 @@ class KernelStatics:
     interpret: bool
     num_splits: int = 1  # S: static bound on kv splits; > 1 selects the split kernel (``mosaic_split``)
     early_k_wait: bool = False  # wait for the next key block while this block's P @ V runs
+    solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
+
+    @property
+    def active_wgs(self) -> int:
+        """Compute warpgroups that run the key loop (and release ring slots)."""
+        return 1 if self.solo else COMPUTE_WGS
 
     @property
     def token_major(self) -> bool:
@@ -170,7 +176,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
         nblk = jnp.maximum(cta_hi - cta_lo, 0)
         kv_head = head // st.kv_group
 
-        @pl.when(wg < COMPUTE_WGS)
+        @pl.when(wg < st.active_wgs)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             rng = [jnp.where(wg == 0, a, b) for a, b in zip(ranges[0], ranges[1])]
@@ -208,8 +214,16 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     plgpu.commit_smem()
 
     def sched_barrier():
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+        sched_arrive()
+        sched_wait()
+
+    def sched_arrive():  # the warpgroups take turns on the tensor cores (a lone one has no one to wait for)
+        if not st.solo:
+            plgpu.barrier_arrive(sched)
+
+    def sched_wait():
+        if not st.solo:
+            plgpu.barrier_wait(sched)
 
     c = st.scale * LOG2E
 
@@ -282,11 +296,11 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(st.dtype)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        plgpu.barrier_arrive(sched)
+        sched_arrive()
         plgpu.barrier_wait(v_bar.at[slot])
         if masked:
             zero_tail_values(st, v_smem.at[slot], blk, k_len)
-        plgpu.barrier_wait(sched)
+        sched_wait()
 
         acc = _pv(st, acc, p16, v_smem.at[slot], p_smem,
                   functools.partial(wait_keys, blk + 1) if st.early_k_wait else None)
@@ -405,7 +419,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=st.pack if st.token_major else 1, num_barriers=wgs),  # Q: one copy per head
     )
-    used = (plgpu.Barrier(num_arrivals=wgs, num_barriers=st.stages),) * 2
+    used = (plgpu.Barrier(num_arrivals=st.active_wgs, num_barriers=st.stages),) * 2
     sched = plgpu.Barrier(num_arrivals=wgs)
     pl.run_scoped(lambda *a: _kernel(st, num_tiles, refs, *a), smem, bars, used, sched, collective_axes="wg")
 

@@ -54,6 +54,14 @@ class MosaicConfig:
         the next key block right after issuing this block's P @ V (while it runs) instead of at the
         start of the next step. (Measured on an H100: prefill +1-2%; packed decode rows slower, so
         they keep the wait at the step start.)
+      decode_block_kv / decode_stages: ``block_kv`` and ``stages`` for packed rows in an unsplit
+        call with at least ``decode_min_ctas`` (token, kv head) programs: many decode sequences,
+        shorter and deeper ring steps (H100, 256 x 1024: 2.88-2.90 TB/s against 2.85-2.86 with
+        128 x 2; 8 x 8192, 64 programs: 2.53 against 2.76, so few programs keep 128 x 2). None:
+        ``block_kv`` / ``stages``.
+      solo: when no sequence's packed rows can reach the second compute warpgroup (decode and
+        short verify: ``max_q_len * G <= block_q``), that warpgroup sits the kernel out: the first
+        one runs alone, with no schedule barrier to take turns through.
     """
 
     block_q: int = 64
@@ -65,12 +73,20 @@ class MosaicConfig:
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 1
     early_k_wait: bool = True
+    solo: bool = True
+    decode_block_kv: int | None = 64
+    decode_stages: int | None = 4
+    decode_min_ctas: int = 2 * HOPPER_NUM_SMS
 
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"{self.block_q=} must be 64 (one wgmma tile per warpgroup)")
-        if self.block_kv % 64 or self.block_kv < 64:
-            raise ValueError(f"{self.block_kv=} must be a positive multiple of 64")
+        for name in ("block_kv", "decode_block_kv"):
+            v = getattr(self, name)
+            if v is not None and (v % 64 or v < 64):
+                raise ValueError(f"{name}={v} must be a positive multiple of 64")
+        if self.decode_stages is not None and self.decode_stages < 2:
+            raise ValueError(f"{self.decode_stages=} must be >= 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be >= 2")
         for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves"):
@@ -138,21 +154,27 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
                    page_size: int, pack: int, dtype, causal: bool = True, window_size=(-1, -1),
                    softcap: float = 0.0, softmax_scale: float | None = None, has_sinks: bool = False,
                    return_lse: bool = False, config: MosaicConfig | None = None,
-                   interpret: bool = False, num_splits: int = 1) -> KernelStatics:
+                   interpret: bool = False, num_splits: int = 1, max_q_len: int | None = None) -> KernelStatics:
     """The kernel's trace-time constants for one call shape (the row view follows ``pack``;
-    ``num_splits > 1``: the split kernel, which always writes the LSE)."""
+    ``num_splits > 1``: the split kernel, which always writes the LSE; ``max_q_len``: the static bound
+    on queries per sequence, which lets packed decode run one compute warpgroup, ``MosaicConfig.solo``)."""
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     g = num_q_heads // num_kv_heads
+    block_kv, stages = config.block_kv, config.stages
+    if pack > 1 and num_splits == 1 and num_tokens * num_kv_heads >= config.decode_min_ctas:
+        block_kv = config.decode_block_kv or block_kv
+        stages = config.decode_stages or stages
     if has_sinks and pack > 1:
         raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
                                   f"{config.pack_max_q_len}); use impl='triton'")
     return KernelStatics(
         num_rows=num_tokens * pack, num_heads=num_q_heads if pack == 1 else num_kv_heads, kv_group=g // pack,
-        pack=pack, page_size=page_size, block_q=config.block_q, block_kv=config.block_kv, stages=config.stages,
+        pack=pack, page_size=page_size, block_q=config.block_q, block_kv=block_kv, stages=stages,
         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
+        solo=config.solo and pack > 1 and max_q_len is not None and max_q_len * pack <= config.block_q,
     )
 
 
@@ -225,7 +247,7 @@ def paged_attention_mosaic(
                         page_size=page_size, pack=pack, dtype=q.dtype, causal=causal, window_size=window_size,
                         softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
                         return_lse=return_lse, config=config, interpret=interpret is not None,
-                        num_splits=sched.max_splits)
+                        num_splits=sched.max_splits, max_q_len=md.max_q_len)
     sinks_arr = jnp.zeros((st.num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     tables = (md.page_table.astype(jnp.int32), md.cache_seqlens.astype(jnp.int32),
               md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block)
