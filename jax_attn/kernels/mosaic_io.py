@@ -1,5 +1,6 @@
-"""Data movement of the Mosaic GPU kernel (``mosaic_kernel``): the TMA producer warpgroup, ragged
-row stores, zeroed padding rows and value rows past the sequence end.
+"""Data movement of the Mosaic GPU kernel (``mosaic_kernel``): the TMA producer warpgroup, the
+compute warpgroups' epilogue and ragged row stores, zeroed padding rows and value rows past the
+sequence end.
 
 ``st`` is the kernel's ``mosaic_kernel.KernelStatics``.
 """
@@ -7,6 +8,7 @@ row stores, zeroed padding rows and value rows past the sequence end.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -14,6 +16,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 COMPUTE_WGS = 2  # compute warpgroups per CTA; the producer is warpgroup COMPUTE_WGS
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 PAD_BLOCKS = 8  # row blocks of COMPUTE_WGS * block_q rows zeroed by one padding CTA
 
 
@@ -108,3 +112,29 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
             pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
         off = off + jnp.where(take, size, 0)
         size //= 2
+
+
+def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
+    """A compute warpgroup's end: the sinks folded in, the rows normalized and stored (``store_rows``),
+    the LSE (natural log) of its rows written to its tile's slot."""
+    acc, m_i, l_i = carry
+    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks); kv split 0 only
+        sink = sinks_ref[head] * LOG2E
+        if split is not None:
+            sink = jnp.where(split == 0, sink, -jnp.inf)
+        m_new = jnp.maximum(m_i, sink)
+        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_sub)
+        l_i = l_i * alpha + jnp.exp2(sink - m_sub)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        m_i = m_new
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    o_smem[...] = acc.astype(o_smem.dtype)
+    if st.return_lse:
+        lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
+    plgpu.commit_smem()
+    store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
+    if st.return_lse:
+        plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
+    plgpu.wait_smem_to_gmem(0)

@@ -19,7 +19,7 @@ split, a run of the CTA's key blocks; it writes a float32 partial output and its
 Keys past ``cache_seqlens`` that share the last page are masked out of the scores, and their value
 rows are zeroed in shared memory before the P@V product (unused slots may hold anything, NaN too).
 
-The producer, the ragged row stores and the padding rows live in ``mosaic_io``.
+The producer, the epilogue with its ragged row stores and the padding rows live in ``mosaic_io``.
 
 Dimension legend: T tokens, B sequences, P page-table width, Hq / Hkv heads, G = Hq // Hkv,
 D / Dv head dims, N work tiles (static bound), R rows of the row view, H heads of the row view.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.mosaic_io import COMPUTE_WGS, PAD_BLOCKS, memory_wg, padding_rows, store_rows, zero_tail_values
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, memory_wg, padding_rows,
+                                        zero_tail_values)
 
 
 def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
@@ -339,7 +336,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     carry = lax.fori_loop(f_hi, hi, masked_step, carry)
     lax.fori_loop(hi, cta_hi, skip, None)
     pl.when(wg == 0)(sched_barrier)
-    _epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
+    epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
               lse_smem2)
 
 
@@ -366,30 +363,6 @@ def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
             while_running()
 
     return pl.run_state(chained)(plgpu.ACC.init(acc))
-
-
-def _epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
-    acc, m_i, l_i = carry
-    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks); kv split 0 only
-        sink = sinks_ref[head] * LOG2E
-        if split is not None:
-            sink = jnp.where(split == 0, sink, -jnp.inf)
-        m_new = jnp.maximum(m_i, sink)
-        m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_sub)
-        l_i = l_i * alpha + jnp.exp2(sink - m_sub)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        m_i = m_new
-    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-    acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    o_smem[...] = acc.astype(o_smem.dtype)
-    if st.return_lse:
-        lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
-    plgpu.commit_smem()
-    store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
-    if st.return_lse:
-        plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
-    plgpu.wait_smem_to_gmem(0)
 
 
 def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
