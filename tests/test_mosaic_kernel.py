@@ -46,25 +46,19 @@ def test_mosaic_interpret(case):
     check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
 
 
-@pytest.mark.parametrize("name", ["prefill_ragged", "mixed_window"])
-def test_mosaic_late_k_wait_interpret(name):
-    """One-head rows wait for each key block from the step before it (``early_k_wait``, the default,
-    run by ``test_mosaic_interpret``); here the other order, each step waiting for its own block, on
-    the same rows: skipped blocks and window edges included."""
-    case = next(c for c in MOSAIC_CPU_CASES if c.name == name)
-    config = MosaicConfig(block_kv=64, early_k_wait=False)
-    check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
-
-
 @pytest.mark.parametrize("name,config", [
+    ("prefill_ragged", MosaicConfig(block_kv=64, early_k_wait=False)),
+    ("mixed_window", MosaicConfig(block_kv=64, early_k_wait=False)),
     ("decode_packed", MosaicConfig(block_kv=64, solo=False)),
     ("verify_packed", MosaicConfig(block_kv=64, solo=False)),
     ("decode_packed", MosaicConfig(decode_min_ctas=1)),  # the many-sequence decode ring: 64 keys x 4 stages
-], ids=["decode_paired", "verify_paired", "decode_deep_ring"])
-def test_mosaic_decode_variants_interpret(name, config):
-    """Packed decode/verify rows run one compute warpgroup by default (``MosaicConfig.solo``); here
-    both warpgroups, the second with no rows, taking turns as prefill tiles do; and the decode ring
-    that calls with many programs use (``decode_block_kv`` / ``decode_stages``)."""
+], ids=["prefill_late_k", "window_late_k", "decode_paired", "verify_paired", "decode_deep_ring"])
+def test_mosaic_config_variants_interpret(name, config):
+    """The orders the defaults do not pick for these rows. One-head rows wait for each key block from
+    the step before it (``early_k_wait``); here each step waits for its own block, skipped blocks and
+    window edges included. Packed decode/verify rows run one compute warpgroup (``solo``); here both,
+    the second with no rows, taking turns as prefill tiles do. And the decode ring that calls with
+    many programs use (``decode_block_kv`` / ``decode_stages``)."""
     case = next(c for c in MOSAIC_CPU_CASES if c.name == name)
     check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
 

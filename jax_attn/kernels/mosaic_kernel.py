@@ -198,7 +198,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     # Rows start anywhere, but TMA into the tiled layout needs 8-aligned rows: stage Q through an
     # untiled buffer, then store it tiled for wgmma. (The split kernel's ``q_stage`` may share memory
     # with the other warpgroup's output buffer: each warpgroup reaches its epilogue only after a
-    # ``sched`` wait that needs the other's first arrival, which follows its Q staging.)
+    # ``sched`` wait that needs the other's first arrival, which follows its Q staging. A ``solo``
+    # kernel has no such wait, and no second warpgroup staging Q either.)
     if st.token_major:  # one copy per query head of the group (see ``KernelStatics.token_major``)
         tpb = bq // st.pack
         for j in range(st.pack):
@@ -263,12 +264,12 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     def scaled(x):
         return x if post == 1.0 else x * post
 
-    cta_end = cta_lo + nblk
+    cta_hi = cta_lo + nblk
 
     def wait_keys(blk):
         """Waits for key block ``blk`` (once per block: from the step itself, or with ``early_k_wait``
         from the step before it, while that step's P @ V is in flight)."""
-        pl.when(blk < cta_end)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
+        pl.when(blk < cta_hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
 
     def step(blk, carry, masked):
         acc, m_i, l_i = carry
@@ -320,7 +321,6 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     acc = plgpu.layout_cast(jnp.zeros((bq, st.head_dim_v), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    cta_hi = cta_lo + nblk
     lo = jnp.clip(blk_lo, cta_lo, cta_hi)
     hi = jnp.clip(blk_hi, lo, cta_hi)
     f_lo = jnp.clip(full_lo, lo, hi)
