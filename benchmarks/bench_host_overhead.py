@@ -19,7 +19,9 @@ Per variant:
   host        time for the replay call to return (planning inputs, padding, dispatch)
   overhead    replay - device
   piped       wall time per step of replays issued without blocking, the next token ids taken on
-              device from the previous step's logits
+              device from the previous step's logits, in steady state (timed from the end of a
+              step while later ones are queued: the first step's start from an idle GPU is the
+              blocking cost, ``overhead``)
   overlap     as ``piped``, but the host also reads every step's ids, one step late (after the next
               step is launched), as SGLang's overlap scheduler does
   call same / call fresh: host time of the bare executable call with the same device inputs /
@@ -255,30 +257,40 @@ def _median_us(ts):
     return statistics.median(ts) * 1e6
 
 
-def time_calls(env, steps: int, fresh: bool):
-    """Bare executable calls: (wall us per call, median host us per call). ``fresh``: new input buffers."""
-    exe, params, pools, runner = env["exe"], env["params"], env["pools"], env["runner"]
-    same = device_args(env)
-    arg_sets = [device_args(env) if fresh else same for _ in range(steps)]
-    bufs = next(iter(runner.buffers.values()), None)  # static_buffers: thread the donated outputs
+def bare_call(env):
+    """``call(args, pools) -> (token outputs, pools)``: one bare executable call on ``device_args``
+    (with ``static_buffers``, on the runner's fixed buffers, the donated outputs threaded through)."""
+    exe, params = env["exe"], env["params"]
+    bufs = next(iter(env["runner"].buffers.values()), None)
 
     def call(args, pools):
         if bufs is None:
-            return exe(*args, params, pools)[1]
+            return exe(*args, params, pools)
         bufs[1], pools = exe(args[0], bufs[0], bufs[1], params, pools)
-        return pools
+        return bufs[1], pools
+    return call
 
-    for _ in range(3):
-        pools = call(same, pools)
-    jax.block_until_ready((pools, arg_sets))
-    host, t0 = [], time.perf_counter()
-    for args in arg_sets:
+
+def time_calls(env, steps: int, fresh: bool, warm: int = 4):
+    """Bare executable calls: (wall us per call in steady state, timed as ``time_pipelined`` does;
+    median host us per call). ``fresh``: new input buffers."""
+    pools, call = env["pools"], bare_call(env)
+    same = device_args(env)
+    arg_sets = [device_args(env) if fresh else same for _ in range(warm + steps)]
+    jax.block_until_ready(arg_sets)
+    host, marker, t0 = [], None, None
+    for i, args in enumerate(arg_sets):
         t1 = time.perf_counter()
-        pools = call(args, pools)
+        out, pools = call(args, pools)
         host.append(time.perf_counter() - t1)
+        if i == warm - 1:
+            marker = jnp.copy(out["next_ids"])
+        elif i == warm + 1:
+            jax.block_until_ready(marker)
+            t0 = time.perf_counter()
     jax.block_until_ready(pools)
     env["pools"] = pools
-    return (time.perf_counter() - t0) / steps * 1e6, _median_us(host)
+    return (time.perf_counter() - t0) / steps * 1e6, _median_us(host[warm:])
 
 
 def time_replay(env, run, steps: int):
@@ -298,8 +310,13 @@ def time_replay(env, run, steps: int):
     return _median_us(replay), _median_us(host)
 
 
-def time_pipelined(env, run, steps: int, read_ids: bool = False) -> float:
-    """Wall us per step of ``steps`` replays without blocking; token ids stay on device.
+def time_pipelined(env, run, steps: int, read_ids: bool = False, warm: int = 4) -> float:
+    """Wall us per step of replays issued without blocking, in steady state; token ids stay on device.
+
+    The clock runs from the end of step ``warm - 1`` to the end of step ``warm + steps - 1``, read
+    while later steps are already queued, so it counts ``steps`` steps of a running pipeline and not
+    the first step's path from an idle GPU (a blocking step's cost, which ``time_replay`` reports).
+    If the host cannot keep up, the GPU waits for it inside the window and the time shows it.
 
     ``read_ids``: the host also reads every step's sampled ids, one step late: step i+1 is launched
     (its ids taken on device) before the host waits for step i's ids, as SGLang's overlap scheduler
@@ -307,26 +324,22 @@ def time_pipelined(env, run, steps: int, read_ids: bool = False) -> float:
     """
     fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
     ids = jnp.asarray(env["tok"](lens)["ids"])
-
-    def go(n, ids, pools):
-        pending = None
-        for i in range(n):
-            cur = lens + i
-            out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
-            ids = out["next_ids"]
-            if read_ids:
-                if pending is not None:
-                    np.asarray(pending)  # blocks on the previous step only
-                pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
-        if pending is None:
-            jax.block_until_ready(ids)
-        else:
-            np.asarray(pending)
-        return ids, pools
-
-    ids, pools = go(3, ids, pools)
-    t0 = time.perf_counter()
-    ids, pools = go(steps, ids, pools)
+    pending, marker, t0 = None, None, None
+    for i in range(warm + steps):
+        cur = lens + i
+        out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
+        ids = out["next_ids"]
+        if read_ids:
+            if pending is not None:
+                np.asarray(pending)  # blocks on step i - 1 only
+                t0 = time.perf_counter() if i == warm else t0
+            pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
+        elif i == warm - 1:
+            marker = jnp.copy(ids)
+        elif i == warm + 1:  # two more steps queued: the GPU is busy when step warm - 1 ends
+            jax.block_until_ready(marker)
+            t0 = time.perf_counter()
+    jax.block_until_ready(ids) if pending is None else np.asarray(pending)
     env["pools"] = pools
     return (time.perf_counter() - t0) / steps * 1e6
 

@@ -13,7 +13,11 @@ wall time into:
 and lists the largest idle gaps with the activities on either side, and the host time of CUDA
 driver/runtime calls by name (graph launches and updates, kernel launches, synchronizations).
 
-    python benchmarks/profile_step.py --config 1b --batch 64 --ctx 4096 --variant fused
+With ``--piped``, steps are issued without blocking (as ``bench_host_overhead``'s ``piped``) and
+the report gives, per step, the GPU span, busy and idle time and the activities by kind, for the
+replays and for bare executable calls on the same device inputs.
+
+    python benchmarks/profile_step.py --config 1b --batch 64 --ctx 4096 --variant fused [--piped]
 """
 
 from __future__ import annotations
@@ -62,6 +66,71 @@ def trace_steps(env, run, steps: int) -> list:
         prof.export_chrome_trace(path)
         with open(path) as f:
             return json.load(f).get("traceEvents", [])
+
+
+def trace_window(env, run, steps: int, piped: bool) -> list:
+    """Chrome-trace events of ``steps`` steps issued without blocking: replays (``piped``, next ids
+    taken on device as ``bench_host_overhead.time_pipelined`` does) or bare executable calls on the
+    same device inputs (the kernels' floor)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fb, lens, params = env["fb"], env["lens"], env["params"]
+    pools = env["pools"]
+    call, same = bho.bare_call(env), bho.device_args(env)
+    ids = jax.numpy.asarray(env["tok"](lens)["ids"])
+
+    def go(n, ids, pools):
+        for i in range(n):
+            if piped:
+                cur = lens + i
+                out, pools = run(fb(cur), dict(ids=ids, pos=(cur - 1).astype("int32")), params, pools)
+                ids = out["next_ids"]
+            else:
+                pools = call(same, pools)[1]
+        jax.block_until_ready((ids, pools))
+        return ids, pools
+
+    ids, pools = go(3, ids, pools)
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("ignore")
+        ids, pools = go(steps, ids, pools)
+    env["pools"] = pools
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f).get("traceEvents", [])
+
+
+def analyze_window(events: list, steps: int, top: int = 8) -> dict:
+    """Per step: GPU span, busy and idle time, activities by kind; the largest idle gaps."""
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", ""), e.get("cat")) for e in events
+                 if e.get("cat") in _GPU and "dur" in e)
+    busy = _union_us([(a, b) for a, b, _, _ in gpu])
+    span = max(b for _, b, _, _ in gpu) - gpu[0][0]
+    gaps, end, prev = [], gpu[0][1], gpu[0][2]
+    for a, b, name, _ in gpu[1:]:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        if b > end:
+            end, prev = b, name
+    kinds = collections.Counter(cat for _, _, _, cat in gpu)
+    kind_us = collections.Counter()
+    for a, b, _, cat in gpu:
+        kind_us[cat] += b - a
+    return dict(span=span / steps, busy=busy / steps, idle=(span - busy) / steps,
+                kinds={k: (kinds[k] / steps, kind_us[k] / steps) for k in kinds},
+                gaps=sorted(gaps, reverse=True)[:top], gaps_over_5us=sum(g for g, _, _ in gaps if g > 5) / steps)
+
+
+def print_window(name: str, rep: dict) -> None:
+    print(f"\n### {name} (per step, us)\n")
+    print(f"GPU span {rep['span']:.0f}, busy {rep['busy']:.0f}, idle {rep['idle']:.0f} "
+          f"(in gaps over 5 us: {rep['gaps_over_5us']:.0f})")
+    print("activities: " + ", ".join(f"{k} {n:.1f} ({us:.0f} us)" for k, (n, us) in sorted(rep["kinds"].items())))
+    print("largest idle gaps (us, after -> before):")
+    for us, prev, nxt in rep["gaps"]:
+        print(f"  {us:8.1f}  {prev[:60]} -> {nxt[:60]}")
 
 
 def _union_us(spans) -> float:
@@ -119,13 +188,20 @@ def print_report(name: str, rep: dict) -> None:
         print(f"  {us:8.1f}  {api_name}")
 
 
-def main(config="1b", batch=64, ctx=4096, page_size=16, steps=20, layers=None, variant="fused"):
+def main(config="1b", batch=64, ctx=4096, page_size=16, steps=20, layers=None, variant="fused", piped=False):
     for (layout, opts), variants in bho.parse_variants(variant).items():
         env = bho.setup(config, batch, ctx, page_size, steps + 8, layers, "auto", layout, opts)
+        where = f"{jax.devices()[0].device_kind} (layers {env['cfg'].n_layers}, batch {batch}, ctx {ctx}, page {page_size})"
+        if piped:
+            print_window(f"{where} {layout}: bare calls, same inputs",
+                         analyze_window(trace_window(env, None, steps, piped=False), steps))
         for name, call in variants:
-            rep = analyze(trace_steps(env, bho.call_path(env, call), steps))
-            print_report(f"{jax.devices()[0].device_kind} {name} (layers {env['cfg'].n_layers}, batch {batch}, "
-                         f"ctx {ctx}, page {page_size})", rep)
+            run = bho.call_path(env, call)
+            if piped:
+                print_window(f"{where} {name}: pipelined replays", analyze_window(trace_window(env, run, steps, True),
+                                                                                  steps))
+            else:
+                print_report(f"{where} {name}", analyze(trace_steps(env, run, steps)))
         del env
 
 
@@ -140,4 +216,6 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--variant", default="fused", help="bench_host_overhead variants, comma-separated")
+    ap.add_argument("--piped", action="store_true",
+                    help="steps issued without blocking (and bare calls on the same inputs): GPU busy/idle per step")
     main(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args()).items()})

@@ -7,7 +7,7 @@ S=4096 at page 16 and 64 (TFLOP/s, ``4 * B * Hq * S^2 * D / 2``) and decode 64 x
 is timed; time = GPU time per call from a CUPTI trace (``common.time_device``), each peer timed
 ``--rounds`` times round-robin, median kept.
 
-    python benchmarks/tune_mosaic.py [--points prefill_p16,decode_256x1024] [--variants default,late_k]
+    python benchmarks/tune_mosaic.py [--points prefill_p16,decode_256x1024] [--variants default,late_k] [--kernels]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ VARIANTS = {
     "late_k": MosaicConfig(early_k_wait=False),  # every step waits for its key block at its start
     "paired": MosaicConfig(solo=False),  # packed decode keeps both compute warpgroups
     "decode128": MosaicConfig(decode_block_kv=None, decode_stages=None),  # unsplit decode at block_kv 128 x 2
+    "ring64": MosaicConfig(block_kv=64, stages=4),  # every call (split decode too) with 64-key x 4-stage rings
 }
 TOLERANCE = 2e-2
 
@@ -50,8 +51,15 @@ def amount(kind, p) -> float:
     return 2 * p.batch * p.kv_len * p.num_kv_heads * p.head_dim * 2
 
 
-def run_point(name: str, variants: list[str], rounds: int, calls: int) -> list[tuple[str, str, float, float]]:
-    """(point, peer, value, rel. error) rows of one point."""
+def print_kernels(name: str, run, sync) -> None:
+    """The GPU activities of one call of ``run`` (name, us), from a CUPTI trace."""
+    acts = common.device_activities(run.call, sync, calls=1)
+    print(f"{name}: {run.name}: {len(acts)} kernels: " + ", ".join(f"{n[:40]} {d:.1f}" for _, d, n in acts), flush=True)
+
+
+def run_point(name: str, variants: list[str], rounds: int, calls: int,
+              kernels: bool = False) -> list[tuple[str, str, float, float]]:
+    """(point, peer, value, rel. error) rows of one point (``kernels``: also each peer's kernel list)."""
     kind, b, q_len, kv_len, ps = POINTS[name]
     p = peers.make_problem(b, q_len, kv_len, ps, device="cuda", num_q_heads=32, num_kv_heads=8, head_dim=128)
     runs = [peers.sdpa(p)] + [peers.ours_mosaic(p, VARIANTS[v], name=f"mosaic[{v}]") for v in variants]
@@ -67,6 +75,8 @@ def run_point(name: str, variants: list[str], rounds: int, calls: int) -> list[t
             print(f"{name}: {run.name} WRONG (rel. err. {err:.1e}): not timed", flush=True)
             continue
         timed.append((run, sync, err, []))
+        if kernels:
+            print_kernels(name, run, sync)
     for _ in range(rounds):
         for run, sync, _, ts in timed:
             t = common.time_device(run.call, sync, calls=calls)
@@ -88,11 +98,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--kernels", action="store_true", help="print each peer's kernels (name, us) of one call")
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
     rows = []
     for name in (n for n in a.points.split(",") if n):
-        rows += run_point(name, variants, a.rounds, a.calls)
+        rows += run_point(name, variants, a.rounds, a.calls, a.kernels)
     print(f"\ndevice: {torch.cuda.get_device_name()}\n\n| point | peer | value | / SDPA |\n|---|---|---|---|")
     base = {r[0]: r[2] for r in rows if r[1].startswith("sdpa")}
     for point, peer, value, _ in rows:

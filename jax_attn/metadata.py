@@ -93,6 +93,7 @@ class WorkSchedule:
     block_q: int = static_field()  # queries per tile
     max_splits: int = static_field()  # static upper bound on seq_num_splits
     pack: int = static_field(default=1)  # rows per query token (query heads packed per kv head)
+    lse_index: Optional[jax.Array] = None  # i32[S, T * Hq]; Mosaic split kernel: where each split's LSE is
 
 
 @_pytree_dataclass

@@ -115,7 +115,8 @@ def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len):
                         num_splits=sched.max_splits, has_sinks=q_len > 1)
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], head_dim), jnp.bfloat16)
-    args = (s((st.num_rows, st.num_heads, head_dim), jnp.bfloat16), cache, cache, md.page_table, md.cache_seqlens,
+    q = (md.num_tokens, HEADS[1], st.pack, head_dim) if st.token_major else (md.num_tokens, HEADS[0], head_dim)
+    args = (s(q, jnp.bfloat16), cache, cache, md.page_table, md.cache_seqlens,
             md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
             s((st.num_heads,), jnp.float32))
     fn = kernel_call_split(st, sched.tile_seq.shape[0])

@@ -109,10 +109,13 @@ def test_split_knobs_choose_tiles_and_splits():
             KernelConfig(**bad)
 
 
+@pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("num_splits,block_rows,num_sms", [(5, 4, 132), (40, 16, 132), (5, 4, 1), (2, 16, 1)])
-def test_merge_splits_interpret(num_splits, block_rows, num_sms):
+def test_merge_splits_interpret(num_splits, block_rows, num_sms, indexed):
     """Rows merge partials [0, row_num_splits); later partials hold NaN; empty ones have LSE -inf.
-    With 132 SMs the 11 rows get one program each (all splits loaded at once); with 1, row blocks."""
+    With 132 SMs the 11 rows get one program each (all splits loaded at once); with 1, row blocks.
+    ``indexed``: the LSEs lie shuffled in a larger NaN-filled buffer, found through ``lse_index``
+    (-1 past a row's count), as the Mosaic split kernel leaves them."""
     rng = np.random.default_rng(num_splits)
     r, d = 11, 32
     po = rng.standard_normal((num_splits, r, d)).astype(np.float32)
@@ -125,8 +128,16 @@ def test_merge_splits_interpret(num_splits, block_rows, num_sms):
         po[ns[row]:, row] = np.nan
         plse[ns[row]:, row] = np.nan
     cfg = KernelConfig(merge_block_rows=block_rows, num_sms=num_sms)
-    o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), jnp.asarray(ns), out_dtype=jnp.float32, config=cfg,
-                          interpret=True)
+    if indexed:
+        where = rng.permutation(3 * num_splits * r)[: num_splits * r].reshape(num_splits, r).astype(np.int32)
+        flat = np.full(3 * num_splits * r, np.nan, np.float32)
+        flat[where] = plse
+        where[np.arange(num_splits)[:, None] >= ns[None, :]] = -1
+        o, lse = merge_splits(jnp.asarray(po), jnp.asarray(flat), lse_index=jnp.asarray(where), out_dtype=jnp.float32,
+                              config=cfg, interpret=True)
+    else:
+        o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), jnp.asarray(ns), out_dtype=jnp.float32, config=cfg,
+                              interpret=True)
     want_o, want_lse = np.zeros((r, d), np.float32), np.full((r,), -np.inf, np.float32)
     for row in range(r):
         lse_r = plse[: ns[row], row]

@@ -77,24 +77,37 @@ def _row_block(block_rows: int, num_rows: int):
     return jnp.where(ok, rows, 0), ok
 
 
-def _splits_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int):
+def _split_lse(sel_ref, plse_ref, rows, sp, ok, *, num_rows: int, num_splits: int, indexed: bool):
+    """``(valid, lse)`` of kv split(s) ``sp`` for ``rows`` (broadcast together). ``sel_ref``: each
+    row's split count (partials ``[0, count)`` are valid, split ``s``'s LSE at ``s * R + row``), or
+    with ``indexed`` the LSE's position per ``(split, row)``, ``-1`` for none."""
+    if indexed:
+        in_range = ok & (sp < num_splits)
+        at = plgpu.load(sel_ref.at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=-1)
+        valid, idx = at >= 0, jnp.maximum(at, 0)
+    else:
+        valid = ok & (sp < plgpu.load(sel_ref.at[rows], mask=ok, other=0))
+        idx = jnp.where(valid, rows + sp * num_rows, 0)
+    return valid, plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+
+
+def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int,
+                   indexed: bool):
     """Two passes: the max and the sum over every split's LSE at once, then a weighted sum of the
     partial outputs whose loads do not wait on one another."""
     rows, ok = _row_block(block_rows, num_rows)
-    ns = plgpu.load(ns_ref.at[rows], mask=ok, other=0)
+    split_lse = functools.partial(_split_lse, sel_ref, plse_ref, num_rows=num_rows, num_splits=num_splits,
+                                  indexed=indexed)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)[:, None]
-    valid = ok[None, :] & (sp < ns[None, :])  # [S_pad, BR]
-    lse_all = plgpu.load(plse_ref.at[jnp.where(valid, rows[None, :] + sp * num_rows, 0)], mask=valid,
-                         other=_NEG_INF)
+    _, lse_all = split_lse(rows[None, :], sp, ok[None, :])  # [S_pad, BR]
     m = jnp.max(lse_all, axis=0)
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
     tot = jnp.sum(jnp.exp(lse_all - m_use[None, :]), axis=0)
     acc = jnp.zeros((block_rows, po_ref.shape[-1]), jnp.float32)
     for s in range(num_splits):
-        valid_s = ok & (s < ns)
-        idx = jnp.where(valid_s, rows + s * num_rows, 0)
-        w = jnp.exp(plgpu.load(plse_ref.at[idx], mask=valid_s, other=_NEG_INF) - m_use)
-        o_s = load_rows(po_ref, idx, valid_s, 0.0).astype(jnp.float32)
+        valid_s, lse_s = split_lse(rows, s, ok)
+        w = jnp.exp(lse_s - m_use)
+        o_s = load_rows(po_ref, jnp.where(valid_s, rows + s * num_rows, 0), valid_s, 0.0).astype(jnp.float32)
         acc = acc + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)  # empty partials may hold garbage
     nonempty = tot > 0.0
     safe = jnp.where(nonempty, tot, 1.0)
@@ -103,18 +116,19 @@ def _splits_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int,
     store_vec(lse_ref, rows, ok, jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF))
 
 
-def _splits_row_kernel(po_ref, plse_ref, ns_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int):
+def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, indexed: bool):
     """One row per program, every split's partial loaded at once as one ``[S_pad, D]`` block: the
     loads do not queue behind one another, so a merge of many splits costs about one load latency."""
     row = pl.program_id(0)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
-    valid = sp < plgpu.load(ns_ref.at[jnp.full_like(sp, row)])
-    idx = jnp.where(valid, row + sp * num_rows, 0)
-    lse_all = plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+    _, lse_all = _split_lse(sel_ref, plse_ref, jnp.full_like(sp, row), sp, sp >= 0,
+                            num_rows=num_rows, num_splits=num_splits, indexed=indexed)
+    # Every split's partial row is loaded unmasked (split indices clamped into range), so this load
+    # does not wait for the LSE loads; partials that are not valid get weight 0 below.
+    o_all = load_rows(po_ref, row + jnp.minimum(sp, num_splits - 1) * num_rows, None).astype(jnp.float32)
     m = jnp.max(lse_all)
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
     w = jnp.exp(lse_all - m_use)  # 0 for splits past the row's count
-    o_all = load_rows(po_ref, idx, valid, 0.0).astype(jnp.float32)
     acc = jnp.sum(jnp.where(w[:, None] > 0.0, o_all * w[:, None], 0.0), axis=0)  # empty partials may hold garbage
     tot = jnp.sum(w)
     safe = jnp.where(tot > 0.0, tot, 1.0)
@@ -130,21 +144,27 @@ ROW_MERGE_MAX_ELEMENTS = 64 * 128  # f32 elements of one row's partials that one
 
 def merge_splits(
     partial_o,  # f32[S, R, D]
-    partial_lse,  # f32[S, R]
-    row_num_splits,  # i32[R]; row r merges partials [0, row_num_splits[r])
+    partial_lse,  # f32[S, R], or with lse_index any flat f32[M]
+    row_num_splits=None,  # i32[R]; row r merges partials [0, row_num_splits[r])
     *,
+    lse_index=None,  # i32[S, R]; instead of row_num_splits: partial (s, r)'s LSE is partial_lse[lse_index[s, r]], -1 = none
     out_dtype,
     config: KernelConfig = DEFAULT_CONFIG,
     interpret: bool = False,
 ):
-    """Merges the kv-split partials of ``paged_attention``; rows with 0 splits give (0, -inf)."""
+    """Merges kv-split partials (``paged_attention``'s, the Mosaic split kernel's); rows with no
+    valid partial give (0, -inf)."""
     s, r, d = partial_o.shape
+    if (row_num_splits is None) == (lse_index is None):
+        raise ValueError("pass exactly one of row_num_splits (i32[R]) and lse_index (i32[S, R])")
+    indexed = lse_index is not None
+    sel = (lse_index if indexed else row_num_splits).reshape(-1).astype(jnp.int32)
     # Few rows (one long sequence) get few rows per program, so the merge still spans the SMs.
     br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
     if br == 1 and next_pow2(s) * d <= ROW_MERGE_MAX_ELEMENTS:
-        kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r)
+        kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r, indexed=indexed)
     else:
-        kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br)
+        kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br, indexed=indexed)
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((r, d), out_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
@@ -152,7 +172,7 @@ def merge_splits(
         compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
         interpret=interpret,
         name="merge_splits",
-    )(partial_o.reshape(s * r, d), partial_lse.reshape(s * r), row_num_splits.astype(jnp.int32))
+    )(partial_o.reshape(s * r, d), partial_lse.reshape(-1), sel)
 
 
 def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref, *, num_rows: int, block_rows: int):

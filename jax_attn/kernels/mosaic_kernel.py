@@ -7,8 +7,8 @@ the kernel, into a ``stages``-deep ring of key/value buffers.
 
 Row views (``pack``): with ``pack == 1`` a row is one query token of one query head (``q`` as it
 is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G`` query heads of a
-kv head are packed into the rows (``q`` seen as ``[T * G, Hkv, D]``), so decode and verify fill
-the tensor core tile with one read of each key block.
+kv head are packed into the rows (``q`` read as ``[T, Hkv, G, D]``, ``KernelStatics.token_major``),
+so decode and verify fill the tensor core tile with one read of each key block.
 
 Ragged outputs: each compute warpgroup stores its valid rows with TMA copies of 64, 32, ..., 1 rows
 (the binary digits of the count), so a tile never writes rows of another sequence.
@@ -77,12 +77,11 @@ class KernelStatics:
 
     @property
     def token_major(self) -> bool:
-        """Packed rows of the unsplit kernel read q and write the output in the token-major
-        ``[T, Hkv, G, D]`` layout, a free view of ``[T, Hq, D]``. A warpgroup's ``block_q`` rows are
-        then ``block_q // G`` tokens, stored head by head: row ``j * (block_q // G) + t`` is query
-        head ``j`` of the group for token ``t`` of the block. The split kernel keeps the row view
-        ``[T * G, Hkv, D]`` (row ``t * G + j``)."""
-        return self.pack > 1 and not self.split
+        """Packed rows read q and write the output (the split kernel: its partials) in the
+        token-major ``[T, Hkv, G, D]`` layout, a free view of ``[T, Hq, D]``. A warpgroup's
+        ``block_q`` rows are then ``block_q // G`` tokens, stored head by head: row
+        ``j * (block_q // G) + t`` is query head ``j`` of the group for token ``t`` of the block."""
+        return self.pack > 1
 
     @property
     def pages_per_block(self) -> int:

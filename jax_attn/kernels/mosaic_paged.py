@@ -7,8 +7,8 @@ Row views (``pack``): with ``pack == 1`` a row is one query token of one query h
 is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G`` query heads of a
 kv head are packed into the rows (row ``t * G + g`` of kv head ``h`` is query head ``h * G + g`` of
 token ``t``), so decode and verify fill the tensor core tile with one read of each key block. The
-kernel reads q and writes the output as ``[T, Hkv, G, D]``, a free view of ``[T, Hq, D]``
-(``pack_rows``); the split kernel uses the row view ``[T * G, Hkv, D]`` for q and its partials.
+kernel reads q and writes the output (or the split kernel's partials) as ``[T, Hkv, G, D]``, a free
+view of ``[T, Hq, D]`` (``pack_rows``).
 
 Split-KV (flash-decoding, ``mosaic_split``): when the CTAs cannot fill the GPU (a few long decode
 sequences), each tile's key blocks are cut into kv splits whose float32 partials are merged.
@@ -23,12 +23,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_call
-from jax_attn.kernels.mosaic_split import kernel_call_split, merge_partials, static_num_splits, tile_rows
+from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
 
@@ -132,7 +131,7 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     ``num_splits``: 1 (the default) = no split-KV, the unsplit kernel; None = the split heuristic
     (splits only when the CTAs cannot fill the GPU; per sequence by its length); k > 1 = exactly
     k kv splits per sequence (short sequences get empty splits). ``max_splits > 1`` in the result
-    selects the split kernel.
+    selects the split kernel, and the schedule then carries the merge's ``lse_index``.
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     pack = choose_pack(md, num_q_heads, num_kv_heads, config)
@@ -147,7 +146,12 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
                            min_kv_per_split=config.min_kv_per_split, split_waves=config.split_waves)
-    return dataclasses.replace(sched, pack=pack)
+    sched = dataclasses.replace(sched, pack=pack)
+    if s > 1:
+        sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,
+                                                               num_q_heads=num_q_heads, num_heads=num_heads,
+                                                               block_q=config.block_q))
+    return sched
 
 
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
@@ -178,22 +182,13 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     )
 
 
-def pack_rows(q, pack: int, num_kv_heads: int, split: bool = False):
+def pack_rows(q, pack: int, num_kv_heads: int):
     """``q [T, Hq, D]`` -> the kernel's q argument: itself, or with packed rows the free view
-    ``[T, Hkv, G, D]`` (unsplit kernel) or the row view ``[T * G, Hkv, D]`` (split kernel)."""
+    ``[T, Hkv, G, D]``."""
     if pack == 1:
         return q
     t, hq, d = q.shape
-    q = q.reshape(t, num_kv_heads, pack, d)
-    return q.swapaxes(1, 2).reshape(t * pack, num_kv_heads, d) if split else q
-
-
-def rows_to_tokens(out, pack: int, num_q_heads: int):
-    """Row-view ``[T * pack, Hkv, Dv]`` (the split merge's output) -> ``[T, Hq, Dv]``."""
-    if pack == 1:
-        return out
-    rows, hkv, dv = out.shape
-    return out.reshape(rows // pack, pack, hkv, dv).swapaxes(1, 2).reshape(rows // pack, num_q_heads, dv)
+    return q.reshape(t, num_kv_heads, pack, d)
 
 
 def paged_attention_mosaic(
@@ -248,36 +243,27 @@ def paged_attention_mosaic(
                         softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
                         return_lse=return_lse, config=config, interpret=interpret is not None,
                         num_splits=sched.max_splits, max_q_len=md.max_q_len)
-    sinks_arr = jnp.zeros((st.num_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     tables = (md.page_table.astype(jnp.int32), md.cache_seqlens.astype(jnp.int32),
               md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block)
+    # Without sinks the kernel never reads its sinks argument: an array that exists already stands
+    # in for it (zeros made here would be one more kernel per call, 0.9 us on an H100).
+    sinks_arr = tables[1] if sinks is None else sinks.astype(jnp.float32)
     if st.split:
+        index = sched.lse_index
+        if index is None or index.shape != (st.num_splits, t * hq):
+            index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
+                              block_q=config.block_q)
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
-            pack_rows(q, pack, hkv, split=True), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits,
-            sinks_arr)
-        out, lse = merge_partials(part_o, lse_tiles, sched, tables[1], tables[2], num_tokens=t, out_dtype=q.dtype,
+            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits, sinks_arr)
+        out, lse = merge_partials(part_o, lse_tiles, index, out_dtype=q.dtype,
                                   interpret=interpret is not None or jax.default_backend() == "cpu")
-        out = rows_to_tokens(out, pack, hq)
-        return (out, rows_to_tokens(lse[..., None], pack, hq)[..., 0]) if return_lse else out
+        return (out, lse) if return_lse else out
     out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
         pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
     out = out.reshape(t, hq, dv)
     if not return_lse:
         return out
-    return out, _gather_lse(lse_tiles, sched, md, t=t, hq=hq, pack=pack)
-
-
-def _gather_lse(lse_tiles, sched, md, *, t, hq, pack):
-    """``f32[T, Hq]`` from the per-tile LSE rows (``-inf`` where no tile wrote)."""
-    _, heads, rows_per_tile = lse_tiles.shape
-    if pack > 1:  # token-major rows (``KernelStatics.token_major``) back in the row view's order
-        bq, r = rows_per_tile // COMPUTE_WGS, np.arange(rows_per_tile)
-        tpb = bq // pack
-        row_view = (r // bq) * bq + (r % bq % tpb) * pack + (r % bq) // tpb
-        lse_tiles = lse_tiles[..., np.argsort(row_view)]
-    ok, row = tile_rows(sched, md.cu_seqlens_q, rows_per_tile)  # [N, rows]
-    h = jnp.arange(heads, dtype=jnp.int32)
-    qhead = h[None, :, None] * pack + (row % pack)[:, None, :]  # [N, H, rows]
-    flat = jnp.where(ok[:, None, :], (row // pack)[:, None, :] * hq + qhead, t * hq)
-    lse = jnp.full((t * hq,), -jnp.inf, jnp.float32)
-    return lse.at[flat.reshape(-1)].set(lse_tiles.reshape(-1), mode="drop").reshape(t, hq)
+    index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
+                      block_q=config.block_q)[0]
+    lse = jnp.where(index >= 0, lse_tiles.reshape(-1)[jnp.maximum(index, 0)], -jnp.inf)
+    return out, lse.reshape(t, hq)

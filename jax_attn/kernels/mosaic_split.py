@@ -5,8 +5,10 @@ sequences, each tile's key blocks are cut into kv splits. The split kernel (``mo
 with ``KernelStatics.num_splits > 1``) runs one CTA per (head, sequence, row block, split): it
 writes the split's normalized partial output in float32 and its natural-log LSE (``-inf`` where
 the split saw no key). ``merge_splits`` (``merge_state``) then combines the partials of each row
-into the output and its LSE. Splits are whole key blocks of the CTA's causal/window key range,
-so a split never reads a key block that the unsplit kernel would skip.
+into the output and its LSE, finding each partial's LSE where ``lse_index`` (built once per step
+by the planner) says the kernel wrote it: the call is these two kernels. Splits are whole key
+blocks of the CTA's causal/window key range, so a split never reads a key block that the unsplit
+kernel would skip.
 
 Dimension legend: T tokens, B sequences, Hq query heads, R rows of the row view, H heads of the
 row view, Dv value head dim, S kv splits (static bound), N work tiles (static bound).
@@ -18,12 +20,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import DEFAULT_CONFIG
 from jax_attn.kernels.merge_state import merge_splits
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry
-from jax_attn.kernels.schedule import row_num_splits
 from jax_attn.metadata import WorkSchedule
 
 
@@ -66,15 +68,19 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     ``fn(q (as for ``kernel_call``), k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
     cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N],
     tile_split i32[N], seq_num_splits i32[B], sinks f32[H])`` returns the partial outputs
-    ``f32[S, R, H, Dv]`` (rows of splits a sequence does not use, and of padding tokens, are not
-    written) and ``lse f32[N, H, 2 * block_q]`` per tile (``-inf`` for a split with no keys).
+    ``f32[S, T, Hq, Dv]`` (packed rows: ``f32[S, T, Hkv, G, Dv]``, the same memory; rows of splits a
+    sequence does not use, and of padding tokens, are not written) and ``lse f32[N, H, 2 * block_q]``
+    per tile (``-inf`` for a split with no keys; ``lse_index`` says where each row's value is).
     """
     if not st.split or not st.return_lse:
         raise ValueError(f"{st.num_splits=} must be > 1 and {st.return_lse=} True for the split kernel")
     rows_per_tile = COMPUTE_WGS * st.block_q
+    part_shape = (st.num_splits, st.num_rows, st.num_heads, st.head_dim_v)
+    if st.token_major:
+        part_shape = (st.num_splits, st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=(jax.ShapeDtypeStruct((st.num_splits, st.num_rows, st.num_heads, st.head_dim_v), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct(part_shape, jnp.float32),
                   jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
         grid=(st.num_heads, num_tiles),
         grid_names=("heads", "tiles"),
@@ -87,53 +93,54 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     )
 
 
-def tile_rows(sched: WorkSchedule, cu_seqlens_q: jax.Array, rows_per_tile: int):
-    """Where each tile's rows go: ``(ok, row)``, both ``[N, rows_per_tile]``; ``row`` is the row of
-    the row view (token ``row // pack``, query head ``h * pack + row % pack``), ``ok`` marks the rows
-    a tile wrote (its sequence's rows, not padding tiles)."""
-    seq = jnp.maximum(sched.tile_seq, 0)
-    seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * sched.pack
-    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.arange(rows_per_tile, dtype=jnp.int32)[None]
-    ok = (sched.tile_seq[:, None] >= 0) & (r < seq_rows[:, None])
-    return ok, cu_seqlens_q[seq][:, None] * sched.pack + r
-
-
-def partial_lse(
-    lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
+def lse_index(
     sched: WorkSchedule,
-    cu_seqlens_q: jax.Array,  # i32[B + 1]
-    *,
-    num_rows: int,
-) -> jax.Array:
-    """``f32[S, R * H]``: each split's LSE per row of the row view, ``-inf`` where no tile wrote."""
-    _, heads, rows_per_tile = lse_tiles.shape
-    ok, row = tile_rows(sched, cu_seqlens_q, rows_per_tile)
-    flat_row = (sched.tile_split[:, None] * num_rows + row) * heads  # [N, rows]
-    h = jnp.arange(heads, dtype=jnp.int32)
-    flat = jnp.where(ok[:, None, :], flat_row[:, None, :] + h[None, :, None], sched.max_splits * num_rows * heads)
-    lse = jnp.full((sched.max_splits * num_rows * heads,), -jnp.inf, jnp.float32)
-    lse = lse.at[flat.reshape(-1)].set(lse_tiles.reshape(-1), mode="drop")
-    return lse.reshape(sched.max_splits, num_rows * heads)
-
-
-def merge_partials(
-    part_o: jax.Array,  # f32[S, R, H, Dv]
-    lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
-    sched: WorkSchedule,
-    cache_seqlens: jax.Array,  # i32[B]
     cu_seqlens_q: jax.Array,  # i32[B + 1]
     *,
     num_tokens: int,
+    num_q_heads: int,
+    num_heads: int,
+    block_q: int,
+) -> jax.Array:
+    """``i32[S, T * Hq]``: where the kernel put the LSE of each (kv split, token, query head) in its
+    per-tile output ``f32[N, H, 2 * block_q]`` (flattened), ``-1`` where no tile wrote one.
+
+    The kernel writes a tile's LSE in its warpgroups' row order: the row view's order with one head
+    per row, token-major within each warpgroup's ``block_q`` rows for packed rows
+    (``KernelStatics.token_major``). ``S = sched.max_splits``; an unsplit schedule gives ``S = 1``.
+    """
+    pack, rows_per_tile = sched.pack, COMPUTE_WGS * block_q
+    n = sched.tile_seq.shape[0]
+    pos = np.arange(rows_per_tile)
+    if pack > 1:  # storage position -> row of the row view within the tile
+        tpb = block_q // pack
+        pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
+    seq = jnp.maximum(sched.tile_seq, 0)
+    seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * pack
+    r = sched.tile_q_block[:, None] * rows_per_tile + jnp.asarray(pos, jnp.int32)[None]  # [N, rows]
+    ok = (sched.tile_seq[:, None] >= 0) & (r < seq_rows[:, None])
+    row = cu_seqlens_q[seq][:, None] * pack + r
+    h = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None]
+    out_row = (row // pack)[:, None, :] * num_q_heads + h * pack + (row % pack)[:, None, :]  # [N, H, rows]
+    total = sched.max_splits * num_tokens * num_q_heads
+    dest = jnp.where(ok[:, None, :], jnp.maximum(sched.tile_split, 0)[:, None, None] * (num_tokens * num_q_heads)
+                     + out_row, total)
+    src = jnp.arange(n * num_heads * rows_per_tile, dtype=jnp.int32)
+    index = jnp.full((total,), -1, jnp.int32).at[dest.reshape(-1)].set(src, mode="drop")
+    return index.reshape(sched.max_splits, num_tokens * num_q_heads)
+
+
+def merge_partials(
+    part_o: jax.Array,  # f32[S, T, Hq, Dv] (or its packed-row view [S, T, Hkv, G, Dv])
+    lse_tiles: jax.Array,  # f32[N, H, rows_per_tile]
+    index: jax.Array,  # i32[S, T * Hq] (``lse_index``)
+    *,
     out_dtype,
     interpret: bool,
 ):
-    """Merges the split kernel's partials: ``out [R, H, Dv]`` in ``out_dtype`` and ``lse f32[R, H]``
-    in the row view (padding rows: zeros and ``-inf``)."""
-    s, rows, heads, dv = part_o.shape
-    lse = partial_lse(lse_tiles, sched, cu_seqlens_q, num_rows=rows)
-    # A row of the row view belongs to token row // pack: the token's splits, repeated per row.
-    ns = row_num_splits(cache_seqlens, cu_seqlens_q, sched.seq_num_splits, num_tokens=num_tokens,
-                        num_heads=sched.pack * heads)
-    out, lse = merge_splits(part_o.reshape(s, rows * heads, dv), lse, ns, out_dtype=out_dtype,
-                            config=DEFAULT_CONFIG, interpret=interpret)
-    return out.reshape(rows, heads, dv), lse.reshape(rows, heads)
+    """Merges the split kernel's partials: ``out [T, Hq, Dv]`` in ``out_dtype`` and ``lse f32[T, Hq]``
+    (padding tokens: zeros and ``-inf``)."""
+    s, t, dv = part_o.shape[0], part_o.shape[1], part_o.shape[-1]
+    out, lse = merge_splits(part_o.reshape(s, -1, dv), lse_tiles.reshape(-1), lse_index=index,
+                            out_dtype=out_dtype, config=DEFAULT_CONFIG, interpret=interpret)
+    return out.reshape(t, -1, dv), lse.reshape(t, -1)
