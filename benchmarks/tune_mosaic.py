@@ -41,6 +41,7 @@ VARIANTS = {
     "paired": MosaicConfig(solo=False),  # packed decode keeps both compute warpgroups
     "decode128": MosaicConfig(decode_block_kv=None, decode_stages=None),  # unsplit decode at block_kv 128 x 2
     "ring64": MosaicConfig(block_kv=64, stages=4),  # every call (split decode too) with 64-key x 4-stage rings
+    "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
 }
 TOLERANCE = 2e-2
 

@@ -95,8 +95,8 @@ def bucket_for(n: int, buckets: Sequence[int]) -> Optional[int]:
 
 
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:
-    if x is None:
-        return None
+    if x is None or x.shape[0] == size:
+        return x
     out = np.full((size,) + x.shape[1:], fill, np.int32)
     out[: x.shape[0]] = x
     return out
@@ -106,6 +106,8 @@ def pad_batch(batch: ForwardBatch, bs: int, num_tokens: int) -> ForwardBatch:
     """Pad to ``bs`` rows and ``num_tokens`` tokens with SGLang's fill rules."""
     if bs < batch.batch_size or num_tokens < batch.num_tokens:
         raise ValueError(f"cannot pad {batch.batch_size=}, {batch.num_tokens=} down to {bs=}, {num_tokens=}")
+    if bs == batch.batch_size and num_tokens == batch.num_tokens:
+        return batch  # a full bucket: nothing to pad (saves host time on every replay)
     spec = batch.spec_info
     if spec is not None and spec.accept_length is not None:
         spec = dataclasses.replace(spec, accept_length=_pad(spec.accept_length, bs, 0))

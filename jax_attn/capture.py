@@ -189,8 +189,8 @@ def _write_into(old, new):
 
 def pack_int32(arrays):
     """Host int/bool arrays (``None`` allowed) -> (static layout, one i32 vector)."""
-    layout = tuple(None if a is None else (tuple(a.shape), str(a.dtype)) for a in arrays)
-    parts = [np.asarray(a).astype(np.int32).reshape(-1) for a in arrays if a is not None]
+    layout = tuple(None if a is None else (a.shape, a.dtype.char) for a in arrays)  # (dtype.char: cheap on the host)
+    parts = [np.asarray(a, np.int32).ravel() for a in arrays if a is not None]
     return layout, (np.concatenate(parts) if parts else np.zeros((0,), np.int32))
 
 

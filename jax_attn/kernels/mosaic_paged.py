@@ -47,6 +47,8 @@ class MosaicConfig:
       min_kv_per_split: the heuristic never gives a split fewer keys than this.
       num_sms: multiprocessors the split heuristic tries to fill (one CTA each: the kernel's
         shared memory allows one per multiprocessor).
+      split_below_fill: the heuristic splits only when the unsplit CTAs fill at most
+        ``1 / split_below_fill`` of the multiprocessors.
       split_waves: CTAs per multiprocessor the split heuristic aims for (rounded down to whole
         waves of ``num_sms`` CTAs).
       early_k_wait: with one head per row block (prefill, extend), a compute warpgroup waits for
@@ -71,6 +73,7 @@ class MosaicConfig:
     min_kv_per_split: int = 512
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 1
+    split_below_fill: int = 4
     early_k_wait: bool = True
     solo: bool = True
     decode_block_kv: int | None = 64
@@ -88,7 +91,7 @@ class MosaicConfig:
             raise ValueError(f"{self.decode_stages=} must be >= 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be >= 2")
-        for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves"):
+        for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves", "split_below_fill"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -141,7 +144,7 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
                           num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
                           max_splits=config.max_splits, num_sms=config.num_sms, split_waves=config.split_waves,
-                          min_kv_per_split=config.min_kv_per_split)
+                          min_kv_per_split=config.min_kv_per_split, split_below_fill=config.split_below_fill)
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,

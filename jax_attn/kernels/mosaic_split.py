@@ -33,20 +33,16 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-SPLIT_BELOW_FILL = 4  # split only when the unsplit CTAs fill at most 1/4 of the multiprocessors
-# (H100, 32/8 heads: 8 x 8192 unsplit 2.39 TB/s vs 2.13 with 2 splits; 1 x 32768 0.33 vs 1.67 with 16)
-
-
 def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int, pack: int, num_heads: int,
                       max_kv_len: int, block_rows: int, max_splits: int, num_sms: int, split_waves: int,
-                      min_kv_per_split: int) -> int:
+                      min_kv_per_split: int, split_below_fill: int) -> int:
     """Static bound S on kv splits: ``num_splits`` if given, else what the bucket can use.
 
     The bucket's tiles are estimated as if every token were real (at least one tile per
     sequence, ``ceil(T / max_q_len)`` sequences), each tile running ``num_heads`` CTAs. A CTA
     holds a whole multiprocessor (shared memory), so S is the largest count that keeps the CTAs
     within ``num_sms * split_waves`` (rounded down: a partial last wave costs a whole one), none
-    when the unsplit CTAs already fill more than ``1 / SPLIT_BELOW_FILL`` of the GPU, and
+    when the unsplit CTAs already fill more than ``1 / split_below_fill`` of the GPU, and
     no split of the longest possible sequence (``max_kv_len``) gets fewer than
     ``min_kv_per_split`` keys. On device, ``build_schedule`` gives each sequence at most S splits
     by its length.
@@ -56,7 +52,7 @@ def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int
             raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
         return int(num_splits)
     tiles = max(_cdiv(num_tokens * pack, block_rows), _cdiv(num_tokens, max(max_q_len, 1)), 1)
-    if tiles * num_heads * SPLIT_BELOW_FILL > num_sms:
+    if tiles * num_heads * split_below_fill > num_sms:
         return 1  # the unsplit grid fills enough of the GPU: the partials and merge cost more than they gain
     by_sms = (num_sms * split_waves) // (tiles * num_heads)
     return int(max(1, min(max_splits, by_sms, _cdiv(max_kv_len, min_kv_per_split))))
