@@ -34,6 +34,11 @@ POINTS = {  # name: (kind, batch, q_len, kv_len, page_size)
     "decode_1x32768": ("decode", 1, 1, 32768, 16),
     "decode_8x8192": ("decode", 8, 1, 8192, 16),
     "decode_256x1024": ("decode", 256, 1, 1024, 16),
+    # per-CTA fixed costs: the same grids with half / double the work per CTA (single-wave split decode)
+    # or half the CTAs for the same work per CTA (prefill)
+    "decode_1x16384": ("decode", 1, 1, 16384, 16),
+    "decode_1x65536": ("decode", 1, 1, 65536, 16),
+    "prefill_p16_b2s8192": ("prefill", 2, 8192, 8192, 16),
 }
 VARIANTS = {
     "default": MosaicConfig(),  # early_k_wait for one-head rows (prefill) only
@@ -42,6 +47,7 @@ VARIANTS = {
     "decode128": MosaicConfig(decode_block_kv=None, decode_stages=None),  # unsplit decode at block_kv 128 x 2
     "ring64": MosaicConfig(block_kv=64, stages=4),  # every call (split decode too) with 64-key x 4-stage rings
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
+    "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
 }
 TOLERANCE = 2e-2
 

@@ -100,19 +100,22 @@ def test_split_heuristic(batch, ctx, num_splits, want_bound, want_seq):
     assert sorted(tiles.tolist()) == sorted(list(range(want_seq)) * batch)
 
 
-@pytest.mark.parametrize("head_dim,block_kv,stages,q_len", [(128, 128, 2, 1), (128, 64, 4, 1), (64, 128, 2, 1),
-                                                             (128, 128, 2, 100)])
-def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len):
+@pytest.mark.parametrize("head_dim,block_kv,stages,q_len,solo", [
+    (128, 128, 2, 1, False), (128, 64, 4, 1, False), (64, 128, 2, 1, False), (128, 128, 2, 100, False),
+    (128, 64, 5, 1, True)])
+def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     """The compiled (not interpreted) split kernel lowers, within the 227 KB of shared memory
-    (q_len 100: unpacked rows, with sinks)."""
+    (q_len 100: unpacked rows, with sinks; ``solo``: one compute warpgroup's buffers and the deeper
+    ring they leave room for; a 6-stage ring would not fit)."""
     md = _uniform_md(1, 3000, q_len=q_len)
-    config = MosaicConfig(block_kv=block_kv, stages=stages)
+    config = MosaicConfig(block_kv=block_kv, stages=stages, solo=solo)
     sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config,
                                  num_splits=None if q_len == 1 else 3)
     assert sched.max_splits > 1
     st = kernel_statics(num_tokens=md.num_tokens, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim=head_dim,
                         head_dim_v=head_dim, page_size=16, pack=sched.pack, dtype=jnp.bfloat16, config=config,
-                        num_splits=sched.max_splits, has_sinks=q_len > 1)
+                        num_splits=sched.max_splits, has_sinks=q_len > 1, max_q_len=q_len)
+    assert st.solo == solo
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], head_dim), jnp.bfloat16)
     q = (md.num_tokens, HEADS[1], st.pack, head_dim) if st.token_major else (md.num_tokens, HEADS[0], head_dim)

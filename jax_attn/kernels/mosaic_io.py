@@ -22,16 +22,19 @@ PAD_BLOCKS = 8  # row blocks of COMPUTE_WGS * block_q rows zeroed by one padding
 
 
 def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
-    """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile)."""
+    """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile;
+    in a ``solo`` kernel the one running warpgroup zeroes both warpgroups' rows)."""
     o_smem = o_smem2.at[wg]
     o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     rows_per_block = COMPUTE_WGS * st.block_q
-    first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block) + wg * st.block_q
+    first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block)
+    halves = COMPUTE_WGS // st.active_wgs
     for j in range(PAD_BLOCKS):
-        start = first + j * rows_per_block
-        n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
+        for h in range(halves):
+            start = first + j * rows_per_block + (wg * halves + h) * st.block_q
+            n = jnp.clip(st.num_rows - start, 0, st.block_q)
+            pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
     plgpu.wait_smem_to_gmem(0)
 
 

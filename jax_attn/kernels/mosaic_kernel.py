@@ -152,7 +152,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
     if not st.split:
         pad = functools.partial(padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
-        pl.when((tile >= num_tiles) & (wg < COMPUTE_WGS))(pad)
+        pl.when((tile >= num_tiles) & (wg < st.active_wgs))(pad)
 
     @pl.when((tile < num_tiles) & (seq >= 0))
     def _valid_tile():
@@ -368,7 +368,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     """The ``plgpu.kernel`` body: allocates shared memory and barriers, then runs ``_kernel`` on every
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
     tiled = _TILED()
-    wgs, bq = COMPUTE_WGS, st.block_q
+    wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
     # Q is staged through the output buffer; the split kernel's float32 output buffer shares its
     # memory with a Q staging buffer instead (a ``RefUnion``).
     if st.split:

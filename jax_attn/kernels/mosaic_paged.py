@@ -62,7 +62,11 @@ class MosaicConfig:
         ``block_kv`` / ``stages``.
       solo: when no sequence's packed rows can reach the second compute warpgroup (decode and
         short verify: ``max_q_len * G <= block_q``), that warpgroup sits the kernel out: the first
-        one runs alone, with no schedule barrier to take turns through.
+        one runs alone, with no schedule barrier to take turns through, and only its buffers are
+        allocated.
+      solo_block_kv / solo_stages: ``block_kv`` and ``stages`` of other solo calls (split decode,
+        unsplit decode with few programs); the shared memory the absent warpgroup leaves allows a
+        deeper ring. None: ``block_kv`` / ``stages``.
     """
 
     block_q: int = 64
@@ -79,16 +83,19 @@ class MosaicConfig:
     decode_block_kv: int | None = 64
     decode_stages: int | None = 4
     decode_min_ctas: int = 2 * HOPPER_NUM_SMS
+    solo_block_kv: int | None = None
+    solo_stages: int | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"{self.block_q=} must be 64 (one wgmma tile per warpgroup)")
-        for name in ("block_kv", "decode_block_kv"):
+        for name in ("block_kv", "decode_block_kv", "solo_block_kv"):
             v = getattr(self, name)
             if v is not None and (v % 64 or v < 64):
                 raise ValueError(f"{name}={v} must be a positive multiple of 64")
-        if self.decode_stages is not None and self.decode_stages < 2:
-            raise ValueError(f"{self.decode_stages=} must be >= 2")
+        for name in ("decode_stages", "solo_stages"):
+            if getattr(self, name) is not None and getattr(self, name) < 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be >= 2")
         for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves", "split_below_fill"):
@@ -168,9 +175,13 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     g = num_q_heads // num_kv_heads
     block_kv, stages = config.block_kv, config.stages
+    solo = config.solo and pack > 1 and max_q_len is not None and max_q_len * pack <= config.block_q
     if pack > 1 and num_splits == 1 and num_tokens * num_kv_heads >= config.decode_min_ctas:
         block_kv = config.decode_block_kv or block_kv
         stages = config.decode_stages or stages
+    elif solo:
+        block_kv = config.solo_block_kv or block_kv
+        stages = config.solo_stages or stages
     if has_sinks and pack > 1:
         raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
                                   f"{config.pack_max_q_len}); use impl='triton'")
@@ -181,7 +192,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
-        solo=config.solo and pack > 1 and max_q_len is not None and max_q_len * pack <= config.block_q,
+        solo=solo,
     )
 
 
