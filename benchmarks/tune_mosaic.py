@@ -48,6 +48,7 @@ VARIANTS = {
     "ring64": MosaicConfig(block_kv=64, stages=4),  # every call (split decode too) with 64-key x 4-stage rings
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
     "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
+    "one_wg_copies": MosaicConfig(spread_copies=False),  # every producer warp runs every copy's issue code
 }
 TOLERANCE = 2e-2
 

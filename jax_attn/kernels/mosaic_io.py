@@ -19,6 +19,7 @@ COMPUTE_WGS = 2  # compute warpgroups per CTA; the producer is warpgroup COMPUTE
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 PAD_BLOCKS = 8  # row blocks of COMPUTE_WGS * block_q rows zeroed by one padding CTA
+WARPS_PER_WG = 4
 
 
 def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
@@ -40,7 +41,21 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
 
 def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
                v_used):
-    """Producer: one TMA copy per page (or per block when a page holds several blocks)."""
+    """Producer: one TMA copy per page (or per block when a page holds several blocks). The four
+    warps of the warpgroup share the copies (copy ``j`` of a block is issued by warp ``j % 4``): the
+    instructions that issue a copy then take a quarter of each scheduler's slots, which the compute
+    warps on the same schedulers would otherwise wait for."""
+    body = functools.partial(_producer_warp, st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem,
+                             v_smem, k_bar, v_bar, k_used, v_used)
+    if st.spread_copies:
+        plgpu.warp_map(body)
+    else:  # the whole warpgroup issues every copy
+        body(None)
+
+
+def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
+                   v_used, warp):
+    """One warp of the producer (``memory_wg``; ``warp`` None: the whole warpgroup)."""
     last_page = jnp.maximum((k_len + st.page_size - 1) // st.page_size - 1, 0)
 
     def copies(step):
@@ -54,8 +69,13 @@ def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sme
                  pl.ds(j * st.page_size, st.page_size)) for j in range(st.pages_per_block)]
 
     def issue(plan, slot, src_ref, dst_smem, bar):
-        for page, src, dst in plan:
-            plgpu.copy_gmem_to_smem(src_ref.at[page, src, kv_head], dst_smem.at[slot, dst], bar.at[slot])
+        for j, (page, src, dst) in enumerate(plan):
+            copy = functools.partial(plgpu.copy_gmem_to_smem, src_ref.at[page, src, kv_head], dst_smem.at[slot, dst],
+                                     bar.at[slot])
+            if warp is None:
+                copy()
+            else:
+                pl.when(warp == j % WARPS_PER_WG)(copy)
 
     def issue_both(step, slot):
         plan = copies(step)

@@ -69,6 +69,7 @@ class KernelStatics:
     num_splits: int = 1  # S: static bound on kv splits; > 1 selects the split kernel (``mosaic_split``)
     early_k_wait: bool = False  # wait for the next key block while this block's P @ V runs
     solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
+    spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
 
     @property
     def active_wgs(self) -> int:

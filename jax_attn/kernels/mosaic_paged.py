@@ -67,6 +67,9 @@ class MosaicConfig:
       solo_block_kv / solo_stages: ``block_kv`` and ``stages`` of other solo calls (split decode,
         unsplit decode with few programs); the shared memory the absent warpgroup leaves allows a
         deeper ring. None: ``block_kv`` / ``stages``.
+      spread_copies: the producer warpgroup's four warps share a key block's TMA copies (copy ``j``
+        by warp ``j % 4``) instead of each running every copy's issue code; those instructions
+        otherwise take issue slots from the compute warps on the same schedulers.
     """
 
     block_q: int = 64
@@ -85,6 +88,7 @@ class MosaicConfig:
     decode_min_ctas: int = 2 * HOPPER_NUM_SMS
     solo_block_kv: int | None = None
     solo_stages: int | None = None
+    spread_copies: bool = True
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -192,7 +196,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
-        solo=solo,
+        solo=solo, spread_copies=config.spread_copies,
     )
 
 
