@@ -65,8 +65,17 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
             key0 = blk * st.block_kv
             page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
             return [(page, pl.ds(key0 % st.page_size, st.block_kv), pl.ds(0, st.block_kv))]
-        return [(pt_ref[seq, jnp.minimum(blk * st.pages_per_block + j, last_page)], pl.ds(0, st.page_size),
-                 pl.ds(j * st.page_size, st.page_size)) for j in range(st.pages_per_block)]
+        ppb = st.pages_per_block
+
+        def page_id(j):
+            return pt_ref[seq, jnp.minimum(blk * ppb + j, last_page)]
+
+        if warp is None:
+            ids = [page_id(j) for j in range(ppb)]
+        else:  # a warp reads only the page ids of its own copies j = warp + 4 i
+            mine = [page_id(warp + WARPS_PER_WG * i) for i in range(-(-ppb // WARPS_PER_WG))]
+            ids = [mine[j // WARPS_PER_WG] for j in range(ppb)]
+        return [(ids[j], pl.ds(0, st.page_size), pl.ds(j * st.page_size, st.page_size)) for j in range(ppb)]
 
     def issue(plan, slot, src_ref, dst_smem, bar):
         for j, (page, src, dst) in enumerate(plan):
