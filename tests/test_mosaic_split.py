@@ -127,10 +127,11 @@ def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("q_len", [1, 100])
+@pytest.mark.parametrize("q_len", [1, 100, 128])
 def test_unsplit_lowers_for_cuda(q_len):
     """The compiled unsplit kernel lowers for CUDA: token-major packed rows (q_len 1, reshaped
-    shared-memory views the interpreter does not run) and one head per row (q_len 100)."""
+    shared-memory views the interpreter does not run) and one head per row (q_len 100: Q staged;
+    q_len 128: a row count that is a multiple of 8, so aligned Q tiles load straight into place)."""
     from jax_attn.kernels.mosaic_kernel import kernel_call
 
     md = _uniform_md(3, 3000, q_len=q_len)
