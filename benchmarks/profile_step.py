@@ -43,6 +43,15 @@ _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
 _API = ("cuda_runtime", "cuda_driver")
 
 
+def _events(prof) -> list:
+    """The Chrome-trace events of a finished ``torch.profiler`` run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f).get("traceEvents", [])
+
+
 def trace_steps(env, run, steps: int) -> list:
     """Chrome-trace events of ``steps`` blocking replays, each inside a ``step`` annotation."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -61,11 +70,7 @@ def trace_steps(env, run, steps: int) -> list:
                     out, pools = run(fb(cur), tok(cur), params, pools)
                 jax.block_until_ready(out)
     env["pools"] = pools
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f).get("traceEvents", [])
+    return _events(prof)
 
 
 def trace_window(env, run, steps: int, piped: bool) -> list:
@@ -95,11 +100,7 @@ def trace_window(env, run, steps: int, piped: bool) -> list:
         warnings.simplefilter("ignore")
         ids, pools = go(steps, ids, pools)
     env["pools"] = pools
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f).get("traceEvents", [])
+    return _events(prof)
 
 
 def analyze_window(events: list, steps: int, top: int = 8) -> dict:
