@@ -1,6 +1,6 @@
 """Data movement of the Mosaic GPU kernel (``mosaic_kernel``): the TMA producer warpgroup, the
-compute warpgroups' epilogue and ragged row stores, zeroed padding rows and value rows past the
-sequence end.
+compute warpgroups' Q loads, epilogue and ragged row stores, zeroed padding rows and value rows
+past the sequence end.
 
 ``st`` is the kernel's ``mosaic_kernel.KernelStatics``.
 """
@@ -112,6 +112,42 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         slot = lax.rem(step, st.stages)
         plgpu.barrier_wait(k_used.at[slot])
         plgpu.barrier_wait(v_used.at[slot])
+
+
+def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):
+    """Rows ``[row0, row0 + block_q)`` of row-view head ``head`` into ``q_smem``, tiled for wgmma.
+
+    TMA into the tiled layout needs 8-aligned rows (and a q array whose row count is a multiple of
+    8): other rows, and packed rows (gathered head by head, ``st.token_major``), are staged through
+    the untiled ``q_stage``, then stored tiled.
+    """
+    bq = st.block_q
+
+    def restage():
+        q_smem[...] = q_stage[...]
+
+    if st.token_major:  # one copy per query head of the group
+        tpb = bq // st.pack
+        for j in range(st.pack):
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 // st.pack, tpb), head, j], q_stage.at[pl.ds(j * tpb, tpb)],
+                                    q_bar)
+        plgpu.barrier_wait(q_bar)
+        restage()
+    elif st.num_rows % 8:
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_stage, q_bar)
+        plgpu.barrier_wait(q_bar)
+        restage()
+    else:
+        aligned = row0 % 8 == 0
+
+        @pl.when(aligned)
+        def _direct():
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of(row0, 8), bq), head], q_smem, q_bar)
+
+        pl.when(~aligned)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_stage, q_bar))
+        plgpu.barrier_wait(q_bar)
+        pl.when(~aligned)(restage)
+    plgpu.commit_smem()
 
 
 def zero_tail_values(st, v_slot, blk, k_len):

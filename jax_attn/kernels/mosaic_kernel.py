@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, memory_wg, padding_rows,
-                                        zero_tail_values)
+from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, load_q, memory_wg,
+                                        padding_rows, zero_tail_values)
 
 
 def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
@@ -195,38 +195,11 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
-    # TMA into the tiled layout needs 8-aligned rows (and a q array whose row count is a multiple
-    # of 8): other rows, and packed rows (gathered head by head), are staged through an untiled
-    # buffer, then stored tiled for wgmma. (The split kernel's ``q_stage`` may share memory with the
-    # other warpgroup's output buffer: each warpgroup reaches its epilogue only after a ``sched``
-    # wait that needs the other's first arrival, which follows its Q staging. A ``solo`` kernel has
-    # no such wait, and no second warpgroup staging Q either.)
-    def restage():
-        q_smem[...] = q_stage[...]
-
-    if st.token_major:  # one copy per query head of the group (see ``KernelStatics.token_major``)
-        tpb = bq // st.pack
-        for j in range(st.pack):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((seq_row0 + r0) // st.pack, tpb), head, j],
-                                    q_stage.at[pl.ds(j * tpb, tpb)], q_bar)
-        plgpu.barrier_wait(q_bar)
-        restage()
-    elif st.num_rows % 8:
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(seq_row0 + r0, bq), head], q_stage, q_bar)
-        plgpu.barrier_wait(q_bar)
-        restage()
-    else:
-        row = seq_row0 + r0
-        aligned = row % 8 == 0
-
-        @pl.when(aligned)
-        def _direct():
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of(row, 8), bq), head], q_smem, q_bar)
-
-        pl.when(~aligned)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row, bq), head], q_stage, q_bar))
-        plgpu.barrier_wait(q_bar)
-        pl.when(~aligned)(restage)
-    plgpu.commit_smem()
+    # (The split kernel's ``q_stage`` may share memory with the other warpgroup's output buffer:
+    # each warpgroup reaches its epilogue only after a ``sched`` wait that needs the other's first
+    # arrival, which follows its Q load. A ``solo`` kernel has no such wait, and no second
+    # warpgroup loading Q either.)
+    load_q(st, q_ref, q_smem, q_stage, q_bar, seq_row0 + r0, head)
 
     def sched_barrier():
         sched_arrive()
