@@ -77,18 +77,24 @@ def _row_block(block_rows: int, num_rows: int):
     return jnp.where(ok, rows, 0), ok
 
 
-def _split_lse(sel_ref, plse_ref, rows, sp, ok, *, num_rows: int, num_splits: int, indexed: bool):
+def _split_lse(sel_ref, plse_ref, rows, sp, ok, ns, *, num_rows: int, num_splits: int, indexed: bool):
     """``(valid, lse)`` of kv split(s) ``sp`` for ``rows`` (broadcast together). ``sel_ref``: each
-    row's split count (partials ``[0, count)`` are valid, split ``s``'s LSE at ``s * R + row``), or
-    with ``indexed`` the LSE's position per ``(split, row)``, ``-1`` for none."""
+    row's split count ``ns`` (``_row_splits``; partials ``[0, ns)`` are valid, split ``s``'s LSE at
+    ``s * R + row``), or with ``indexed`` the LSE's position per ``(split, row)``, ``-1`` for none
+    (``ns`` unused)."""
     if indexed:
         in_range = ok & (sp < num_splits)
         at = plgpu.load(sel_ref.at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=-1)
         valid, idx = at >= 0, jnp.maximum(at, 0)
     else:
-        valid = ok & (sp < plgpu.load(sel_ref.at[rows], mask=ok, other=0))
+        valid = ok & (sp < ns)
         idx = jnp.where(valid, rows + sp * num_rows, 0)
     return valid, plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+
+
+def _row_splits(sel_ref, rows, ok, indexed: bool):
+    """Each row's split count (read once per program), or None with ``indexed`` selectors."""
+    return None if indexed else plgpu.load(sel_ref.at[rows], mask=ok, other=0)
 
 
 def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int,
@@ -96,16 +102,17 @@ def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int
     """Two passes: the max and the sum over every split's LSE at once, then a weighted sum of the
     partial outputs whose loads do not wait on one another."""
     rows, ok = _row_block(block_rows, num_rows)
+    ns = _row_splits(sel_ref, rows, ok, indexed)
     split_lse = functools.partial(_split_lse, sel_ref, plse_ref, num_rows=num_rows, num_splits=num_splits,
                                   indexed=indexed)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)[:, None]
-    _, lse_all = split_lse(rows[None, :], sp, ok[None, :])  # [S_pad, BR]
+    _, lse_all = split_lse(rows[None, :], sp, ok[None, :], None if ns is None else ns[None, :])  # [S_pad, BR]
     m = jnp.max(lse_all, axis=0)
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
     tot = jnp.sum(jnp.exp(lse_all - m_use[None, :]), axis=0)
     acc = jnp.zeros((block_rows, po_ref.shape[-1]), jnp.float32)
     for s in range(num_splits):
-        valid_s, lse_s = split_lse(rows, s, ok)
+        valid_s, lse_s = split_lse(rows, s, ok, ns)
         w = jnp.exp(lse_s - m_use)
         o_s = load_rows(po_ref, jnp.where(valid_s, rows + s * num_rows, 0), valid_s, 0.0).astype(jnp.float32)
         acc = acc + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)  # empty partials may hold garbage
@@ -121,7 +128,8 @@ def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits:
     loads do not queue behind one another, so a merge of many splits costs about one load latency."""
     row = pl.program_id(0)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
-    _, lse_all = _split_lse(sel_ref, plse_ref, jnp.full_like(sp, row), sp, sp >= 0,
+    rows = jnp.full_like(sp, row)
+    _, lse_all = _split_lse(sel_ref, plse_ref, rows, sp, sp >= 0, _row_splits(sel_ref, rows, sp >= 0, indexed),
                             num_rows=num_rows, num_splits=num_splits, indexed=indexed)
     # Every split's partial row is loaded unmasked (split indices clamped into range), so this load
     # does not wait for the LSE loads; partials that are not valid get weight 0 below.

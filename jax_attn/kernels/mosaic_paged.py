@@ -266,11 +266,11 @@ def paged_attention_mosaic(
     # Without sinks the kernel never reads its sinks argument: an array that exists already stands
     # in for it (zeros made here would be one more kernel per call, 0.9 us on an H100).
     sinks_arr = tables[1] if sinks is None else sinks.astype(jnp.float32)
+    index = sched.lse_index  # planned once per step for split schedules; else built here when needed
+    if (st.split or return_lse) and (index is None or index.shape != (st.num_splits, t * hq)):
+        index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
+                          block_q=config.block_q)
     if st.split:
-        index = sched.lse_index
-        if index is None or index.shape != (st.num_splits, t * hq):
-            index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
-                              block_q=config.block_q)
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
             pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits, sinks_arr)
         out, lse = merge_partials(part_o, lse_tiles, index, out_dtype=q.dtype,
@@ -281,7 +281,6 @@ def paged_attention_mosaic(
     out = out.reshape(t, hq, dv)
     if not return_lse:
         return out
-    index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
-                      block_q=config.block_q)[0]
+    index = index[0]
     lse = jnp.where(index >= 0, lse_tiles.reshape(-1)[jnp.maximum(index, 0)], -jnp.inf)
     return out, lse.reshape(t, hq)
