@@ -271,6 +271,25 @@ def bare_call(env):
     return call
 
 
+class _SteadyClock:
+    """The steady-state clock of ``time_calls`` / ``time_pipelined``: started at the end of step
+    ``warm - 1``, observed once two later steps are queued (the GPU is busy when that step ends)."""
+
+    def __init__(self, warm: int):
+        self.warm, self.marker, self.t0 = warm, None, None
+
+    def after_issue(self, i: int, ids) -> None:
+        """Call after issuing step ``i`` whose sampled ids are ``ids``."""
+        if i == self.warm - 1:
+            self.marker = jnp.copy(ids)  # static_buffers reuse the output buffers on the next call
+        elif i == self.warm + 1:
+            jax.block_until_ready(self.marker)
+            self.t0 = time.perf_counter()
+
+    def per_step_us(self, steps: int) -> float:
+        return (time.perf_counter() - self.t0) / steps * 1e6
+
+
 def time_calls(env, steps: int, fresh: bool, warm: int = 4):
     """Bare executable calls: (wall us per call in steady state, timed as ``time_pipelined`` does;
     median host us per call). ``fresh``: new input buffers."""
@@ -278,19 +297,15 @@ def time_calls(env, steps: int, fresh: bool, warm: int = 4):
     same = device_args(env)
     arg_sets = [device_args(env) if fresh else same for _ in range(warm + steps)]
     jax.block_until_ready(arg_sets)
-    host, marker, t0 = [], None, None
+    host, clock = [], _SteadyClock(warm)
     for i, args in enumerate(arg_sets):
         t1 = time.perf_counter()
         out, pools = call(args, pools)
         host.append(time.perf_counter() - t1)
-        if i == warm - 1:
-            marker = jnp.copy(out["next_ids"])
-        elif i == warm + 1:
-            jax.block_until_ready(marker)
-            t0 = time.perf_counter()
+        clock.after_issue(i, out["next_ids"])
     jax.block_until_ready(pools)
     env["pools"] = pools
-    return (time.perf_counter() - t0) / steps * 1e6, _median_us(host[warm:])
+    return clock.per_step_us(steps), _median_us(host[warm:])
 
 
 def time_replay(env, run, steps: int):
@@ -324,7 +339,7 @@ def time_pipelined(env, run, steps: int, read_ids: bool = False, warm: int = 4) 
     """
     fb, lens, params, pools = env["fb"], env["lens"], env["params"], env["pools"]
     ids = jnp.asarray(env["tok"](lens)["ids"])
-    pending, marker, t0 = None, None, None
+    pending, clock = None, _SteadyClock(warm)
     for i in range(warm + steps):
         cur = lens + i
         out, pools = run(fb(cur), dict(ids=ids, pos=np.asarray(cur - 1, np.int32)), params, pools)
@@ -332,16 +347,14 @@ def time_pipelined(env, run, steps: int, read_ids: bool = False, warm: int = 4) 
         if read_ids:
             if pending is not None:
                 np.asarray(pending)  # blocks on step i - 1 only
-                t0 = time.perf_counter() if i == warm else t0
+                if i == warm:  # the end of step warm - 1, read with step warm queued
+                    clock.t0 = time.perf_counter()
             pending = jnp.copy(ids)  # static_buffers reuse ``out``'s buffers on the next replay
-        elif i == warm - 1:
-            marker = jnp.copy(ids)
-        elif i == warm + 1:  # two more steps queued: the GPU is busy when step warm - 1 ends
-            jax.block_until_ready(marker)
-            t0 = time.perf_counter()
+        else:
+            clock.after_issue(i, ids)
     jax.block_until_ready(ids) if pending is None else np.asarray(pending)
     env["pools"] = pools
-    return (time.perf_counter() - t0) / steps * 1e6
+    return clock.per_step_us(steps)
 
 
 def argument_probe(n: int, iters: int = 50) -> float:
