@@ -220,6 +220,12 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         worked out per row (``[bq]`` vectors), then one compare per score against the key iota;
         built inside the masked steps only (index arrays held across the loop would spill)."""
         base = blk * bk
+        left, right = st.window
+        key = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+        if not (st.causal or right >= 0 or left >= 0):
+            # Only the sequence end bounds the keys. Row vectors built and left unused here would
+            # leave Mosaic's layout inference a search it does not finish (non-causal kernels).
+            return jnp.where(key <= k_len - 1 - base, s, -jnp.inf)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         row = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
         if st.token_major:
@@ -229,13 +235,11 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         else:
             qpos = p_first + row
         rel = qpos - base  # the row's query position, counted from the block's first key
-        left, right = st.window
         hi = plgpu.layout_cast(jnp.full((bq,), k_len - 1 - base, jnp.int32), row_layout)
         if st.causal:
             hi = jnp.minimum(hi, rel)
         if right >= 0:
             hi = jnp.minimum(hi, rel + right)
-        key = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
         ok = key <= lax.broadcast_in_dim(hi, (bq, bk), [0])
         if left >= 0:
             ok &= key >= lax.broadcast_in_dim(rel - left, (bq, bk), [0])
