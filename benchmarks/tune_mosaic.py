@@ -49,6 +49,7 @@ VARIANTS = {
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
     "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
     "one_wg_copies": MosaicConfig(spread_copies=False),  # every producer warp runs every copy's issue code
+    "land_wait": MosaicConfig(store_read_wait=False),  # the epilogue waits for its stores to land
 }
 TOLERANCE = 2e-2
 

@@ -36,7 +36,7 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
             start = first + j * rows_per_block + (wg * halves + h) * st.block_q
             n = jnp.clip(st.num_rows - start, 0, st.block_q)
             pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)
 
 
 def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
@@ -205,4 +205,4 @@ def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref
     store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
     if st.return_lse:
         plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)

@@ -70,6 +70,7 @@ class KernelStatics:
     early_k_wait: bool = False  # wait for the next key block while this block's P @ V runs
     solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
+    store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
 
     @property
     def active_wgs(self) -> int:

@@ -70,6 +70,10 @@ class MosaicConfig:
       spread_copies: the producer warpgroup's four warps share a key block's TMA copies (copy ``j``
         by warp ``j % 4``) instead of each running every copy's issue code; those instructions
         otherwise take issue slots from the compute warps on the same schedulers.
+      store_read_wait: a compute warpgroup's last wait on its output stores is for the stores to
+        have read shared memory (``cp.async.bulk.wait_group.read``), not for the writes to land:
+        the CTA ends sooner and the next one starts on its multiprocessor. (H100, prefill B=4
+        S=4096: 946 / 942 us against 951 / 949 at page 16 / 64; decode unchanged.)
     """
 
     block_q: int = 64
@@ -89,6 +93,7 @@ class MosaicConfig:
     solo_block_kv: int | None = None
     solo_stages: int | None = None
     spread_copies: bool = True
+    store_read_wait: bool = True
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -196,7 +201,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
-        solo=solo, spread_copies=config.spread_copies,
+        solo=solo, spread_copies=config.spread_copies, store_read_wait=config.store_read_wait,
     )
 
 
