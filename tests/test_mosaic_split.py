@@ -100,6 +100,26 @@ def test_split_heuristic(batch, ctx, num_splits, want_bound, want_seq):
     assert sorted(tiles.tolist()) == sorted(list(range(want_seq)) * batch)
 
 
+@pytest.mark.parametrize("case", [SPLIT_CPU_CASES[0], SPLIT_CPU_CASES[3]], ids=lambda c: c.name)
+def test_tile_table(case):
+    """Each tile's row of ``tile_info`` holds what the kernel would look up by sequence: a numpy port
+    of that lookup, row by row, on ragged lengths (packed decode rows and one-head prefill rows)."""
+    _, _, _, md, _ = build_inputs(case)
+    sched = plan_mosaic_schedule(md, num_q_heads=case.heads[0], num_kv_heads=case.heads[1], config=_config(case),
+                                 num_splits=case.num_splits)
+    info, seq = np.asarray(sched.tile_info), np.asarray(sched.tile_seq)
+    k_lens, cu = np.asarray(md.cache_seqlens), np.asarray(md.cu_seqlens_q)
+    assert info.shape == (seq.shape[0], 8) and info.dtype == np.int32
+    np.testing.assert_array_equal(info[:, 0], seq)
+    valid = np.flatnonzero(seq >= 0)
+    assert len(valid) == int(sched.num_tiles) > 0
+    for n in valid:
+        b = seq[n]
+        want = [b, sched.tile_q_block[n] * sched.block_q, sched.tile_split[n], k_lens[b], cu[b], cu[b + 1] - cu[b],
+                sched.seq_num_splits[b], 0]
+        np.testing.assert_array_equal(info[n], want, err_msg=f"tile {n}")
+
+
 @pytest.mark.parametrize("head_dim,block_kv,stages,q_len,solo", [
     (128, 128, 2, 1, False), (128, 64, 4, 1, False), (64, 128, 2, 1, False), (128, 128, 2, 100, False),
     (128, 64, 5, 1, True)])
@@ -119,8 +139,7 @@ def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], head_dim), jnp.bfloat16)
     q = (md.num_tokens, HEADS[1], st.pack, head_dim) if st.token_major else (md.num_tokens, HEADS[0], head_dim)
-    args = (s(q, jnp.bfloat16), cache, cache, md.page_table, md.cache_seqlens,
-            md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
+    args = (s(q, jnp.bfloat16), cache, cache, md.page_table, md.cu_seqlens_q, sched.tile_info,
             s((st.num_heads,), jnp.float32))
     fn = kernel_call_split(st, sched.tile_seq.shape[0])
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -143,8 +162,7 @@ def test_unsplit_lowers_for_cuda(q_len, causal):
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], 128), jnp.bfloat16)
     q = s((md.num_tokens, HEADS[1], st.pack, 128) if st.token_major else (md.num_tokens, HEADS[0], 128), jnp.bfloat16)
-    args = (q, cache, cache, md.page_table, md.cache_seqlens, md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block,
-            s((st.num_heads,), jnp.float32))
+    args = (q, cache, cache, md.page_table, md.cu_seqlens_q, sched.tile_info, s((st.num_heads,), jnp.float32))
     text = jax.jit(kernel_call(st, sched.tile_seq.shape[0])).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

@@ -26,8 +26,8 @@ import torch
 
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
-from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, MosaicConfig, choose_pack, kernel_statics,
-                                           plan_mosaic_schedule, unsupported)
+from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
+                                           kernel_statics, plan_mosaic_schedule, unsupported)
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import compile_for_torch, jax_dtype
 
@@ -53,7 +53,7 @@ class Tables:
     """The kernel's per-step tables: torch views into one flat int32 tensor."""
 
     flat: torch.Tensor  # i32[sum of the padded table sizes]
-    args: Tuple[torch.Tensor, ...]  # page_table [B, P], cache_seqlens [B], cu_seqlens_q [B + 1], tile_seq [N], tile_q_block [N]
+    args: Tuple[torch.Tensor, ...]  # page_table [B, P], cu_seqlens_q [B + 1], tile_info [N, 8]
     pack: int  # rows per query token of the row view
     num_tiles: int  # N
     max_q_len: int  # static bound on queries per sequence (the plan's)
@@ -66,7 +66,7 @@ def _padded(n: int) -> int:
 def _flatten_tables(md, hq: int, hkv: int, config: MosaicConfig):
     """The kernel's tables of plan ``md`` as one i32 array (traced once per plan key)."""
     sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config)
-    parts = [md.page_table, md.cache_seqlens, md.cu_seqlens_q, sched.tile_seq, sched.tile_q_block]
+    parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
 
@@ -146,14 +146,14 @@ class MosaicPath:
     def _views(self, flat: torch.Tensor, md, heads: Tuple[int, int]) -> Tables:
         b, p = md.page_table.shape
         pack = choose_pack(md, heads[0], heads[1], self.config)
-        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b) - _padded(b + 1)) // 2
-        shapes = ((b, p), (b,), (b + 1,), (num_tiles,), (num_tiles,))
+        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1)) // TILE_INFO_WORDS
+        shapes = ((b, p), (b + 1,), (num_tiles, TILE_INFO_WORDS))
         views, off = [], 0
         for shape in shapes:
             n = int(np.prod(shape))
             views.append(flat[off:off + n].view(shape))
             off += _padded(n)
-        if off != flat.shape[0] or _padded(num_tiles) != num_tiles:
+        if off != flat.shape[0]:
             raise RuntimeError(f"table layout mismatch ({off} != {flat.shape[0]}): tile bound {num_tiles}")
         return Tables(flat, tuple(views), pack, num_tiles, md.max_q_len)
 

@@ -139,18 +139,15 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     rows). Split (``st.split``): the tile's kv split covers one run of the CTA's key blocks and
     its partial output goes to ``out_ref[split]`` in float32; padding rows are the merge's job.
     """
-    if st.split:
-        (q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, tsplit_ref, nsplit_ref, sinks_ref,
-         out_ref, lse_ref) = refs
-    else:
-        q_ref, k_ref, v_ref, pt_ref, seqlens_ref, cu_ref, tseq_ref, tqb_ref, sinks_ref, out_ref, lse_ref = refs
+    q_ref, k_ref, v_ref, pt_ref, cu_ref, info_ref, sinks_ref, out_ref, lse_ref = refs
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
     q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)  # see ``kernel_entry``
     (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
-    seq = tseq_ref[jnp.minimum(tile, num_tiles - 1)]
+    info_row = jnp.minimum(tile, num_tiles - 1)
+    seq = info_ref[info_row, 0]  # the tile's row of ``mosaic_paged.tile_table``
 
     if not st.split:
         pad = functools.partial(padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
@@ -158,19 +155,17 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
     @pl.when((tile < num_tiles) & (seq >= 0))
     def _valid_tile():
-        k_len = seqlens_ref[seq]
-        q_start = cu_ref[seq]
-        q_len = cu_ref[seq + 1] - q_start
+        info = [info_ref[info_row, c] for c in range(7)]
+        row_base, k_len, q_start, q_len = info[1], info[3], info[4], info[5]
         seq_rows = q_len * st.pack
-        row_base = tqb_ref[tile] * (COMPUTE_WGS * st.block_q)
         ranges = [_row_ranges(st, i, row_base, seq_rows, q_len, k_len) for i in range(COMPUTE_WGS)]
         both = ranges[1][1] > 0  # the second warpgroup has rows
         cta_lo = jnp.where(both, jnp.minimum(ranges[0][3], ranges[1][3]), ranges[0][3])
         cta_hi = jnp.where(both, jnp.maximum(ranges[0][4], ranges[1][4]), ranges[0][4])
         split = None
         if st.split:
-            split = tsplit_ref[tile]
-            cta_lo, cta_hi = _split_blocks(cta_lo, cta_hi, split, nsplit_ref[seq])
+            split = info[2]
+            cta_lo, cta_hi = _split_blocks(cta_lo, cta_hi, split, info[6])
         nblk = jnp.maximum(cta_hi - cta_lo, 0)
         kv_head = head // st.kv_group
 
@@ -395,8 +390,8 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
 def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     """The kernel as a function of arrays (nothing else: the torch launcher compiles it alone).
 
-    ``fn(q, k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P], cache_seqlens i32[B],
-    cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N], sinks f32[H])`` with ``q [T, Hq, D]``
+    ``fn(q, k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P], cu_seqlens_q i32[B + 1],
+    tile_info i32[N, 8] (``mosaic_paged.tile_table``), sinks f32[H])`` with ``q [T, Hq, D]``
     (``pack == 1``) or ``[T, Hkv, G, D]`` (packed rows: a free view of ``[T, Hq, D]``) returns ``out``
     in q's layout with ``Dv`` (padding tokens zeroed) and ``lse f32[N, H, 2 * block_q]`` per tile.
     """

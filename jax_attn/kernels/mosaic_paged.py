@@ -165,12 +165,28 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
                            min_kv_per_split=config.min_kv_per_split, split_waves=config.split_waves)
-    sched = dataclasses.replace(sched, pack=pack)
+    sched = dataclasses.replace(sched, pack=pack, tile_info=tile_table(sched, md.cache_seqlens, md.cu_seqlens_q,
+                                                                       rows_per_tile=rows_per_tile))
     if s > 1:
         sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,
                                                                num_q_heads=num_q_heads, num_heads=num_heads,
                                                                block_q=config.block_q))
     return sched
+
+
+TILE_INFO_WORDS = 8
+
+
+def tile_table(sched, cache_seqlens: jax.Array, cu_seqlens_q: jax.Array, *, rows_per_tile: int) -> jax.Array:
+    """``i32[N, 8]``: what the kernel needs of each tile, in one row: (sequence, -1 for no tile; the
+    tile's first row in the sequence's row view; kv split; keys; first query token; query tokens; the
+    sequence's kv splits; 0). A CTA reads its row in one round of loads; looking the lengths up by
+    sequence would put one more dependent load before its first page-table read and TMA copy."""
+    seq = jnp.maximum(sched.tile_seq, 0)
+    cu = cu_seqlens_q.astype(jnp.int32)
+    cols = (sched.tile_seq, sched.tile_q_block * rows_per_tile, sched.tile_split, cache_seqlens.astype(jnp.int32)[seq],
+            cu[seq], cu[seq + 1] - cu[seq], sched.seq_num_splits[seq], jnp.zeros_like(seq))
+    return jnp.stack(cols, axis=1).astype(jnp.int32)
 
 
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
@@ -255,7 +271,7 @@ def paged_attention_mosaic(
     if page_size != md.page_size:
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
-    if (sched is None or sched.block_q != COMPUTE_WGS * config.block_q
+    if (sched is None or sched.tile_info is None or sched.block_q != COMPUTE_WGS * config.block_q
             or sched.pack != choose_pack(md, hq, hkv, config)
             or (num_splits is not None and sched.max_splits != num_splits)):
         sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_tokens=t,
@@ -266,8 +282,7 @@ def paged_attention_mosaic(
                         softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
                         return_lse=return_lse, config=config, interpret=interpret is not None,
                         num_splits=sched.max_splits, max_q_len=md.max_q_len)
-    tables = (md.page_table.astype(jnp.int32), md.cache_seqlens.astype(jnp.int32),
-              md.cu_seqlens_q.astype(jnp.int32), sched.tile_seq, sched.tile_q_block)
+    tables = (md.page_table.astype(jnp.int32), md.cu_seqlens_q.astype(jnp.int32), sched.tile_info)
     # Without sinks the kernel never reads its sinks argument: an array that exists already stands
     # in for it (zeros made here would be one more kernel per call, 0.9 us on an H100).
     sinks_arr = tables[1] if sinks is None else sinks.astype(jnp.float32)
@@ -277,7 +292,7 @@ def paged_attention_mosaic(
                           block_q=config.block_q)
     if st.split:
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
-            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sched.tile_split, sched.seq_num_splits, sinks_arr)
+            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
         out, lse = merge_partials(part_o, lse_tiles, index, out_dtype=q.dtype,
                                   interpret=interpret is not None or jax.default_backend() == "cpu")
         return (out, lse) if return_lse else out

@@ -61,9 +61,7 @@ def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int
 def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     """The split kernel as a function of arrays.
 
-    ``fn(q (as for ``kernel_call``), k_cache [pages, page_size, Hkv, D], v_cache, page_table i32[B, P],
-    cache_seqlens i32[B], cu_seqlens_q i32[B + 1], tile_seq i32[N], tile_q_block i32[N],
-    tile_split i32[N], seq_num_splits i32[B], sinks f32[H])`` returns the partial outputs
+    ``fn`` takes the arguments of ``mosaic_kernel.kernel_call`` and returns the partial outputs
     ``f32[S, T, Hq, Dv]`` (packed rows: ``f32[S, T, Hkv, G, Dv]``, the same memory; rows of splits a
     sequence does not use, and of padding tokens, are not written) and ``lse f32[N, H, 2 * block_q]``
     per tile (``-inf`` for a split with no keys; ``lse_index`` says where each row's value is).
