@@ -86,13 +86,15 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
             else:
                 pl.when(warp == j % WARPS_PER_WG)(copy)
 
-    def issue_both(step, slot):
-        plan = copies(step)
+    def issue_both(plan, slot):
         issue(plan, slot, k_ref, k_smem, k_bar)
         issue(plan, slot, v_ref, v_smem, v_bar)
 
+    # The first blocks' page ids are all read before any copy is issued (one round of loads, not one
+    # per block); a block past ``nblk`` reads clamped ids it never uses.
+    plans = [copies(i) for i in range(st.stages)]
     for i in range(st.stages):
-        pl.when(i < nblk)(functools.partial(issue_both, i, i))
+        pl.when(i < nblk)(functools.partial(issue_both, plans[i], i))
 
     # The page ids are read before waiting for the slot, and a key slot is refilled as soon as both
     # warpgroups' Q @ K^T of it is done, before their P @ V: the next keys then have a whole softmax
