@@ -27,6 +27,7 @@ import llama_torch as lt  # noqa: E402
 from llama import decode_arg_parser  # noqa: E402
 
 from jax_attn.batch import bucket_for  # noqa: E402
+from jax_attn.kernels.mosaic_paged import unsupported  # noqa: E402
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool,  # noqa: E402
                           ModelConfig, ModelRunner, ReqToTokenPool)
 
@@ -78,7 +79,7 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
     backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, zeros, zeros + 1, None, ForwardMode.DECODE, None)
     cap = ForwardBatch(ForwardMode.DECODE, bucket, zeros, zeros + 1, zeros, token_to_kv_pool=pool, attn_backend=backend)
     model.forward(zeros, zeros, lt.bridge_attend(model, cap))  # the capture run: compiles attention (slot 0)
-    graph = capture_decode(model, cap) if backend.mosaic_path is not None else None
+    graph = capture_decode(model, cap) if launches(backend, model.cfg, runner.page_size) else None
     sync(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
@@ -96,6 +97,13 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
         lens = lens + 1
     sync(device)
     return torch.stack(tokens, 1), torch.stack(logits, 1), (time.perf_counter() - t0) / max(new_tokens - 1, 1)
+
+
+def launches(backend, cfg, page_size: int) -> bool:
+    """Whether the bridge launches this model's attention itself (the Mosaic path covers its dtype,
+    head dim and page size): only then can a ``torch.cuda.graph`` capture the decode step."""
+    return backend.mosaic_path is not None and unsupported(
+        cfg.dtype, cfg.dtype, cfg.dtype, cfg.head_dim, cfg.head_dim, page_size) is None
 
 
 def capture_decode(model, cap):
@@ -167,7 +175,8 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     tokens, logits, bridge_s = run_bridge(model, runner, backend, prompts, new_tokens, device)
     sdpa_logits, sdpa_s = run_sdpa_decode(model, prompts, tokens, max_ctx, device)
 
-    launch = "Mosaic launch path, decode step in a CUDA graph" if backend.mosaic_path else "JAX executables"
+    launch = ("Mosaic launch path, decode step in a CUDA graph" if launches(backend, cfg, page_size)
+              else "JAX executables")
     print(f"device={device} impl={backend.jax_backend.impl} config={config} batch={batch} "
           f"page_size={page_size} attention via {launch} prompts={prompt_lens.tolist()}")
     print(f"decode step: bridge {1e3 * bridge_s:.2f} ms, SDPA contiguous KV {1e3 * sdpa_s:.2f} ms "
