@@ -40,6 +40,13 @@ from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue
                                         padding_rows, zero_tail_values)
 
 
+# A tile's row of ``tile_info`` (built by ``mosaic_paged.tile_table``): these columns, zero-padded
+# to TILE_INFO_WORDS. ``seq`` is -1 for no tile; ``first_row`` is the tile's first row in the
+# sequence's row view; ``seq_splits`` is the sequence's kv split count.
+TILE_INFO_COLUMNS = ("seq", "first_row", "split", "k_len", "q_start", "q_len", "seq_splits")
+TILE_INFO_WORDS = 8
+
+
 def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -147,7 +154,11 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
     info_row = jnp.minimum(tile, num_tiles - 1)
-    seq = info_ref[info_row, 0]  # the tile's row of ``mosaic_paged.tile_table``
+
+    def info(name):  # a column of the tile's row of ``tile_info``
+        return info_ref[info_row, TILE_INFO_COLUMNS.index(name)]
+
+    seq = info("seq")
 
     if not st.split:
         pad = functools.partial(padding_rows, st, tile - num_tiles, wg, head, cu_ref, out_ref, o_smem2)
@@ -155,8 +166,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
     @pl.when((tile < num_tiles) & (seq >= 0))
     def _valid_tile():
-        info = [info_ref[info_row, c] for c in range(7)]
-        row_base, k_len, q_start, q_len = info[1], info[3], info[4], info[5]
+        row_base, k_len, q_start, q_len = (info(c) for c in ("first_row", "k_len", "q_start", "q_len"))
         seq_rows = q_len * st.pack
         ranges = [_row_ranges(st, i, row_base, seq_rows, q_len, k_len) for i in range(COMPUTE_WGS)]
         both = ranges[1][1] > 0  # the second warpgroup has rows
@@ -164,8 +174,8 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
         cta_hi = jnp.where(both, jnp.maximum(ranges[0][4], ranges[1][4]), ranges[0][4])
         split = None
         if st.split:
-            split = info[2]
-            cta_lo, cta_hi = _split_blocks(cta_lo, cta_hi, split, info[6])
+            split = info("split")
+            cta_lo, cta_hi = _split_blocks(cta_lo, cta_hi, split, info("seq_splits"))
         nblk = jnp.maximum(cta_hi - cta_lo, 0)
         kv_head = head // st.kv_group
 

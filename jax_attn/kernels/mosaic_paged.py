@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS
-from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_call
+from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
+                                            kernel_call)
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
@@ -174,19 +175,18 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     return sched
 
 
-TILE_INFO_WORDS = 8
-
-
 def tile_table(sched, cache_seqlens: jax.Array, cu_seqlens_q: jax.Array, *, rows_per_tile: int) -> jax.Array:
-    """``i32[N, 8]``: what the kernel needs of each tile, in one row: (sequence, -1 for no tile; the
-    tile's first row in the sequence's row view; kv split; keys; first query token; query tokens; the
-    sequence's kv splits; 0). A CTA reads its row in one round of loads; looking the lengths up by
-    sequence would put one more dependent load before its first page-table read and TMA copy."""
+    """``i32[N, TILE_INFO_WORDS]``: what the kernel needs of each tile, in one row (the columns of
+    ``mosaic_kernel.TILE_INFO_COLUMNS``, zero-padded). A CTA reads its row in one round of loads;
+    looking the lengths up by sequence would put one more dependent load before its first
+    page-table read and TMA copy."""
     seq = jnp.maximum(sched.tile_seq, 0)
     cu = cu_seqlens_q.astype(jnp.int32)
-    cols = (sched.tile_seq, sched.tile_q_block * rows_per_tile, sched.tile_split, cache_seqlens.astype(jnp.int32)[seq],
-            cu[seq], cu[seq + 1] - cu[seq], sched.seq_num_splits[seq], jnp.zeros_like(seq))
-    return jnp.stack(cols, axis=1).astype(jnp.int32)
+    cols = dict(seq=sched.tile_seq, first_row=sched.tile_q_block * rows_per_tile, split=sched.tile_split,
+                k_len=cache_seqlens.astype(jnp.int32)[seq], q_start=cu[seq], q_len=cu[seq + 1] - cu[seq],
+                seq_splits=sched.seq_num_splits[seq])
+    pad = [jnp.zeros_like(seq)] * (TILE_INFO_WORDS - len(TILE_INFO_COLUMNS))
+    return jnp.stack([cols[name] for name in TILE_INFO_COLUMNS] + pad, axis=1).astype(jnp.int32)
 
 
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
