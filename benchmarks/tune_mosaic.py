@@ -27,7 +27,7 @@ import common  # noqa: E402
 import peers  # noqa: E402
 from jax_attn.kernels.mosaic_paged import MosaicConfig  # noqa: E402
 
-POINTS = {  # name: (kind, batch, q_len, kv_len, page_size)
+POINTS = {  # name: (kind, batch, q_len, kv_len, page_size[, kv heads, default 8])
     "prefill_p16": ("prefill", 4, 4096, 4096, 16),
     "prefill_p64": ("prefill", 4, 4096, 4096, 64),
     "decode_64x4096": ("decode", 64, 1, 4096, 16),
@@ -39,6 +39,10 @@ POINTS = {  # name: (kind, batch, q_len, kv_len, page_size)
     "decode_1x16384": ("decode", 1, 1, 16384, 16),
     "decode_1x65536": ("decode", 1, 1, 65536, 16),
     "prefill_p16_b2s8192": ("prefill", 2, 8192, 8192, 16),
+    # the bytes of decode 1 x 32768 with fewer kv heads per page row (1: each page one contiguous run)
+    "decode_8x32768_kv1": ("decode", 8, 1, 32768, 16, 1),
+    "decode_2x32768_kv4": ("decode", 2, 1, 32768, 16, 4),
+    "decode_1x32768_p64": ("decode", 1, 1, 32768, 64),  # a quarter of the TMA copies, four times the size
 }
 VARIANTS = {
     "default": MosaicConfig(),  # early_k_wait for one-head rows (prefill) only
@@ -49,7 +53,9 @@ VARIANTS = {
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
     "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
     "one_wg_copies": MosaicConfig(spread_copies=False),  # every producer warp runs every copy's issue code
-    "land_wait": MosaicConfig(store_read_wait=False),  # the epilogue waits for its stores to land
+    "land_wait": MosaicConfig(store_read_wait=False),
+    "solo3": MosaicConfig(solo_stages=3),  # solo calls with a 3-deep ring of 128-key blocks
+    "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6),  # the epilogue waits for its stores to land
 }
 TOLERANCE = 2e-2
 
@@ -69,8 +75,9 @@ def print_kernels(name: str, run, sync) -> None:
 def run_point(name: str, variants: list[str], rounds: int, calls: int,
               kernels: bool = False) -> list[tuple[str, str, float, float]]:
     """(point, peer, value, rel. error) rows of one point (``kernels``: also each peer's kernel list)."""
-    kind, b, q_len, kv_len, ps = POINTS[name]
-    p = peers.make_problem(b, q_len, kv_len, ps, device="cuda", num_q_heads=32, num_kv_heads=8, head_dim=128)
+    kind, b, q_len, kv_len, ps, *kv_heads = POINTS[name]
+    p = peers.make_problem(b, q_len, kv_len, ps, device="cuda", num_q_heads=32, num_kv_heads=(kv_heads or [8])[0],
+                           head_dim=128)
     runs = [peers.sdpa(p)] + [peers.ours_mosaic(p, VARIANTS[v], name=f"mosaic[{v}]") for v in variants]
     if kind == "prefill":
         runs.append(peers.jax_mosaic(p))

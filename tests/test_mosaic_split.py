@@ -122,11 +122,11 @@ def test_tile_table(case):
 
 @pytest.mark.parametrize("head_dim,block_kv,stages,q_len,solo", [
     (128, 128, 2, 1, False), (128, 64, 4, 1, False), (64, 128, 2, 1, False), (128, 128, 2, 100, False),
-    (128, 64, 5, 1, True)])
+    (128, 64, 5, 1, True), (128, 128, 3, 1, True)])
 def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     """The compiled (not interpreted) split kernel lowers, within the 227 KB of shared memory
-    (q_len 100: unpacked rows, with sinks; ``solo``: one compute warpgroup's buffers and the deeper
-    ring they leave room for; a 6-stage ring would not fit)."""
+    (q_len 100: unpacked rows, with sinks; ``solo``: one compute warpgroup's buffers, its float32
+    output buffer inside the key ring, and the deeper ring that leaves room for)."""
     md = _uniform_md(1, 3000, q_len=q_len)
     config = MosaicConfig(block_kv=block_kv, stages=stages, solo=solo)
     sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config,
@@ -146,19 +146,23 @@ def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("q_len,causal", [(1, True), (100, True), (128, True), (100, False)])
-def test_unsplit_lowers_for_cuda(q_len, causal):
+@pytest.mark.parametrize("q_len,causal,solo_stages", [(1, True, None), (1, True, 3), (100, True, None),
+                                                     (128, True, None), (100, False, None)])
+def test_unsplit_lowers_for_cuda(q_len, causal, solo_stages):
     """The compiled unsplit kernel lowers for CUDA: token-major packed rows (q_len 1, reshaped
-    shared-memory views the interpreter does not run) and one head per row (q_len 100: Q staged;
-    q_len 128: a row count that is a multiple of 8, so aligned Q tiles load straight into place).
-    Non-causal: Mosaic's layout inference once ran out of its search budget on that mask."""
+    shared-memory views the interpreter does not run; with a 3-deep ring of 128-key blocks, within
+    the 227 KB of shared memory) and one head per row (q_len 100: Q staged; q_len 128: a row count
+    that is a multiple of 8, so aligned Q tiles load straight into place). Non-causal: Mosaic's
+    layout inference once ran out of its search budget on that mask."""
     from jax_attn.kernels.mosaic_kernel import kernel_call
 
     md = _uniform_md(3, 3000, q_len=q_len)
-    sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1])
+    config = MosaicConfig(solo_stages=solo_stages)
+    sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config)
     st = kernel_statics(num_tokens=md.num_tokens, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim=128,
-                        head_dim_v=128, page_size=16, pack=sched.pack, dtype=jnp.bfloat16, causal=causal)
-    assert st.token_major == (q_len == 1)
+                        head_dim_v=128, page_size=16, pack=sched.pack, dtype=jnp.bfloat16, causal=causal,
+                        config=config, max_q_len=q_len)
+    assert st.token_major == (q_len == 1) and st.stages == (solo_stages or 2)
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], 128), jnp.bfloat16)
     q = s((md.num_tokens, HEADS[1], st.pack, 128) if st.token_major else (md.num_tokens, HEADS[0], 128), jnp.bfloat16)

@@ -93,6 +93,12 @@ class KernelStatics:
         return self.pack > 1
 
     @property
+    def ring_staging(self) -> bool:
+        """The split kernel's float32 output buffer lives in the key ring (one compute warpgroup:
+        the ring is idle once its key loop ends), which leaves room for a deeper ring."""
+        return self.split and self.solo
+
+    @property
     def pages_per_block(self) -> int:
         return max(self.block_kv // self.page_size, 1)
 
@@ -148,7 +154,10 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     """
     q_ref, k_ref, v_ref, pt_ref, cu_ref, info_ref, sinks_ref, out_ref, lse_ref = refs
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
-    q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)  # see ``kernel_entry``
+    if st.ring_staging:  # see ``kernel_entry``
+        (k_smem, o_smem2), q_stage2 = k_smem, staging
+    else:
+        q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)
     (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
@@ -370,16 +379,21 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
     tiled = _TILED()
     wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
-    # Q is staged through the output buffer; the split kernel's float32 output buffer shares its
-    # memory with a Q staging buffer instead (a ``RefUnion``).
-    if st.split:
-        staging = plgpu.RefUnion(plgpu.SMEM((wgs, bq, st.head_dim), st.dtype),
-                                 plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32))
+    k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
+    # Q is staged through the output buffer. The split kernel's float32 output buffer shares its
+    # memory with the key ring when one warpgroup runs (``ring_staging``: the ring is idle by its
+    # epilogue), else with a Q staging buffer (a ``RefUnion`` either way).
+    o32 = plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32)
+    q_stage = plgpu.SMEM((wgs, bq, st.head_dim), st.dtype)
+    if st.ring_staging:
+        k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
+    elif st.split:
+        staging = plgpu.RefUnion(q_stage, o32)
     else:
         staging = plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype)
     smem = (
         plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled),
-        plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled),
+        k_ring,
         plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled),
         staging,
         plgpu.SMEM((wgs, bq), jnp.float32),
@@ -420,6 +434,8 @@ def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row reductions stay within warps (WGMMA layout): no cross-warp reduction scratch,
+        # which would not leave room for a 3-deep ring of 128-key blocks in a solo kernel.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret,
     )
