@@ -53,9 +53,9 @@ VARIANTS = {
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
     "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
     "one_wg_copies": MosaicConfig(spread_copies=False),  # every producer warp runs every copy's issue code
-    "land_wait": MosaicConfig(store_read_wait=False),
+    "land_wait": MosaicConfig(store_read_wait=False),  # the epilogue waits for its stores to land
     "solo3": MosaicConfig(solo_stages=3),  # solo calls with a 3-deep ring of 128-key blocks
-    "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6),  # the epilogue waits for its stores to land
+    "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6),  # solo calls with a 64-key x 6-stage ring
 }
 TOLERANCE = 2e-2
 
