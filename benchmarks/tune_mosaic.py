@@ -49,13 +49,15 @@ VARIANTS = {
     "late_k": MosaicConfig(early_k_wait=False),  # every step waits for its key block at its start
     "paired": MosaicConfig(solo=False),  # packed decode keeps both compute warpgroups
     "decode128": MosaicConfig(decode_block_kv=None, decode_stages=None),  # unsplit decode at block_kv 128 x 2
-    "ring64": MosaicConfig(block_kv=64, stages=4),  # every call (split decode too) with 64-key x 4-stage rings
+    "ring64": MosaicConfig(block_kv=64, stages=4, split_decode_stages=4),  # every call with 64-key x 4-stage rings
     "fill2": MosaicConfig(split_below_fill=2),  # split when the unsplit CTAs fill at most half of the GPU
-    "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5),  # solo calls with a 64-key x 5-stage ring
+    "solo64x5": MosaicConfig(solo_block_kv=64, solo_stages=5, split_decode_stages=5),  # 64-key x 5-stage rings
     "one_wg_copies": MosaicConfig(spread_copies=False),  # every producer warp runs every copy's issue code
     "land_wait": MosaicConfig(store_read_wait=False),  # the epilogue waits for its stores to land
-    "solo3": MosaicConfig(solo_stages=3),  # solo calls with a 3-deep ring of 128-key blocks
-    "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6),  # solo calls with a 64-key x 6-stage ring
+    "solo3": MosaicConfig(solo_stages=3, split_decode_block_kv=128, split_decode_stages=3),  # 3 x 128-key rings
+    "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6, split_decode_stages=6),  # 64-key x 6-stage rings
+    "split128x2": MosaicConfig(split_decode_block_kv=128, split_decode_stages=2),  # split decode: the 128-key ring
+    "solo64x2": MosaicConfig(solo_block_kv=64, solo_stages=2),  # unsplit solo calls: a 64-key x 2-stage ring too
 }
 TOLERANCE = 2e-2
 

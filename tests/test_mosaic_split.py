@@ -122,20 +122,21 @@ def test_tile_table(case):
 
 @pytest.mark.parametrize("head_dim,block_kv,stages,q_len,solo", [
     (128, 128, 2, 1, False), (128, 64, 4, 1, False), (64, 128, 2, 1, False), (128, 128, 2, 100, False),
-    (128, 64, 5, 1, True), (128, 128, 3, 1, True)])
+    (128, 64, 5, 1, True), (128, 128, 3, 1, True), (128, 64, 2, 1, True)])
 def test_split_lowers_for_cuda(head_dim, block_kv, stages, q_len, solo):
     """The compiled (not interpreted) split kernel lowers, within the 227 KB of shared memory
     (q_len 100: unpacked rows, with sinks; ``solo``: one compute warpgroup's buffers, its float32
     output buffer inside the key ring, and the deeper ring that leaves room for)."""
     md = _uniform_md(1, 3000, q_len=q_len)
-    config = MosaicConfig(block_kv=block_kv, stages=stages, solo=solo)
+    config = MosaicConfig(block_kv=block_kv, stages=stages, solo=solo, split_decode_block_kv=block_kv,
+                          split_decode_stages=stages)
     sched = plan_mosaic_schedule(md, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], config=config,
                                  num_splits=None if q_len == 1 else 3)
     assert sched.max_splits > 1
     st = kernel_statics(num_tokens=md.num_tokens, num_q_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim=head_dim,
                         head_dim_v=head_dim, page_size=16, pack=sched.pack, dtype=jnp.bfloat16, config=config,
                         num_splits=sched.max_splits, has_sinks=q_len > 1, max_q_len=q_len)
-    assert st.solo == solo
+    assert st.solo == solo and (st.block_kv, st.stages) == (block_kv, stages)
     s = jax.ShapeDtypeStruct
     cache = s((md.page_table.size + 1, 16, HEADS[1], head_dim), jnp.bfloat16)
     q = (md.num_tokens, HEADS[1], st.pack, head_dim) if st.token_major else (md.num_tokens, HEADS[0], head_dim)

@@ -65,10 +65,13 @@ class MosaicConfig:
         short verify: ``max_q_len * G <= block_q``), that warpgroup sits the kernel out: the first
         one runs alone, with no schedule barrier to take turns through, and only its buffers are
         allocated.
-      solo_block_kv / solo_stages: ``block_kv`` and ``stages`` of other solo calls (split decode,
-        unsplit decode with few programs); the shared memory the absent warpgroup leaves allows a
-        deeper ring (up to 3 x 128 keys), measured slower on an H100 (1 x 32768: 54.9 against 53.2
-        us; 64 x 6: 56.0). None: ``block_kv`` / ``stages``.
+      split_decode_block_kv / split_decode_stages: ``block_kv`` and ``stages`` of solo split calls
+        (split decode: one CTA per multiprocessor, a single wave). The smallest ring streams
+        fastest there (H100, decode 1 x 32768: 64 x 2 0.973x cuDNN, 128 x 2 0.935x, 128 x 3 0.910x,
+        64 x 6 0.893x). None: ``block_kv`` / ``stages``.
+      solo_block_kv / solo_stages: ``block_kv`` and ``stages`` of other solo calls (unsplit decode
+        with few programs); the shared memory the absent warpgroup leaves allows a deeper ring (up
+        to 3 x 128 keys; slower on an H100). None: ``block_kv`` / ``stages``.
       spread_copies: the producer warpgroup's four warps share a key block's TMA copies (copy ``j``
         by warp ``j % 4``) instead of each running every copy's issue code; those instructions
         otherwise take issue slots from the compute warps on the same schedulers.
@@ -92,6 +95,8 @@ class MosaicConfig:
     decode_block_kv: int | None = 64
     decode_stages: int | None = 4
     decode_min_ctas: int = 2 * HOPPER_NUM_SMS
+    split_decode_block_kv: int | None = 64
+    split_decode_stages: int | None = 2
     solo_block_kv: int | None = None
     solo_stages: int | None = None
     spread_copies: bool = True
@@ -100,11 +105,11 @@ class MosaicConfig:
     def __post_init__(self):
         if self.block_q != 64:
             raise ValueError(f"{self.block_q=} must be 64 (one wgmma tile per warpgroup)")
-        for name in ("block_kv", "decode_block_kv", "solo_block_kv"):
+        for name in ("block_kv", "decode_block_kv", "split_decode_block_kv", "solo_block_kv"):
             v = getattr(self, name)
             if v is not None and (v % 64 or v < 64):
                 raise ValueError(f"{name}={v} must be a positive multiple of 64")
-        for name in ("decode_stages", "solo_stages"):
+        for name in ("decode_stages", "split_decode_stages", "solo_stages"):
             if getattr(self, name) is not None and getattr(self, name) < 2:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 2")
         if self.stages < 2:
@@ -205,6 +210,9 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     if pack > 1 and num_splits == 1 and num_tokens * num_kv_heads >= config.decode_min_ctas:
         block_kv = config.decode_block_kv or block_kv
         stages = config.decode_stages or stages
+    elif solo and num_splits > 1:
+        block_kv = config.split_decode_block_kv or block_kv
+        stages = config.split_decode_stages or stages
     elif solo:
         block_kv = config.solo_block_kv or block_kv
         stages = config.solo_stages or stages
