@@ -1,8 +1,9 @@
 """One entry point for paged attention over every implementation (``impl``).
 
 ``impl``:
-  ``"auto"``      per call: the Mosaic GPU kernel for prefill/extend on Hopper GPUs when it covers
-                  the call (bf16/f16, head dim 64/128, page size a multiple of 8, no fp8 descale,
+  ``"auto"``      per call: the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode
+                  of few tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dim
+                  64/128, page size a multiple of 8, no fp8 descale, no sinks with decode rows,
                   not deterministic mode), else the Triton-lowered kernel (interpret mode on CPU);
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature);
   ``"mosaic"``    the Pallas Mosaic GPU kernel for Hopper (raises ``NotImplementedError`` for what
@@ -37,17 +38,22 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and any(name in dev.device_kind for name in _HOPPER)
 
 
-def mosaic_wanted(md: AttentionMetadata, *, deterministic: bool = False) -> bool:
-    """``auto``'s static rule: Mosaic on Hopper for query runs longer than the packed-decode bound.
+def mosaic_wanted(md: AttentionMetadata, *, num_kv_heads: int | None = None, deterministic: bool = False) -> bool:
+    """``auto``'s static rule: Mosaic on Hopper for query runs longer than the packed-decode bound,
+    and for decode (short query runs) whose (token, kv head) programs fit in one wave of the GPU.
 
-    Decode stays on the Triton kernel: on an H100 (page 16, 32/8 heads) it is ahead of the Mosaic
-    kernel at 1 x 32768, 64 x 4096 and 256 x 1024 and behind only at 8 x 8192 (benchmarks/RESULTS.md).
-    Deterministic mode keeps one kernel for every batch (bitwise batch invariance).
+    On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
+    Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
+    256 x 1024: decode buckets of many tokens stay on Triton. Deterministic mode keeps one kernel
+    for every batch (bitwise batch invariance).
     """
-    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    return (not deterministic and on_hopper() and md.page_size % 8 == 0
-            and md.max_q_len > DEFAULT_MOSAIC_CONFIG.pack_max_q_len)
+    if deterministic or not on_hopper() or md.page_size % 8:
+        return False
+    if md.max_q_len > config.pack_max_q_len:
+        return True
+    return num_kv_heads is not None and md.num_tokens * num_kv_heads <= config.num_sms
 
 
 def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> str:
@@ -55,10 +61,12 @@ def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> 
     impl = resolve_impl(impl)
     if impl != "auto":
         return impl
-    if not mosaic_wanted(md, deterministic=kw.get("num_splits") == 1):
+    if not mosaic_wanted(md, num_kv_heads=k_cache.shape[2], deterministic=kw.get("num_splits") == 1):
         return "triton"
-    from jax_attn.kernels.mosaic_paged import supports
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, supports
 
+    if kw.get("sinks") is not None and md.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len:
+        return "triton"  # sinks with packed decode rows are not in the Mosaic kernel
     covered = supports(q, k_cache, v_cache, md, k_descale=kw.get("k_descale"), v_descale=kw.get("v_descale"))
     return "mosaic" if covered is None else "triton"
 

@@ -107,7 +107,8 @@ class FlashAttentionBackend:
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
                               num_splits=1 if self.deterministic else None)
         mosaic = None
-        if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(md, deterministic=self.deterministic)):
+        if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(md, num_kv_heads=hkv,
+                                                                          deterministic=self.deterministic)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
             mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,

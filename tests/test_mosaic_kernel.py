@@ -112,3 +112,30 @@ def test_attention_dispatch_runs_mosaic():
     assert choose_impl("auto", q, k, v, md, num_splits=1) == "triton"  # deterministic mode: one kernel
     with pytest.raises(ValueError, match="must be one of"):
         choose_impl("cuda", q, k, v, md)
+
+
+def test_auto_rule_on_hopper(monkeypatch):
+    """``auto`` on a Hopper GPU (faked): Mosaic for prefill and for decode whose (token, kv head)
+    programs fit in one wave; Triton for big decode buckets, sinks with decode rows, page size 1,
+    deterministic mode and what the Mosaic kernel does not cover."""
+    import importlib
+
+    from jax_attn.attention import choose_impl
+
+    # (``jax_attn.attention`` the attribute is the function the package exports, not the module.)
+    monkeypatch.setattr(importlib.import_module("jax_attn.attention"), "on_hopper", lambda: True)
+
+    def impl(seq_lens, heads=(32, 8), page_size=16, **kw):
+        q, k, v, md, _ = build_inputs(Case(name="rule", seq_lens=tuple(seq_lens), heads=heads, head_dim=64,
+                                           dtype="bfloat16", page_size=page_size, pad_tokens=0))
+        assert md.num_tokens == sum(n for n, _ in seq_lens)
+        return choose_impl("auto", q, k, v, md, **kw)
+
+    assert impl([(40, 60)]) == "mosaic"  # prefill / extend
+    assert impl([(1, 300)] * 16) == "mosaic"  # 16 tokens x 8 kv heads = 128 programs: one wave
+    assert impl([(1, 300)] * 17) == "triton"  # 136 programs
+    assert impl([(1, 300)] * 16, heads=(32, 4)) == "mosaic"
+    assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"
+    assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
+    assert impl([(1, 300)] * 4, page_size=1) == "triton"
+    assert impl([(1, 300)] * 4, num_splits=1) == "triton"
