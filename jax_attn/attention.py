@@ -38,9 +38,11 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and any(name in dev.device_kind for name in _HOPPER)
 
 
-def mosaic_wanted(md: AttentionMetadata, *, num_kv_heads: int | None = None, deterministic: bool = False) -> bool:
+def mosaic_wanted(md: AttentionMetadata, *, num_kv_heads: int | None = None, num_tokens: int | None = None,
+                  deterministic: bool = False) -> bool:
     """``auto``'s static rule: Mosaic on Hopper for query runs longer than the packed-decode bound,
-    and for decode (short query runs) whose (token, kv head) programs fit in one wave of the GPU.
+    and for decode (short query runs) whose (token, kv head) programs fit in one wave of the GPU
+    (``num_tokens``: the padded token count, default ``md.num_tokens``; unknown counts stay on Triton).
 
     On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
     Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
@@ -53,7 +55,8 @@ def mosaic_wanted(md: AttentionMetadata, *, num_kv_heads: int | None = None, det
         return False
     if md.max_q_len > config.pack_max_q_len:
         return True
-    return num_kv_heads is not None and md.num_tokens * num_kv_heads <= config.num_sms
+    num_tokens = md.num_tokens if num_tokens is None else num_tokens
+    return num_kv_heads is not None and 0 < num_tokens * num_kv_heads <= config.num_sms
 
 
 def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> str:
@@ -61,7 +64,8 @@ def choose_impl(impl: str, q, k_cache, v_cache, md: AttentionMetadata, **kw) -> 
     impl = resolve_impl(impl)
     if impl != "auto":
         return impl
-    if not mosaic_wanted(md, num_kv_heads=k_cache.shape[2], deterministic=kw.get("num_splits") == 1):
+    if not mosaic_wanted(md, num_kv_heads=k_cache.shape[2], num_tokens=q.shape[0],
+                         deterministic=kw.get("num_splits") == 1):
         return "triton"
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, supports
 

@@ -139,3 +139,8 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
     assert impl([(1, 300)] * 4, page_size=1) == "triton"
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"
+    from jax_attn.attention import mosaic_wanted
+
+    _, _, _, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
+                                       page_size=16))
+    assert not mosaic_wanted(dataclasses.replace(md, num_tokens=0), num_kv_heads=8)  # unknown token count
