@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax_attn import planner
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention, mosaic_wanted, resolve_impl
-from jax_attn.batch import ForwardBatch, pad_batch
+from jax_attn.batch import ForwardBatch, accepted_tokens, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.reference import merge_state_reference
@@ -35,7 +35,8 @@ class LayerParams:
     scaling: Optional[float] = None  # softmax scale; None = head_dim ** -0.5
     logit_cap: float = 0.0
     sliding_window_size: int = -1  # -1 = full attention; else FA3 window (size, 0)
-    is_cross_attention: bool = False
+    is_cross_attention: bool = False  # attends the encoder tokens, non-causal
+    causal: bool = True  # False: SGLang's AttentionType.ENCODER_ONLY (bidirectional)
     k_scale: Optional[float] = None  # fp8 pools: stored k = k / k_scale
     v_scale: Optional[float] = None
     layer_id: int = 0
@@ -88,6 +89,9 @@ class FlashAttentionBackend:
         if bs is not None:
             batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
         md = self.attach_schedule(plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch)))
+        if batch.encoder_out_cache_loc is not None and getattr(md, "encoder", None) is not None:
+            md = dataclasses.replace(md, encoder=dataclasses.replace(
+                md.encoder, out_cache_loc=jnp.asarray(batch.encoder_out_cache_loc, jnp.int32)))
         if self.debug_num_slots is not None and isinstance(md, AttentionMetadata) and md.mode != ForwardMode.IDLE:
             planner.validate_metadata(md, num_pages=self.debug_num_slots // self.page_size,
                                       req_to_token_shape=self.req_to_token.shape)
@@ -149,15 +153,20 @@ class FlashAttentionBackend:
             return (out, pool, jnp.zeros((0, layer.num_q_heads), jnp.float32)) if return_lse else (out, pool)
         t = q.shape[0]
         q = q.reshape(t, layer.num_q_heads, layer.head_dim)
+        tree = isinstance(md, spec_plan.CascadeMetadata)
+        if tree and (layer.is_cross_attention or not layer.causal):
+            raise NotImplementedError("a cross-attention or non-causal (encoder-only) layer inside a tree "
+                                      "(topk > 1) speculative step is not supported")
         if save_kv_cache and k is not None:
-            k = k.reshape(t, layer.num_kv_heads, layer.head_dim)
-            v = v.reshape(t, layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
-            pool = set_kv_buffer(pool, md.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            loc = _write_slots(layer, md, k)
+            k = k.reshape(loc.shape[0], layer.num_kv_heads, layer.head_dim)
+            v = v.reshape(loc.shape[0], layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
+            pool = set_kv_buffer(pool, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
                                  layer_index=layer_index)
         view, amd = pool, md
         if layer_index is not None:  # read the stacked pool as one big pool, this layer's slots
             view, amd = pool.flat(), offset_slots(md, layer_index * pool.num_slots)
-        if isinstance(amd, spec_plan.CascadeMetadata):
+        if tree:
             res = self._attend_tree(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
         else:
             res = self._attend(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
@@ -202,7 +211,23 @@ class FlashAttentionBackend:
             return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), enc_md, impl=self.impl,
                              causal=False, **kw)
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
-                         impl=self.impl, causal=True, window_size=layer.window_size, **kw)
+                         impl=self.impl, causal=layer.causal, window_size=layer.window_size, **kw)
+
+
+def _write_slots(layer: LayerParams, md, k):
+    """Where this layer's new K/V go: ``out_cache_loc``, or the encoder's slots for a cross layer
+    (SGLang's ``encoder_out_cache_loc``). Checked at trace time, before anything is written."""
+    if not layer.is_cross_attention:
+        loc = md.out_cache_loc
+    elif md.encoder is None or md.encoder.out_cache_loc is None:
+        raise ValueError("a cross-attention layer writing K/V needs a plan of a batch with encoder_lens and "
+                         "encoder_out_cache_loc (or pass save_kv_cache=False / k=None)")
+    else:
+        loc = md.encoder.out_cache_loc
+    if k.shape[0] != loc.shape[0]:
+        raise ValueError(f"{k.shape=} must have one row per written slot ({loc.shape[0]}: "
+                         f"{'encoder_out_cache_loc' if layer.is_cross_attention else 'out_cache_loc'})")
+    return loc
 
 
 def offset_slots(md, slot_offset):
@@ -250,7 +275,7 @@ def batch_arrays(batch: ForwardBatch):
     """The device inputs of a plan, in ``plan_arrays`` order (int32 numpy)."""
     ext = batch.extend_seq_lens
     if batch.forward_mode.is_draft_extend():
-        ext = batch.spec_info.accept_length + 1
+        ext = accepted_tokens(batch.spec_info)
     mask = None if batch.spec_info is None else batch.spec_info.draft_mask
     return (batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc, ext, batch.encoder_lens, mask)
 
@@ -279,7 +304,7 @@ def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cach
             kv_offset=key.kv_offset, mode=key.mode, **common,
         )
     if extend_seq_lens is None:
-        raise ValueError(f"{key.mode.name} needs extend_seq_lens (or spec_info.accept_length)")
+        raise ValueError(f"{key.mode.name} needs extend_seq_lens (or spec_info.num_accepted_tokens)")
     return planner.plan_extend(
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, out_cache_loc,
         max_q_len=key.num_tokens, mode=key.mode, **common,

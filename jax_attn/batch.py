@@ -25,13 +25,24 @@ class SpecInfo:
     topk: int = 1
     num_draft_tokens: int = 0  # queries per request in target verify
     step_id: int = 0  # draft decode (DECODE with spec_info): kv offset = step_id + 1
-    accept_length: Optional[np.ndarray] = None  # i32[bs], draft extend
+    num_accepted_tokens: Optional[np.ndarray] = None  # i32[bs], draft extend: accepted drafts + 1 (SGLang 0.5.11)
+    accept_length: Optional[np.ndarray] = None  # i32[bs], draft extend, older name: accepted drafts
     num_steps: int = 1  # draft steps; tree draft decode's out_cache_loc is [bs, topk, num_steps]
     draft_mask: Optional[np.ndarray] = None  # bool[bs, N, N]; tree verify (see spec.draft_mask_from_custom_mask)
     with_swa: bool = False  # tree verify: also build the sliding-window table
 
     def is_tree(self) -> bool:
         return self.topk > 1
+
+
+def accepted_tokens(spec_info):
+    """New tokens per request of a draft extend: SGLang 0.5.11's ``num_accepted_tokens``, or the older
+    ``accept_length + 1``; None when ``spec_info`` carries neither. Works on numpy and torch alike."""
+    n = getattr(spec_info, "num_accepted_tokens", None)
+    if n is not None:
+        return n
+    acc = getattr(spec_info, "accept_length", None)
+    return None if acc is None else acc + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +60,11 @@ class ForwardBatch:
     extend_seq_lens: Optional[np.ndarray] = None  # i32[bs]; extend modes
     encoder_lens: Optional[np.ndarray] = None  # i32[bs]; cross attention
     spec_info: Optional[SpecInfo] = None
+    encoder_out_cache_loc: Optional[np.ndarray] = None  # i32[sum encoder_lens]; cross layers' K/V slots
 
     def __post_init__(self):
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "encoder_lens"):
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "encoder_lens",
+                     "encoder_out_cache_loc"):
             x = getattr(self, name)
             if x is not None:
                 object.__setattr__(self, name, np.asarray(x, np.int32))
@@ -109,8 +122,9 @@ def pad_batch(batch: ForwardBatch, bs: int, num_tokens: int) -> ForwardBatch:
     if bs == batch.batch_size and num_tokens == batch.num_tokens:
         return batch  # a full bucket: nothing to pad (saves host time on every replay)
     spec = batch.spec_info
-    if spec is not None and spec.accept_length is not None:
-        spec = dataclasses.replace(spec, accept_length=_pad(spec.accept_length, bs, 0))
+    if spec is not None and accepted_tokens(spec) is not None:  # padded rows: no new token
+        spec = dataclasses.replace(spec, num_accepted_tokens=_pad(np.asarray(accepted_tokens(spec), np.int32), bs, 0),
+                                   accept_length=None)
     if spec is not None and spec.draft_mask is not None:
         mask = np.zeros((bs,) + spec.draft_mask.shape[1:], bool)  # padded rows see no draft token
         mask[: batch.batch_size] = spec.draft_mask

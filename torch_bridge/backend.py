@@ -29,8 +29,11 @@ Tree speculative decoding (topk > 1) runs jax_attn's cascade (prefix pass + expa
 Cross attention: ``forward_batch.encoder_lens`` plans the encoder table (a request's
 ``req_to_token`` row holds its encoder slots first); a layer with ``is_cross_attention`` writes
 its K/V at ``forward_batch.encoder_out_cache_loc`` and attends non-causally over the encoder
-tokens. The static bound ``max_encoder_len`` comes from the constructor or
-``model_runner.model_config.max_encoder_len``.
+tokens. The static bound on encoder lengths is the constructor's ``max_encoder_len``, else the
+request table's width (no extra model-config attribute needed).
+
+The SGLang 0.5.11 attributes read, and those that raise ``NotImplementedError``, are listed in
+``docs/sglang_contract.md``; ``torch_bridge.checks.RunnerSettings`` reads the model runner's.
 
 Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic kernel covers (bf16/f16,
 head dim 64/128, page size a multiple of 8, no tree step, no cross attention) skip JAX at run time:
@@ -62,7 +65,8 @@ from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
-from torch_bridge.checks import check_layer, check_shapes, write_loc
+from jax_attn.batch import accepted_tokens
+from torch_bridge.checks import RunnerSettings, check_layer, check_local, check_shapes, write_loc
 from torch_bridge.dlpack import Importer, capturing, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerHit, MosaicPath, Tables
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, layer_params, loc_steps, locs_per_token,
@@ -106,29 +110,31 @@ class FlashAttentionBackend:
       skip_prefill: accepted for SGLang compatibility (draft backends); no effect here.
       speculative_step_id: draft decode step: KV length = seq_lens + step_id + 1 (topk <= 1), or
         the branch's draft slots of steps ``0..step_id`` (topk > 1).
-      topk: EAGLE topk; > 1 runs target verify and draft decode as tree (cascade) attention.
+      topk: EAGLE topk, used when ``server_args.speculative_eagle_topk`` is None (SGLang reads that
+        one); > 1 runs target verify and draft decode as tree (cascade) attention.
       speculative_num_steps: draft steps (the last axis of tree draft decode's ``out_cache_loc``).
+      fa_impl_ver: SGLang's FlashAttention version (3 or 4): accepted, same attention either way.
       impl: jax_attn implementation; default ``model_runner.attention_impl`` or ``"auto"``.
       max_encoder_len: static bound on encoder lengths (cross attention); default
-        ``model_runner.model_config.max_encoder_len`` or 0 (no cross attention).
+        ``model_runner.model_config.max_encoder_len`` when present, else the request table's width.
       mosaic_path: the Mosaic launch path (``torch_bridge.mosaic_path.MosaicPath``) for the layers
         it covers; default: one on Hopper GPUs when ``impl`` is ``auto`` or ``mosaic``; False: off
         (every layer runs a compiled JAX executable).
     """
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
-                 topk: int = 0, speculative_num_steps: int = 0, *, impl: Optional[str] = None,
-                 max_encoder_len: Optional[int] = None, mosaic_path=None):
+                 topk: int = 0, speculative_num_steps: int = 0, fa_impl_ver: int = 3, *,
+                 impl: Optional[str] = None, max_encoder_len: Optional[int] = None, mosaic_path=None):
+        self.settings = RunnerSettings.of(model_runner, fa_impl_ver, topk)
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
         self.speculative_step_id = speculative_step_id
-        self.topk = topk
+        self.topk = self.settings.topk
+        self.fa_impl_ver = fa_impl_ver
         self.speculative_num_steps = speculative_num_steps
         self.page_size = int(getattr(model_runner, "page_size", 1))
-        args = getattr(model_runner, "server_args", None)
-        self.num_draft_tokens = int(getattr(args, "speculative_num_draft_tokens", None) or 0)
-        window = getattr(model_runner, "sliding_window_size", None)
-        self.with_swa = window is not None and window >= 0  # tree verify plans carry the SWA table
+        self.num_draft_tokens = self.settings.num_draft_tokens
+        self.with_swa = self.settings.with_swa  # tree verify plans carry the SWA table
         r2t = model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or r2t.dim() != 2:
             raise ValueError(f"req_to_token {r2t.dtype=} {r2t.shape=} must be a 2-D torch.int32 tensor "
@@ -137,13 +143,12 @@ class FlashAttentionBackend:
         self.device = r2t.device
         config = getattr(model_runner, "model_config", None)
         self.max_context_len = min(int(getattr(config, "context_len", r2t.shape[1])), r2t.shape[1])
-        if max_encoder_len is None:
-            max_encoder_len = int(getattr(config, "max_encoder_len", 0) or 0)
+        if max_encoder_len is None:  # a static bound every encoder length fits: the request table's width
+            max_encoder_len = int(getattr(config, "max_encoder_len", 0) or r2t.shape[1])
         impl = impl or getattr(model_runner, "attention_impl", "auto")
         self.jax_backend = JaxBackend(self.importer.view(r2t), page_size=self.page_size,
                                       max_context_len=self.max_context_len, impl=impl,
-                                      deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
-                                      max_encoder_len=max_encoder_len)
+                                      deterministic=self.settings.deterministic, max_encoder_len=max_encoder_len)
         self._plan_jit = jax.jit(self._plan_fn, static_argnums=0)
         self._attn_jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
         self._plan_exes: Dict[tuple, Any] = {}
@@ -200,7 +205,7 @@ class FlashAttentionBackend:
             return
         spec = self._spec(forward_batch.spec_info, mode)
         ext = extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
-        enc = self._encoder_lens(getattr(forward_batch, "encoder_lens", None))
+        enc = getattr(forward_batch, "encoder_lens", None)
         bs = int(forward_batch.seq_lens.shape[0])
         loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.speculative_step_id)
         tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
@@ -219,7 +224,7 @@ class FlashAttentionBackend:
         speculative = mode == ForwardMode.TARGET_VERIFY or mode.is_draft_extend()
         if not speculative and (spec_info is None or mode != ForwardMode.DECODE):
             return None
-        topk = max(self.topk, int(getattr(spec_info, "topk", 0) or 0), 1)
+        topk = self._topk(spec_info)
         if mode.is_draft_extend():
             topk = 1  # draft extend is a causal extend over the accepted tokens, never a tree
         draft = int(getattr(spec_info, "draft_token_num", 0) or 0) or self.num_draft_tokens
@@ -235,11 +240,14 @@ class FlashAttentionBackend:
                                num_steps=steps, draft_mask=placeholder,
                                with_swa=self.with_swa and mode == ForwardMode.TARGET_VERIFY)
 
-    def _encoder_lens(self, encoder_lens):
-        if encoder_lens is not None and not self.jax_backend.max_encoder_len:
-            raise ValueError("forward_batch.encoder_lens needs a static encoder bound: pass max_encoder_len= to "
-                             "the backend or set model_runner.model_config.max_encoder_len")
-        return encoder_lens
+    def _topk(self, spec_info) -> int:
+        """SGLang's ``server_args.speculative_eagle_topk`` (or the constructor's ``topk``); without
+        either, an EAGLE ``spec_info.topk``. A spec_info that disagrees with the server raises."""
+        own = getattr(spec_info, "topk", None)
+        own = int(own) if isinstance(own, int) and own > 0 else 0
+        if self.topk > 0 and own and own != self.topk:
+            raise ValueError(f"spec_info.topk={own} differs from server_args.speculative_eagle_topk={self.topk}")
+        return max(self.topk or own, 1)
 
     def _key(self, mode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
         """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
@@ -296,7 +304,7 @@ class FlashAttentionBackend:
         per_req = self._tokens_per_req(mode, spec)
         if num_tokens != bs * per_req:
             raise ValueError(f"{mode.name}: {num_tokens=} must be bs * {per_req} = {bs * per_req}")
-        has_enc = self._encoder_lens(encoder_lens) is not None
+        has_enc = encoder_lens is not None
         key = self._key(mode, bs, num_tokens, spec, mode not in UNIFORM, has_enc)
         self._graph_keys[(mode, bs)] = key
         self._replay(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
@@ -337,9 +345,11 @@ class FlashAttentionBackend:
         enc = None if encoder_lens is None else pad_int32(encoder_lens[:n], bs, 0)
         ext = None
         real = n * (tokens // bs)
-        if mode not in UNIFORM:
-            acc = getattr(spec_info, "accept_length", None)
-            ext = pad_int32(acc[:n] + 1 if acc is not None else rows[:n] * 0 + 1, bs, 0)
+        if mode not in UNIFORM:  # draft extend: each request's accepted tokens (capture: one each)
+            acc = accepted_tokens(spec_info)
+            if acc is None and not capturing:
+                raise ValueError("draft extend replay needs spec_info.num_accepted_tokens (or accept_length)")
+            ext = pad_int32(acc[:n] if acc is not None else rows[:n] * 0 + 1, bs, 0)
             real = tokens  # draft extend replays the padded token layout
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
@@ -379,6 +389,14 @@ class FlashAttentionBackend:
         step = self._step
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
+        check_local(layer, self.settings)
+        out = self._attend(q, k, v, layer, forward_batch, save_kv_cache, sinks, step)
+        dest = getattr(forward_batch, "_attn_output", None)  # SGLang's preallocated output (extend path)
+        if dest is not None and dest.data_ptr() != out.data_ptr():
+            return dest.view(out.shape).copy_(out)
+        return out
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, step: _Step):
         hit = self._hits.get(layer.layer_id)
         if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
             return hit(q, k, v, forward_batch.out_cache_loc if save_kv_cache else None, sinks)

@@ -3,6 +3,7 @@ cache unchanged), and the conversion of SGLang's layer attributes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -19,12 +20,62 @@ def scale_of(layer, which: str) -> Optional[float]:
     return None if s is None else float(s)
 
 
+FA_IMPL_VERSIONS = (3, 4)  # SGLang's fa_impl_ver: FA3 or FA4; both mean the same attention here
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """What SGLang's ``FlashAttentionBackend.__init__`` reads from the model runner, checked once:
+    every setting is honoured here or raises ``NotImplementedError`` naming it."""
+
+    topk: int  # server_args.speculative_eagle_topk (0: none)
+    num_draft_tokens: int  # server_args.speculative_num_draft_tokens (0: none)
+    deterministic: bool  # server_args.enable_deterministic_inference
+    local_attention: bool  # model_config.is_local_attention_model (Llama 4 chunked layers)
+    with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify plans the SWA table)
+
+    @classmethod
+    def of(cls, model_runner, fa_impl_ver: int, topk: int) -> "RunnerSettings":
+        if fa_impl_ver not in FA_IMPL_VERSIONS:
+            raise ValueError(f"Invalid version: {fa_impl_ver=} (SGLang's FlashAttention backend takes 3 or 4)")
+        config = getattr(model_runner, "model_config", None)
+        arch = getattr(config, "attention_arch", None)
+        if getattr(arch, "name", arch) == "MLA":
+            raise NotImplementedError("model_config.attention_arch == MLA (absorbed latent attention) is not "
+                                      "supported by torch_bridge yet")
+        if int(getattr(model_runner, "attn_cp_size", 1) or 1) > 1:
+            raise NotImplementedError("model_runner.attn_cp_size > 1 (context-parallel attention) is not supported "
+                                      "by torch_bridge")
+        pool = getattr(model_runner, "token_to_kv_pool", None)
+        if type(pool).__name__ == "SWAKVPool" or hasattr(pool, "full_to_swa_index_mapping"):
+            raise NotImplementedError("token_to_kv_pool is SGLang's hybrid SWAKVPool (full_to_swa_index_mapping): "
+                                      "not supported by torch_bridge yet; use one pool for every layer")
+        window = getattr(model_runner, "sliding_window_size", None)
+        if window is not None and bool(getattr(config, "is_encoder_decoder", False)):
+            raise ValueError("sliding window and cross attention are not supported together (as in SGLang)")
+        args = getattr(model_runner, "server_args", None)
+        server_topk = getattr(args, "speculative_eagle_topk", None)
+        return cls(topk=int(server_topk if server_topk is not None else topk or 0),
+                   num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
+                   deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
+                   local_attention=bool(getattr(config, "is_local_attention_model", False)),
+                   with_swa=window is not None and window >= 0)
+
+
+def check_local(layer, settings: RunnerSettings) -> None:
+    """Llama 4's chunked local attention (``layer.use_irope`` in a local-attention model) raises."""
+    if settings.local_attention and getattr(layer, "use_irope", False):
+        raise NotImplementedError("layer.use_irope (chunked local attention, model_config.is_local_attention_model"
+                                  " / attention_chunk_size) is not supported by torch_bridge yet")
+
+
 def check_layer(lp: LayerParams, key: PlanKey) -> None:
     """Layer kinds the step's plan cannot serve, caught before anything is written."""
     if lp.is_cross_attention and not key.has_encoder:
         raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
-    if key.topk > 1 and lp.is_cross_attention:
-        raise NotImplementedError("cross attention inside a tree (topk > 1) speculative step is not supported")
+    if key.topk > 1 and (lp.is_cross_attention or not lp.causal):
+        raise NotImplementedError("a cross-attention or encoder-only (attn_type ENCODER_ONLY) layer inside a tree "
+                                  "(topk > 1) speculative step is not supported")
     if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
         if key.mode != ForwardMode.TARGET_VERIFY:
             raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "

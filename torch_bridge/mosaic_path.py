@@ -202,7 +202,7 @@ class LayerCall:
         st = kernel_statics(
             num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
             page_size=key.page_size, pack=g, dtype=jax_dtype(q.dtype),
-            causal=True, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
+            causal=lp.causal, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
             has_sinks=has_sinks, config=path.config,
             max_q_len=tables.max_q_len)
         q_example = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)

@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 from jax_attn import batch as jbatch
 from jax_attn.metadata import ForwardMode
 from torch_bridge.backend import FlashAttentionBackend
+from torch_bridge.checks import RunnerSettings
 from torch_bridge.dlpack import pad_int32
 
 _DECODE = ForwardMode.DECODE
@@ -33,21 +34,24 @@ class FlashAttentionMultiStepBackend:
 
     Args:
       model_runner: as for ``FlashAttentionBackend``.
-      topk: EAGLE topk (> 1: tree drafts, cascade attention per step).
+      topk: EAGLE topk (> 1: tree drafts, cascade attention per step); as in SGLang,
+        ``server_args.speculative_eagle_topk`` rules when set.
       speculative_num_steps: draft steps per round; the last step runs no attention (SGLang).
+      fa_impl_ver: SGLang's FlashAttention version (3 or 4): accepted, same attention either way.
       impl: jax_attn implementation (default ``model_runner.attention_impl``).
     """
 
-    def __init__(self, model_runner, topk: int, speculative_num_steps: int, *, impl: Optional[str] = None):
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, fa_impl_ver: int = 3, *,
+                 impl: Optional[str] = None):
         if speculative_num_steps < 1:
             raise ValueError(f"{speculative_num_steps=} must be >= 1")
         self.model_runner = model_runner
-        self.topk = topk
+        self.topk = RunnerSettings.of(model_runner, fa_impl_ver, topk).topk
         self.speculative_num_steps = speculative_num_steps
         self.attn_backends: List[FlashAttentionBackend] = []
         for i in range(speculative_num_steps - 1):
             b = FlashAttentionBackend(model_runner, skip_prefill=True, speculative_step_id=i, topk=topk,
-                                      speculative_num_steps=speculative_num_steps, impl=impl)
+                                      speculative_num_steps=speculative_num_steps, fa_impl_ver=fa_impl_ver, impl=impl)
             if self.attn_backends:
                 b.share_compiled(self.attn_backends[0])
             self.attn_backends.append(b)

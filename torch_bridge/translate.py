@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from jax_attn.backend import LayerParams
+from jax_attn.batch import accepted_tokens
 from jax_attn.metadata import ForwardMode
 from torch_bridge.checks import scale_of
 
@@ -63,14 +64,28 @@ def plan_locs(out_cache_loc: torch.Tensor, spec, mode: ForwardMode, bs: Optional
 
 
 def extend_lens(mode: ForwardMode, extend_seq_lens, spec_info):
-    """New tokens per request: None for uniform modes, ``accept_length + 1`` for draft extend."""
+    """New tokens per request: None for uniform modes; draft extend without ``extend_seq_lens`` takes
+    ``spec_info.num_accepted_tokens`` (SGLang 0.5.11; older ``accept_length + 1``)."""
     if mode in UNIFORM:
         return None
     if extend_seq_lens is None and mode.is_draft_extend():
-        return spec_info.accept_length + 1
+        extend_seq_lens = accepted_tokens(spec_info)
     if extend_seq_lens is None:
-        raise ValueError(f"{mode.name} needs forward_batch.extend_seq_lens (new tokens per request)")
+        raise ValueError(f"{mode.name} needs forward_batch.extend_seq_lens (new tokens per request)"
+                         + (" or spec_info.num_accepted_tokens" if mode.is_draft_extend() else ""))
     return extend_seq_lens
+
+
+def causal_of(layer) -> bool:
+    """SGLang's ``layer.attn_type``: ENCODER_ONLY attends both ways; DECODER and
+    DECODER_BIDIRECTIONAL are causal (as in SGLang's FlashAttention backend)."""
+    kind = getattr(layer, "attn_type", None)
+    name = getattr(kind, "name", None if kind is None else str(kind))
+    if name in (None, "DECODER", "DECODER_BIDIRECTIONAL"):
+        return True
+    if name == "ENCODER_ONLY":
+        return False
+    raise NotImplementedError(f"layer.attn_type={kind!r} is not supported by torch_bridge")
 
 
 def layer_params(layer) -> LayerParams:
@@ -81,7 +96,7 @@ def layer_params(layer) -> LayerParams:
         num_q_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.head_dim,
         v_head_dim=layer.v_head_dim, scaling=layer.scaling, logit_cap=float(layer.logit_cap or 0.0),
         sliding_window_size=-1 if window is None else int(window),
-        is_cross_attention=bool(getattr(layer, "is_cross_attention", False)),
+        is_cross_attention=bool(getattr(layer, "is_cross_attention", False)), causal=causal_of(layer),
         k_scale=scale_of(layer, "k"), v_scale=scale_of(layer, "v"),
     )
 

@@ -6,22 +6,25 @@ these. The bridge reads exactly the attributes listed here and nothing else:
 ``ModelRunner``
   ``req_to_token_pool.req_to_token`` (``torch.int32 [max_reqs, max_context_len]``, persistent),
   ``token_to_kv_pool`` (the default pool of ``forward_batch.token_to_kv_pool``), ``page_size``,
-  ``model_config.context_len``, ``server_args.speculative_num_draft_tokens``,
-  ``server_args.enable_deterministic_inference``; optional ``attention_impl`` (jax_attn ``impl``),
-  ``sliding_window_size`` (>= 0: tree verify plans the sliding-window table) and
-  ``model_config.max_encoder_len`` (static encoder bound for cross attention).
+  ``model_config.context_len``, ``server_args.speculative_eagle_topk``,
+  ``server_args.speculative_num_draft_tokens``, ``server_args.enable_deterministic_inference``;
+  optional ``attention_impl`` (jax_attn ``impl``), ``sliding_window_size`` (>= 0: tree verify plans
+  the sliding-window table), ``model_config.max_encoder_len`` (a tighter static encoder bound than
+  the request table's width) and the settings that raise (``docs/sglang_contract.md``).
 ``ForwardBatch``
   ``forward_mode``, ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``
   (tree draft decode at planning time: ``[bs, topk, num_steps]`` flattened), ``extend_seq_lens``
   (extend modes), ``encoder_lens`` and ``encoder_out_cache_loc`` (cross attention),
   ``spec_info``, ``token_to_kv_pool``.
-``spec_info`` (EAGLE inputs)
-  ``topk``, ``draft_token_num`` (target verify), ``custom_mask`` (target verify with topk > 1:
-  SGLang's flat bool tree mask), ``accept_length`` (draft extend).
+``spec_info`` (EAGLE / NGRAM inputs)
+  ``topk`` (optional: checked against the server's), ``draft_token_num`` (target verify),
+  ``custom_mask`` (target verify with topk > 1: SGLang's flat bool tree mask),
+  ``num_accepted_tokens`` (draft extend; the older ``accept_length`` is read as ``+ 1``).
 ``RadixAttention`` layer
   ``tp_q_head_num``, ``tp_k_head_num``, ``tp_v_head_num``, ``head_dim``, ``v_head_dim``,
-  ``scaling``, ``logit_cap``, ``sliding_window_size``, ``is_cross_attention``, ``layer_id``,
-  ``k_scale_float`` / ``v_scale_float`` (or ``k_scale`` / ``v_scale``).
+  ``scaling``, ``logit_cap``, ``sliding_window_size``, ``is_cross_attention``, ``attn_type``,
+  ``use_irope`` (raises in a local-attention model), ``layer_id``, ``k_scale_float`` /
+  ``v_scale_float`` (or ``k_scale`` / ``v_scale``).
 ``token_to_kv_pool``
   ``get_kv_buffer(layer_id) -> (k_buffer, v_buffer)`` of ``[num_slots, Hkv, D]`` persistent
   tensors, and ``set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)``.
@@ -52,6 +55,7 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class ServerArgs:
+    speculative_eagle_topk: Optional[int] = None  # tree (topk > 1) speculative steps; None: not speculative
     speculative_num_draft_tokens: Optional[int] = None
     enable_deterministic_inference: bool = False
 
@@ -124,9 +128,10 @@ class ModelRunner:
 class SpecInfo:
     """EAGLE's ``EagleVerifyInput`` / ``EagleDraftInput`` fields the bridge reads."""
 
-    topk: int = 1
+    topk: Optional[int] = None  # EagleVerifyInput carries it; the backend's own topk rules
     draft_token_num: int = 0  # queries per request in target verify
-    accept_length: Optional[torch.Tensor] = None  # i32[bs]; draft extend
+    num_accepted_tokens: Optional[torch.Tensor] = None  # i32[bs]; draft extend: accepted drafts + 1
+    accept_length: Optional[torch.Tensor] = None  # i32[bs]; older name: accepted drafts (read as + 1)
     # bool[sum_b N * (seq_lens[b] + N)]; target verify, topk > 1: request b's N rows of
     # seq_lens[b] + N columns (committed tokens, then the draft tokens), requests in batch order
     custom_mask: Optional[torch.Tensor] = None
@@ -164,6 +169,8 @@ class RadixAttention:
     v_head_dim: int = -1
     sliding_window_size: int = -1
     is_cross_attention: bool = False
+    attn_type: str = "DECODER"  # or "ENCODER_ONLY" (bidirectional); SGLang's AttentionType by name
+    use_irope: bool = False  # Llama 4 chunked local layer (raises in a local-attention model)
     k_scale_float: Optional[float] = None
     v_scale_float: Optional[float] = None
 
