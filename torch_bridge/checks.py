@@ -71,11 +71,11 @@ def check_local(layer, settings: RunnerSettings) -> None:
 
 def check_layer(lp: LayerParams, key: PlanKey) -> None:
     """Layer kinds the step's plan cannot serve, caught before anything is written."""
-    if lp.is_cross_attention and not key.has_encoder:
-        raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
     if key.topk > 1 and (lp.is_cross_attention or not lp.causal):
         raise NotImplementedError("a cross-attention or encoder-only (attn_type ENCODER_ONLY) layer inside a tree "
                                   "(topk > 1) speculative step is not supported")
+    if lp.is_cross_attention and not key.has_encoder:
+        raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
     if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
         if key.mode != ForwardMode.TARGET_VERIFY:
             raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "

@@ -25,7 +25,7 @@ def to_mode(mode) -> ForwardMode:
     try:
         return ForwardMode[mode.name]
     except (KeyError, AttributeError):
-        raise NotImplementedError(f"forward mode {mode!r} is not supported by torch_bridge") from None
+        raise NotImplementedError(f"forward_batch.forward_mode={mode!r} is not supported by torch_bridge") from None
 
 
 def is_draft_decode(spec, mode: ForwardMode) -> bool:
