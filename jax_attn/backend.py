@@ -15,10 +15,10 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jax_attn import planner
+from jax_attn import planner, safety
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention, mosaic_wanted, resolve_impl
-from jax_attn.batch import ForwardBatch, accepted_tokens, pad_batch
+from jax_attn.batch import ForwardBatch, accepted_tokens, check_batch, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.reference import merge_state_reference
@@ -61,9 +61,10 @@ class FlashAttentionBackend:
       deterministic: one KV split per sequence, so a request's output is bitwise independent
         of the rest of the batch (SGLang's ``enable_deterministic_inference``).
       max_encoder_len: static bound on encoder lengths for cross attention (0 = none).
-      debug_num_slots: when set (debug mode), every ``plan()`` reads the plan back and checks its
-        values (``planner.validate_metadata``) against a pool of this many slots; never use it on
-        the hot path.
+      num_slots: slots of the KV pool (per layer); lets the plan's error flag cover page ids and
+        ``out_cache_loc`` (``jax_attn.safety``). 0: unknown (kernels still clamp to the pool).
+      validate: validation mode: every plan's device-side error flag is read back (a host sync)
+        and a bad step raises before anything is written. Default: ``JAX_ATTN_VALIDATE=1``.
       num_heads: ``(num_q_heads, num_kv_heads)`` of the model's layers; with a kernel ``impl``
         the plan then carries the kernel's work schedule, built once per step instead of per
         layer (layers with other head counts still get a correct, per-call schedule).
@@ -71,7 +72,7 @@ class FlashAttentionBackend:
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
-                 num_heads: Optional[tuple] = None, debug_num_slots: Optional[int] = None):
+                 num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None):
         self.req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
@@ -80,22 +81,40 @@ class FlashAttentionBackend:
         self.deterministic = deterministic
         self.max_encoder_len = max_encoder_len
         self.num_heads = num_heads
-        self.debug_num_slots = debug_num_slots
+        self.num_slots = int(num_slots)
+        self.validate = safety.validate_default() if validate is None else bool(validate)
 
     # ---- planning -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch, *, bs: Optional[int] = None,
              num_tokens: Optional[int] = None) -> AttentionMetadata:
-        """Plan one step; pads to ``bs`` rows / ``num_tokens`` tokens first when given."""
+        """Plan one step; pads to ``bs`` rows / ``num_tokens`` tokens first when given.
+
+        The host checks of ``jax_attn.batch.check_batch`` run first (a bad batch raises
+        ``ValueError`` saying what to fix); in validation mode the device-side flag is read too.
+        """
+        key = self.plan_static(batch)
+        check_batch(batch, num_rows=self.req_to_token.shape[0], capacity=self.capacity, kv_offset=key.kv_offset,
+                    num_slots=self.num_slots)
         if bs is not None:
             batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
-        md = self.attach_schedule(plan_arrays(self.plan_static(batch), self.req_to_token, *batch_arrays(batch)))
+            key = self.plan_static(batch)
+        md = self.attach_schedule(plan_arrays(key, self.req_to_token, *batch_arrays(batch)))
         if batch.encoder_out_cache_loc is not None and getattr(md, "encoder", None) is not None:
             md = dataclasses.replace(md, encoder=dataclasses.replace(
                 md.encoder, out_cache_loc=jnp.asarray(batch.encoder_out_cache_loc, jnp.int32)))
-        if self.debug_num_slots is not None and isinstance(md, AttentionMetadata) and md.mode != ForwardMode.IDLE:
-            planner.validate_metadata(md, num_pages=self.debug_num_slots // self.page_size,
-                                      req_to_token_shape=self.req_to_token.shape)
+        if self.validate:
+            safety.check(md, "plan")
         return md
+
+    @property
+    def capacity(self) -> int:
+        """KV positions a sequence may hold: the page table's, within the request table's width."""
+        return min(self.max_pages * self.page_size, self.req_to_token.shape[1])
+
+    @staticmethod
+    def check(md) -> None:
+        """Raise ``ValueError`` when the plan's device-side error flag is set (a host sync)."""
+        safety.check(md, "plan")
 
     def attach_schedule(self, md):
         """Add the kernel's work schedule to a plan (traceable; no-op without ``num_heads``)."""
@@ -134,7 +153,7 @@ class FlashAttentionBackend:
             page_size=self.page_size, max_pages=self.max_pages,
             has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
             topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
-            step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa),
+            step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa), num_slots=self.num_slots,
         )
 
     # ---- per layer ------------------------------------------------------------------------
@@ -259,6 +278,7 @@ class PlanKey:
     num_steps: int = 1
     step_id: int = 0
     with_swa: bool = False
+    num_slots: int = 0  # KV pool slots (0: unknown): the error flag then also covers page ids and slots
 
 
 def _kv_offset(batch: ForwardBatch) -> int:
@@ -284,8 +304,37 @@ def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cach
                 extend_seq_lens=None, encoder_lens=None, draft_mask=None):
     """Dispatch to the planner of ``key.mode`` (traceable: capture and replay call this too).
 
-    Returns ``AttentionMetadata``, or ``spec.CascadeMetadata`` for tree (topk > 1) steps.
+    Returns ``AttentionMetadata``, or ``spec.CascadeMetadata`` for tree (topk > 1) steps, with every
+    index clamped into range and the bad-input flag set (``guard_plan``).
     """
+    md = _plan(key, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens, encoder_lens,
+               draft_mask)
+    return guard_plan(md, key, req_to_token, req_pool_indices, encoder_lens)
+
+
+def guard_plan(md, key: PlanKey, req_to_token, req_pool_indices, encoder_lens=None):
+    """``jax_attn.safety.guard`` over every part of a plan (tree steps: only the prefix pass's
+    query counts are checked; the expand pass may see fewer keys than it has queries)."""
+    if isinstance(md, (tuple, list)):
+        return type(md)(guard_plan(m, key, req_to_token, req_pool_indices, encoder_lens) for m in md)
+    kw = dict(num_rows=req_to_token.shape[0], num_slots=key.num_slots)
+    if isinstance(md, spec_plan.CascadeMetadata):
+        none = jnp.zeros((0,), jnp.int32)
+        return dataclasses.replace(
+            md, prefix=guard_plan(md.prefix, key, req_to_token, req_pool_indices),
+            expand=safety.guard(md.expand, req_pool_indices=none, check_queries=False, **kw),
+            swa=None if md.swa is None else safety.guard(md.swa, req_pool_indices=none, check_queries=False, **kw))
+    if md.mode == ForwardMode.IDLE:
+        return md
+    cap = jnp.int32(min(md.max_pages * md.page_size, req_to_token.shape[1]))
+    if encoder_lens is not None:  # decoder positions follow each row's encoder tokens
+        cap = jnp.minimum(cap, req_to_token.shape[1] - encoder_lens)
+    return safety.guard(md, req_pool_indices=req_pool_indices, capacity=cap,
+                        check_queries=key.topk == 1, **kw)
+
+
+def _plan(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens=None,
+          encoder_lens=None, draft_mask=None):
     if key.topk > 1:
         if key.mode == ForwardMode.TARGET_VERIFY:
             return spec_plan.plan_verify_tree(

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jax_attn.metadata import ForwardMode
+from jax_attn.safety import check_int32
 
 SEQ_LEN_FILL_VALUE = 1  # get_cuda_graph_seq_len_fill_value()
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -66,8 +67,8 @@ class ForwardBatch:
         for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens", "encoder_lens",
                      "encoder_out_cache_loc"):
             x = getattr(self, name)
-            if x is not None:
-                object.__setattr__(self, name, np.asarray(x, np.int32))
+            if x is not None:  # int64 values outside int32 raise (never wrap)
+                object.__setattr__(self, name, check_int32(name, x))
         if self.req_pool_indices.shape != self.seq_lens.shape:
             raise ValueError(f"{self.req_pool_indices.shape=} must equal {self.seq_lens.shape=}")
 
@@ -138,3 +139,60 @@ def pad_batch(batch: ForwardBatch, bs: int, num_tokens: int) -> ForwardBatch:
         encoder_lens=_pad(batch.encoder_lens, bs, 0),
         spec_info=spec,
     )
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def check_lengths(mode: ForwardMode, seq_lens: np.ndarray, extend_seq_lens: Optional[np.ndarray], num_tokens: int,
+                  *, capacity: int, kv_offset: int = 0, padded: bool = False) -> None:
+    """Host checks of a step's lengths (numpy, no device work), each error saying what to fix.
+
+    ``seq_lens`` as SGLang passes them (target verify and draft decode: before ``kv_offset``);
+    ``capacity``: KV positions the page table holds; ``padded``: the token count is a bucket.
+    """
+    if mode == ForwardMode.IDLE:
+        return
+    if seq_lens.shape[0] == 0:
+        raise ValueError(f"a {mode.name} batch of size 0: plan an empty step as ForwardMode.IDLE")
+    kv = seq_lens + kv_offset
+    if (seq_lens < 0).any():
+        i = _first(seq_lens < 0)
+        raise ValueError(f"seq_lens[{i}]={seq_lens[i]} is negative")
+    if (kv > capacity).any():
+        i = _first(kv > capacity)
+        raise ValueError(f"seq_lens[{i}]={seq_lens[i]} needs {kv[i]} KV positions but the page table holds "
+                         f"{capacity} (max_context_len): raise max_context_len or check seq_lens")
+    if extend_seq_lens is None:
+        if (kv < 1).any():
+            i = _first(kv < 1)
+            raise ValueError(f"seq_lens[{i}]=0 in a {mode.name} row: a query token needs its own key "
+                             "(seq_lens count the new token)")
+        return
+    ext = extend_seq_lens
+    if (ext < 0).any() or (ext > seq_lens).any():
+        i = _first((ext < 0) | (ext > seq_lens))
+        raise ValueError(f"extend_seq_lens[{i}]={ext[i]} must lie in [0, seq_lens[{i}]={seq_lens[i]}] "
+                         "(seq_len = prefix_len + extend_len)")
+    total = int(ext.sum())
+    if total > num_tokens or (not padded and total != num_tokens):
+        raise ValueError(f"sum(extend_seq_lens)={total} must equal the step's {num_tokens} tokens "
+                         "(out_cache_loc entries / q rows)")
+
+
+def check_batch(batch: ForwardBatch, *, num_rows: int, capacity: int, kv_offset: int = 0, num_slots: int = 0,
+                padded: bool = False) -> None:
+    """Every host check of a JAX ``ForwardBatch``: lengths, request rows and (with ``num_slots``) slots."""
+    check_lengths(batch.forward_mode, batch.seq_lens, accepted_tokens(batch.spec_info)
+                  if batch.forward_mode.is_draft_extend() and batch.extend_seq_lens is None else batch.extend_seq_lens,
+                  batch.num_tokens, capacity=capacity, kv_offset=kv_offset, padded=padded)
+    rows = batch.req_pool_indices
+    if ((rows < 0) | (rows >= num_rows)).any():
+        i = _first((rows < 0) | (rows >= num_rows))
+        raise ValueError(f"req_pool_indices[{i}]={rows[i]} is outside the {num_rows} rows of req_to_token")
+    loc = batch.out_cache_loc
+    if num_slots and ((loc < 0) | (loc >= num_slots)).any():
+        i = _first((loc < 0) | (loc >= num_slots))
+        raise ValueError(f"out_cache_loc[{i}]={loc[i]} is outside the KV pool's {num_slots} slots: "
+                         "allocate slots from the pool")

@@ -116,6 +116,7 @@ class AttentionMetadata:
     encoder: Optional[EncoderMetadata] = None
     schedule: Optional[WorkSchedule] = None  # the Triton-lowered kernel's tiles
     mosaic_schedule: Optional[WorkSchedule] = None  # the Mosaic GPU kernel's tiles (rows of its row view)
+    errors: Optional[jax.Array] = None  # i32[]; bad-input bitmask (jax_attn.safety.ERRORS), 0 = clean
     mode: ForwardMode = static_field(default=ForwardMode.DECODE)
     batch_size: int = static_field(default=0)  # B (padded)
     num_tokens: int = static_field(default=0)  # T (padded)

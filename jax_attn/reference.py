@@ -137,8 +137,9 @@ def paged_attention_reference(
     if sinks is not None:
         denom = denom + jnp.exp(sink - m_safe)
     o = jnp.einsum("tkgj,tjkd->tkgd", p, v_seq[seq], precision="highest")
-    # No visible key: out 0; LSE -inf, or the sink's own logit when sinks are given.
-    pos = (denom > 0) & valid[:, None, None]
+    # No visible key: out 0; LSE -inf, or the sink's own logit when sinks are given. NaN in q or
+    # in a visible key stays NaN (``!= 0`` is true for NaN), as in FA3 and SDPA.
+    pos = (denom != 0) & valid[:, None, None]
     safe = jnp.where(pos, denom, 1.0)
     o = jnp.where(pos[..., None], o / safe[..., None], 0.0)
     lse = jnp.where(pos, m_safe + jnp.log(safe), -jnp.inf)
@@ -166,9 +167,9 @@ def merge_state_reference(o_a, lse_a, o_b, lse_b):
     wa = jnp.exp(lse_a - m_safe)
     wb = jnp.exp(lse_b - m_safe)
     tot = wa + wb
-    safe = jnp.where(tot > 0, tot, 1.0)
-    part_a = jnp.where((wa > 0)[..., None], o_a.astype(jnp.float32) * (wa / safe)[..., None], 0.0)
-    part_b = jnp.where((wb > 0)[..., None], o_b.astype(jnp.float32) * (wb / safe)[..., None], 0.0)
+    safe = jnp.where(tot != 0, tot, 1.0)  # NaN partials stay NaN; empty ones (weight 0) are skipped
+    part_a = jnp.where((wa != 0)[..., None], o_a.astype(jnp.float32) * (wa / safe)[..., None], 0.0)
+    part_b = jnp.where((wb != 0)[..., None], o_b.astype(jnp.float32) * (wb / safe)[..., None], 0.0)
     o = part_a + part_b
-    lse = jnp.where(tot > 0, m_safe + jnp.log(safe), -jnp.inf)
+    lse = jnp.where(tot != 0, m_safe + jnp.log(safe), -jnp.inf)
     return o.astype(o_a.dtype), lse

@@ -258,16 +258,26 @@ def test_layer_stacked_pool_equals_per_layer_pool(impl):
         backend.forward(tok["q"], tok["k"], tok["v"], LAYER, stacked, md)
 
 
-def test_debug_mode_validates_plans():
+def test_validation_mode_reads_the_device_flag():
     table, num_slots = make_table(4, 4, seed=1)
-    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="reference",
-                                    debug_num_slots=num_slots)
     rows = np.array([1, 2], np.int32)
     ok = ForwardBatch(ForwardMode.DECODE, rows, [5, 9], table[rows, [4, 8]])
-    backend.plan(ok)  # valid: no error
     too_long = ForwardBatch(ForwardMode.DECODE, rows, [5, MAX_CTX + 9], table[rows, [4, 8]])
-    with pytest.raises(ValueError, match="cache_seqlens"):
-        backend.plan(too_long)
+    bad_table = table.copy()
+    bad_table[2, 4] = num_slots + 40  # a page id past the pool: only the device sees req_to_token
+    for validate in (False, True):
+        backend = FlashAttentionBackend(bad_table, page_size=4, max_context_len=MAX_CTX, impl="reference",
+                                        num_slots=num_slots, validate=validate)
+        with pytest.raises(ValueError, match="page table holds"):
+            backend.plan(too_long)  # host check, always on
+        backend.plan(ForwardBatch(ForwardMode.DECODE, rows[:1], [5], table[rows[:1], [4]]))  # row 1 is clean
+        if validate:
+            with pytest.raises(ValueError, match="outside the KV pool"):
+                backend.plan(ok)
+        else:
+            md = backend.plan(ok)  # no sync by default: the flag waits for check()
+            with pytest.raises(ValueError, match="req_to_token entry"):
+                backend.check(md)
 
 
 def test_command_buffers_flag_only_on_gpu(monkeypatch):

@@ -60,13 +60,15 @@ import torch
 
 from jax_attn import batch as jbatch
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
-from jax_attn.backend import LayerParams, PlanKey, plan_arrays
+from jax_attn.backend import LayerParams, PlanKey, guard_plan, plan_arrays
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from jax_attn.batch import accepted_tokens
-from torch_bridge.checks import RunnerSettings, check_layer, check_local, check_shapes, write_loc
+from jax_attn import safety
+from torch_bridge.checks import (RunnerSettings, check_host_lengths, check_layer, check_local, check_shapes,
+                                 SafeLocs, pool_slots, write_loc)
 from torch_bridge.dlpack import Importer, capturing, check_not_capturing, export, pack_mask_words, pad_int32, to_int32
 from torch_bridge.mosaic_path import WARM_UP_MESSAGE, LayerHit, MosaicPath, Tables
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, layer_params, loc_steps, locs_per_token,
@@ -117,6 +119,8 @@ class FlashAttentionBackend:
       impl: jax_attn implementation; default ``model_runner.attention_impl`` or ``"auto"``.
       max_encoder_len: static bound on encoder lengths (cross attention); default
         ``model_runner.model_config.max_encoder_len`` when present, else the request table's width.
+      validate: validation mode (``jax_attn.safety``): every plan's error flag is read back (a host
+        sync) and a bad step raises before any layer writes; default ``JAX_ATTN_VALIDATE=1``.
       mosaic_path: the Mosaic launch path (``torch_bridge.mosaic_path.MosaicPath``) for the layers
         it covers; default: one on Hopper GPUs when ``impl`` is ``auto`` or ``mosaic``; False: off
         (every layer runs a compiled JAX executable).
@@ -124,7 +128,8 @@ class FlashAttentionBackend:
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
                  topk: int = 0, speculative_num_steps: int = 0, fa_impl_ver: int = 3, *,
-                 impl: Optional[str] = None, max_encoder_len: Optional[int] = None, mosaic_path=None):
+                 impl: Optional[str] = None, max_encoder_len: Optional[int] = None, mosaic_path=None,
+                 validate: Optional[bool] = None):
         self.settings = RunnerSettings.of(model_runner, fa_impl_ver, topk)
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
@@ -146,9 +151,12 @@ class FlashAttentionBackend:
         if max_encoder_len is None:  # a static bound every encoder length fits: the request table's width
             max_encoder_len = int(getattr(config, "max_encoder_len", 0) or r2t.shape[1])
         impl = impl or getattr(model_runner, "attention_impl", "auto")
+        self.num_slots = pool_slots(getattr(model_runner, "token_to_kv_pool", None))
+        self._safe_locs = SafeLocs(self.num_slots)
         self.jax_backend = JaxBackend(self.importer.view(r2t), page_size=self.page_size,
                                       max_context_len=self.max_context_len, impl=impl,
-                                      deterministic=self.settings.deterministic, max_encoder_len=max_encoder_len)
+                                      deterministic=self.settings.deterministic, max_encoder_len=max_encoder_len,
+                                      num_slots=self.num_slots, validate=validate)
         self._plan_jit = jax.jit(self._plan_fn, static_argnums=0)
         self._attn_jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
         self._plan_exes: Dict[tuple, Any] = {}
@@ -178,8 +186,9 @@ class FlashAttentionBackend:
         rows, lens, loc, ext, enc, words = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
         key = pk.key
         if pk.all_steps:
-            return plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
-                                    page_size=key.page_size, max_pages=key.max_pages)
+            plans = plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
+                                     page_size=key.page_size, max_pages=key.max_pages)
+            return guard_plan(plans, key, req_to_token, rows)
         mask = None
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
@@ -210,6 +219,8 @@ class FlashAttentionBackend:
         loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.speculative_step_id)
         tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
         key = self._key(mode, bs, tokens, spec, ext is not None, enc is not None)
+        check_host_lengths(forward_batch, mode, tokens, ext is not None, capacity=self.jax_backend.capacity,
+                           kv_offset=key.kv_offset)
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
             n = int(custom_mask(forward_batch.spec_info).numel())
@@ -279,6 +290,9 @@ class FlashAttentionBackend:
         return exe(r2t, self.importer(packed))
 
     def _install(self, key: PlanKey, md, real_tokens: int, loc_steps: int = 1, graph: bool = False) -> None:
+        if self.jax_backend.validate:
+            self._step = None  # a bad step raises here, before any layer writes the cache
+            safety.check(md, "torch_bridge plan")
         leaves, treedef = jax.tree_util.tree_flatten(md)
         step = self._step = _Step(key, treedef, tuple(leaves), real_tokens, loc_steps, graph)
         self._step_exes = {}
@@ -359,6 +373,11 @@ class FlashAttentionBackend:
         md = self._run_plan(self._packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words)
         self._install(key, md, real, loc_steps(spec, mode), graph=True)
 
+    def check(self) -> None:
+        """Raise ``ValueError`` when the current step's plan flagged bad input (reads the flag: a sync)."""
+        if self._step is not None:
+            safety.check(jax.tree_util.tree_unflatten(self._step.treedef, self._step.leaves), "torch_bridge plan")
+
     @staticmethod
     def get_cuda_graph_seq_len_fill_value() -> int:
         return jbatch.SEQ_LEN_FILL_VALUE
@@ -399,7 +418,7 @@ class FlashAttentionBackend:
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, step: _Step):
         hit = self._hits.get(layer.layer_id)
         if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
-            return hit(q, k, v, forward_batch.out_cache_loc if save_kv_cache else None, sinks)
+            return hit(q, k, v, self._safe_locs(forward_batch.out_cache_loc, step) if save_kv_cache else None, sinks)
         lp = self._layer_params(layer)
         check_layer(lp, step.key)
         pool = forward_batch.token_to_kv_pool
@@ -410,7 +429,7 @@ class FlashAttentionBackend:
             check_not_capturing()
         loc = None
         if save_kv_cache and k is not None:
-            loc = write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id)
+            loc = self._safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.speculative_step_id), step)
         if call is not None:
             hit = self._hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None)
             return hit(q, k, v, loc, sinks)

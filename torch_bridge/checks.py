@@ -8,7 +8,10 @@ from typing import Optional
 
 import torch
 
+import numpy as np
+
 from jax_attn.backend import LayerParams, PlanKey
+from jax_attn.batch import check_lengths
 from jax_attn.metadata import ForwardMode
 
 
@@ -69,6 +72,52 @@ def check_local(layer, settings: RunnerSettings) -> None:
                                   " / attention_chunk_size) is not supported by torch_bridge yet")
 
 
+def pool_slots(pool) -> int:
+    """Slots per layer of the engine's KV pool (0 when the pool does not say)."""
+    try:
+        return int(pool.get_kv_buffer(0)[0].shape[0])
+    except Exception:  # a pool without layer 0 or buffers yet: range checks then rely on the kernels' clamps
+        return 0
+
+
+class SafeLocs:
+    """``out_cache_loc`` with every slot outside the pool sent to the reserved slot 0 (where padding
+    tokens write), so a torch KV write never lands on another slot (``-1`` would be the last one) and
+    never fails half-way. Computed once per (step, tensor version) and reused by every layer; inside a
+    CUDA-graph capture the first layer's computation is captured and replays with the graph."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._last: Optional[tuple] = None
+
+    def __call__(self, loc: torch.Tensor, step) -> torch.Tensor:
+        if not self.num_slots:
+            return loc
+        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        safe = torch.where((loc >= 0) & (loc < self.num_slots), loc, torch.zeros_like(loc))
+        self._last = (key, safe)
+        return safe
+
+
+def check_host_lengths(forward_batch, mode: ForwardMode, tokens: int, extend: bool, *, capacity: int,
+                       kv_offset: int) -> None:
+    """SGLang's host copies (``seq_lens_cpu``, ``extend_seq_lens_cpu``) checked before planning: no
+    device sync, a few microseconds. Batches without them are covered by the plan's error flag."""
+    lens = getattr(forward_batch, "seq_lens_cpu", None)
+    if lens is None:
+        return
+    lens = np.asarray(lens.numpy() if isinstance(lens, torch.Tensor) else lens, np.int64)
+    ext = getattr(forward_batch, "extend_seq_lens_cpu", None) if extend else None
+    if extend and ext is None and mode.is_draft_extend():
+        ext = getattr(forward_batch.spec_info, "num_accepted_tokens_cpu", None)
+    if extend and ext is None:
+        return
+    check_lengths(mode, lens, None if ext is None else np.asarray(ext, np.int64), tokens, capacity=capacity,
+                  kv_offset=kv_offset)
+
+
 def check_layer(lp: LayerParams, key: PlanKey) -> None:
     """Layer kinds the step's plan cannot serve, caught before anything is written."""
     if key.topk > 1 and (lp.is_cross_attention or not lp.causal):
@@ -99,6 +148,9 @@ def check_shapes(q, lp: LayerParams, step, k_buf, v_buf, page_size: int) -> int:
                          f"[num_slots, {lp.num_kv_heads}, {lp.head_dim}] / [num_slots, {lp.num_kv_heads}, {dv}]")
     if k_buf.shape[0] % page_size:
         raise ValueError(f"{k_buf.shape[0]=} slots must be a multiple of page_size={page_size}")
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        raise ValueError(f"pool buffers with strides {k_buf.stride()} / {v_buf.stride()} must be contiguous: "
+                         "allocate each layer's K and V pool as one dense tensor")
     return t
 
 def write_loc(forward_batch, step, lp: LayerParams, t: int, k, v, step_id: int) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import Dict, Optional, Tuple
 import jax
 import torch
 
+from jax_attn.safety import INT32_MAX, INT32_MIN
+
 try:  # the fast path skips jax.dlpack.from_dlpack's Python checks (~10 us instead of ~80 us)
     from jax._src import xla_bridge as _xla_bridge
     from jax._src.lib import _jax as _jaxlib
@@ -112,15 +114,25 @@ def export(x: jax.Array) -> torch.Tensor:
     return torch.from_dlpack(x)
 
 
+def narrow_int32(x: torch.Tensor) -> torch.Tensor:
+    """Any int tensor as int32 without wrapping: values outside int32 saturate (on the device, no sync)
+    to a bound no pool, table or length can have, so the plan's error flag reports them."""
+    if x.dtype == torch.int32:
+        return x
+    return x.clamp(INT32_MIN, INT32_MAX).to(torch.int32)
+
+
 def to_int32(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
     """Concatenate index tensors (any int dtype) into one flat int32 tensor: one import per step."""
-    parts = [t.reshape(-1).to(torch.int32) for t in tensors if t is not None]
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    parts = [t.reshape(-1) for t in tensors if t is not None]
+    if len({p.dtype for p in parts}) == 1:  # SGLang's int64 indices: one concat, one saturating cast
+        return narrow_int32(torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
+    return torch.cat([narrow_int32(p) for p in parts])
 
 
 def pad_int32(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i32[size]
     """Flatten to int32 and pad with ``fill`` up to ``size`` entries (bucket padding, in torch)."""
-    x = x.reshape(-1).to(torch.int32)
+    x = narrow_int32(x.reshape(-1))
     if x.shape[0] > size:
         raise ValueError(f"{x.shape[0]} entries do not fit the bucket of {size}; capture a larger bucket")
     if x.shape[0] == size:

@@ -60,11 +60,11 @@ def _merge_rows(parts, block_rows: int, dim: int):
         m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         alpha = jnp.exp(m - m_use)
         w = jnp.exp(lse_s - m_use)
-        acc = acc * alpha[:, None] + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)
+        acc = acc * alpha[:, None] + jnp.where(w[:, None] != 0.0, o_s * w[:, None], 0.0)  # NaN stays NaN
         tot = tot * alpha + w
         m = m_new
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
-    ok = tot > 0.0
+    ok = tot != 0.0
     safe = jnp.where(ok, tot, 1.0)
     out = jnp.where(ok[:, None], acc / safe[:, None], 0.0)
     lse = jnp.where(ok, m_use + jnp.log(safe), _NEG_INF)

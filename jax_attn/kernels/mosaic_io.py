@@ -56,19 +56,23 @@ def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sme
 def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
                    v_used, warp):
     """One warp of the producer (``memory_wg``; ``warp`` None: the whole warpgroup)."""
-    last_page = jnp.maximum((k_len + st.page_size - 1) // st.page_size - 1, 0)
+    # Reads stay inside the page table and the pool whatever the plan says (bad ids read some page).
+    last_page = jnp.clip((k_len + st.page_size - 1) // st.page_size - 1, 0, pt_ref.shape[1] - 1)
+
+    def read_page(col):
+        return jnp.clip(pt_ref[seq, col], 0, k_ref.shape[0] - 1)
 
     def copies(step):
         """(page id, source rows, destination rows) of each TMA copy of key block ``step``."""
         blk = cta_lo + step
         if st.page_size >= st.block_kv:
             key0 = blk * st.block_kv
-            page = pt_ref[seq, jnp.minimum(key0 // st.page_size, last_page)]
+            page = read_page(jnp.minimum(key0 // st.page_size, last_page))
             return [(page, pl.ds(key0 % st.page_size, st.block_kv), pl.ds(0, st.block_kv))]
         ppb = st.pages_per_block
 
         def page_id(j):
-            return pt_ref[seq, jnp.minimum(blk * ppb + j, last_page)]
+            return read_page(jnp.minimum(blk * ppb + j, last_page))
 
         if warp is None:
             ids = [page_id(j) for j in range(ppb)]

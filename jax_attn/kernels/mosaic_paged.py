@@ -172,7 +172,8 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
                            min_kv_per_split=config.min_kv_per_split, split_waves=config.split_waves)
-    sched = dataclasses.replace(sched, pack=pack, tile_info=tile_table(sched, md.cache_seqlens, md.cu_seqlens_q,
+    k_lens = jnp.minimum(md.cache_seqlens, md.max_pages * md.page_size)  # loops never pass the page table
+    sched = dataclasses.replace(sched, pack=pack, tile_info=tile_table(sched, k_lens, md.cu_seqlens_q,
                                                                        rows_per_tile=rows_per_tile))
     if s > 1:
         sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,

@@ -157,14 +157,14 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
     split = tile_split_ref[n]
     q_start = cu_q_ref[b]
     q_len = cu_q_ref[b + 1] - q_start
-    k_len = seqlens_ref[b]
+    k_len = jnp.minimum(seqlens_ref[b], st.max_pages * st.page_size)  # never past the page table
 
     rows = jnp.arange(st.rows, dtype=jnp.int32)
     tok_in_tile = rows // heads_per_tok
     head = h * g_count + rows % heads_per_tok  # query head of each row
     row_kvh = (rows % heads_per_tok) // g_count  # kv head of each row, relative to h
     q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
-    row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len)
+    row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
     shift = k_len - q_len  # qpos = shift + query index (bottom-right aligned)
     q = load_rows(q_ref, q_row, row_ok).astype(st.compute_dtype)
@@ -240,7 +240,10 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
     def page_ids(keys, ok):  # i32[block_k * C]; 0 where not ok
         return plgpu.load(pt_ref.at[jnp.where(ok, b * st.max_pages + keys // ps, 0)], mask=ok, other=0)
 
+    num_pages = k_ref.shape[0] // (ps * hkv)
+
     def load_kv(page, keys, kv_ok):
+        page = jnp.clip(page, 0, num_pages - 1)  # a bad page id reads a page of the pool, never past it
         kv_row = (page * ps + keys % ps) * hkv + col_head
         if kv_ok is None:
             return load_rows(k_ref, kv_row, None), load_rows(v_ref, kv_row, None)
@@ -304,7 +307,7 @@ def _finish(acc, m, l, sink, v_scale):
         acc = acc * alpha[:, None]
         m = m_fin
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
-    nonempty = l > 0.0
+    nonempty = l != 0.0  # NaN (from q or a visible key) stays NaN, as in FA3
     safe = jnp.where(nonempty, l, 1.0)
     inv = jnp.where(nonempty, 1.0 / safe, 0.0)
     if v_scale is not None:
