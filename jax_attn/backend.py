@@ -171,6 +171,9 @@ class FlashAttentionBackend:
             out = jnp.zeros((0, layer.num_q_heads * dv), q.dtype)
             return (out, pool, jnp.zeros((0, layer.num_q_heads), jnp.float32)) if return_lse else (out, pool)
         t = q.shape[0]
+        if q.size != t * layer.num_q_heads * layer.head_dim or t != _num_tokens(md):
+            raise ValueError(f"{q.shape=} must be [{_num_tokens(md)} planned tokens, {layer.num_q_heads} * "
+                             f"{layer.head_dim}] (the layer's num_q_heads * head_dim); plan this batch's tokens")
         q = q.reshape(t, layer.num_q_heads, layer.head_dim)
         tree = isinstance(md, spec_plan.CascadeMetadata)
         if tree and (layer.is_cross_attention or not layer.causal):
@@ -231,6 +234,10 @@ class FlashAttentionBackend:
                              causal=False, **kw)
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
                          impl=self.impl, causal=layer.causal, window_size=layer.window_size, **kw)
+
+
+def _num_tokens(md) -> int:
+    return md.prefix.num_tokens if isinstance(md, spec_plan.CascadeMetadata) else md.num_tokens
 
 
 def _write_slots(layer: LayerParams, md, k):

@@ -98,6 +98,12 @@ def guard(md: AttentionMetadata, *, req_pool_indices, num_rows: int, num_slots: 
         max_seqlen_k=jnp.max(safe_lens, initial=0).astype(jnp.int32), page_table=table, errors=prior | err)
 
 
+def flag(md: AttentionMetadata, cond, bit: int) -> AttentionMetadata:
+    """``md`` with ``bit`` set in its error flag where ``cond`` holds (traceable)."""
+    prior = jnp.int32(0) if md.errors is None else md.errors
+    return dataclasses.replace(md, errors=prior | _bit(cond, bit))
+
+
 def plan_errors(plan) -> jax.Array:
     """The OR of the ``errors`` of every ``AttentionMetadata`` in a plan (i32[]; 0 = clean)."""
     nodes = jax.tree_util.tree_leaves(plan, is_leaf=lambda x: isinstance(x, AttentionMetadata))

@@ -97,6 +97,7 @@ class _Packing:
     has_enc: bool = False  # encoder_lens (cross attention)
     mask_words: int = 0  # int32 words of the flat verify custom mask (tree verify)
     all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
+    exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
 
     def sizes(self) -> Tuple[int, ...]:
         b = self.key.batch_size
@@ -193,8 +194,11 @@ class FlashAttentionBackend:
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
             mask = draft_mask_from_custom_mask(flat, lens, num_draft=key.q_len_per_req)
-        return plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
-                           enc if pk.has_enc else None, mask)
+        md = plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
+                         enc if pk.has_enc else None, mask)
+        if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
+            md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
+        return md
 
     def _attn_fn(self, layer: LayerParams, treedef, q, k_buffer, v_buffer, sinks, *leaves):
         # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv]; sinks [Hq] | None
@@ -216,6 +220,8 @@ class FlashAttentionBackend:
         ext = extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
         enc = getattr(forward_batch, "encoder_lens", None)
         bs = int(forward_batch.seq_lens.shape[0])
+        if bs == 0:
+            raise ValueError(f"a {mode.name} batch of size 0: SGLang plans an empty step as ForwardMode.IDLE")
         loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.speculative_step_id)
         tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
         key = self._key(mode, bs, tokens, spec, ext is not None, enc is not None)
@@ -226,8 +232,8 @@ class FlashAttentionBackend:
             n = int(custom_mask(forward_batch.spec_info).numel())
             words = pack_mask_words(forward_batch.spec_info.custom_mask, max(64, 1 << (n - 1).bit_length()),
                                     self.device)
-        md = self._run_plan(self._packing(key, loc, ext, enc, words), forward_batch.req_pool_indices,
-                            forward_batch.seq_lens, loc, ext, enc, words)
+        pk = dataclasses.replace(self._packing(key, loc, ext, enc, words), exact=True)
+        md = self._run_plan(pk, forward_batch.req_pool_indices, forward_batch.seq_lens, loc, ext, enc, words)
         self._install(key, md, tokens, loc_steps(spec, mode))
 
     def _spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
