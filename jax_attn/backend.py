@@ -54,7 +54,8 @@ class FlashAttentionBackend:
     """SGLang's FlashAttention backend for JAX model code.
 
     Args:
-      req_to_token: ``i32[max_reqs, max_context_len]`` request table (row 0 reserved).
+      req_to_token: ``i32[max_reqs, max_context_len]`` request table (row 0 reserved), copied to the
+        device; an engine that edits its table assigns the new one to ``backend.req_to_token``.
       page_size: tokens per KV page.
       max_context_len: longest sequence (bounds the page-table width).
       impl: attention implementation (``jax_attn.attention.IMPLS``).
@@ -73,7 +74,7 @@ class FlashAttentionBackend:
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
                  num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None):
-        self.req_to_token = jnp.asarray(req_to_token, jnp.int32)
+        self._req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
         self.max_pages = -(-ctx // page_size)
@@ -83,6 +84,19 @@ class FlashAttentionBackend:
         self.num_heads = num_heads
         self.num_slots = int(num_slots)
         self.validate = safety.validate_default() if validate is None else bool(validate)
+
+    @property
+    def req_to_token(self):
+        """The request table plans read (a device copy: JAX arrays are immutable). An engine that
+        changes its table assigns the new one here; same shape and dtype, so executables stay valid."""
+        return self._req_to_token
+
+    @req_to_token.setter
+    def req_to_token(self, table):
+        table = jnp.asarray(table, jnp.int32)
+        if table.shape != self._req_to_token.shape:
+            raise ValueError(f"req_to_token {table.shape=} must keep the shape {self._req_to_token.shape}")
+        self._req_to_token = table
 
     # ---- planning -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch, *, bs: Optional[int] = None,
