@@ -81,14 +81,15 @@ def fill(runner, table, rows, lens, rng):
             b[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(b)
 
 
-def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None):
+def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None):
     kb, vb = (jnp.asarray(b.float().cpu().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0))
     pt = table[rows][:, ::PAGE] // PAGE
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = paged_attention_reference(jnp.asarray(q.float().cpu().numpy()).reshape(-1, HQ, D),
                                     paged_view(kb, PAGE), paged_view(vb, PAGE), jnp.asarray(kv_lens, jnp.int32),
                                     jnp.asarray(cu), jnp.asarray(pt), page_size=PAGE,
-                                    sinks=None if sinks is None else jnp.asarray(sinks.cpu().numpy()))
+                                    sinks=None if sinks is None else jnp.asarray(sinks.cpu().numpy()),
+                                    softmax_scale=scale)
     return np.asarray(out).reshape(q.shape[0], HQ * D)
 
 

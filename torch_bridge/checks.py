@@ -13,6 +13,7 @@ import numpy as np
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.batch import check_lengths
 from jax_attn.metadata import ForwardMode
+from torch_bridge.dlpack import capturing
 
 
 def scale_of(layer, which: str) -> Optional[float]:
@@ -84,7 +85,8 @@ class SafeLocs:
     """``out_cache_loc`` with every slot outside the pool sent to the reserved slot 0 (where padding
     tokens write), so a torch KV write never lands on another slot (``-1`` would be the last one) and
     never fails half-way. Computed once per (step, tensor version) and reused by every layer; inside a
-    CUDA-graph capture the first layer's computation is captured and replays with the graph."""
+    CUDA-graph capture it is computed again by the capture's first layer (a warm-up's result would be
+    a constant to the graph), so the graph recomputes it from the engine's static buffer on replay."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -93,7 +95,7 @@ class SafeLocs:
     def __call__(self, loc: torch.Tensor, step) -> torch.Tensor:
         if not self.num_slots:
             return loc
-        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version)
+        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version, capturing())
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         safe = torch.where((loc >= 0) & (loc < self.num_slots), loc, torch.zeros_like(loc))
