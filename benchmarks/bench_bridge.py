@@ -125,19 +125,19 @@ def bench_host_overhead(cfg, iters: int):
         "bridge call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
         "torch set_kv_buffer alone": host(lambda: runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k), iters),
     }
-    exe = next(iter(backend._step_exes.values()))
+    exe = next(iter(backend.runner._step_exes.values()))
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
-    views = (backend.importer.view(kb), backend.importer.view(vb), None)
+    views = (backend.runner.importer.view(kb), backend.runner.importer.view(vb), None)
     q3 = q.view(1, cfg.n_heads, cfg.head_dim)
-    jq = backend.importer(q3)
-    leaves = backend._step.leaves
+    jq = backend.runner.importer(q3)
+    leaves = backend.step.leaves
     out = exe(jq, *views, *leaves)
-    rows["  part: import q (DLPack, stream-ordered)"] = host(lambda: backend.importer(q3), iters)
+    rows["  part: import q (DLPack, stream-ordered)"] = host(lambda: backend.runner.importer(q3), iters)
     rows["  part: jax.dlpack.from_dlpack (for comparison)"] = host(lambda: jax.dlpack.from_dlpack(q3), iters)
     rows["  part: compiled JAX call"] = host(lambda: exe(jq, *views, *leaves), iters)
     rows["  part: export (torch.from_dlpack)"] = host(lambda: torch.from_dlpack(out), iters)
     rows["  chain: import + call + export"] = host(
-        lambda: torch.from_dlpack(exe(backend.importer(q3), *views, *leaves)), iters)
+        lambda: torch.from_dlpack(exe(backend.runner.importer(q3), *views, *leaves)), iters)
     rows["per-step plan (replay hook)"] = host(lambda: decode_batch(runner, backend, 1, 256), iters)
     rows.update(launch_rows)
     print("\n## host time per call (us), decode batch 1, ctx 256 (JAX path: page 1)")

@@ -126,7 +126,7 @@ def test_launch_path_eager(q_lens):
     kv_lens = [40, 27, 90][:len(q_lens)]
     step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng)
     assert InterpretedKernel.calls == before + 1  # the layer ran on the launch path, not through JAX
-    assert backend._step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
+    assert backend.step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
 
 
 def test_launch_path_replay_reuses_persistent_tables():
@@ -136,10 +136,10 @@ def test_launch_path_replay_reuses_persistent_tables():
     z = torch.zeros(4, dtype=torch.long)
     backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
     step(runner, table, backend, [1, 3, 4], [33, 5, 64], [1, 1, 1], rng, replay_bs=4)  # 3 rows padded to 4
-    flat = backend._step.tables[(HQ, HKV)].flat
+    flat = backend.step.tables[(HQ, HKV)].flat
     # The next replay plans the bucket's tables before any layer runs, into the same buffer.
     step(runner, table, backend, [2, 5, 6, 3], [80, 17, 1, 48], [1, 1, 1, 1], rng, replay_bs=4)
-    assert backend._step.tables[(HQ, HKV)].flat.data_ptr() == flat.data_ptr()
+    assert backend.step.tables[(HQ, HKV)].flat.data_ptr() == flat.data_ptr()
 
 
 def test_calls_the_kernel_does_not_cover_run_through_jax():
@@ -150,10 +150,10 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
     sinks = torch.from_numpy(rng.standard_normal(HQ).astype(np.float32))
     step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng, sinks=sinks)  # sinks + packed decode rows
     assert InterpretedKernel.calls == before
-    lp = backend._layer_params(RadixAttention(HQ, D, D**-0.5, HKV, 0))
+    lp = backend.runner.layer_params(RadixAttention(HQ, D, D**-0.5, HKV, 0))
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
     q32 = torch.zeros(2, HQ * D, dtype=torch.float32)
-    assert "dtypes" in backend.mosaic_path.reason(lp, backend._step.key, q32, kb, vb)
+    assert "dtypes" in backend.mosaic_path.reason(lp, backend.step.key, q32, kb, vb)
 
 
 def test_checked_layer_rebinds_when_the_pool_buffer_changes():
@@ -162,12 +162,12 @@ def test_checked_layer_rebinds_when_the_pool_buffer_changes():
     rng = np.random.default_rng(9)
     runner, table, backend = setup(6)
     step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng)
-    first = backend._hits[0]
+    first = backend.runner.hits[0]
     pool = runner.token_to_kv_pool
     pool.k_buffer[0] = pool.k_buffer[0].clone()  # same contents, new storage
     pool.v_buffer[0] = pool.v_buffer[0].clone()
     step(runner, table, backend, [1, 2], [21, 31], [1, 1], rng)
-    assert backend._hits[0] is not first and backend._hits[0].buffers[0] is pool.k_buffer[0]
+    assert backend.runner.hits[0] is not first and backend.runner.hits[0].buffers[0] is pool.k_buffer[0]
 
 
 def test_eager_table_buffers_are_bounded(monkeypatch):

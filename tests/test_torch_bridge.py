@@ -204,12 +204,12 @@ def test_inplace_kv_write_is_seen_through_cached_view():
     q, k, v = rand_qkv(rng, 2)
     backend.init_forward_metadata(fb)
     first = backend.forward(q, k, v, layer(), fb).numpy()
-    views = dict(backend.importer._views)
+    views = dict(backend.runner.importer._views)
     kb = runner.token_to_kv_pool.k_buffer[0]
     assert any(x.unsafe_buffer_pointer() == kb.data_ptr() for x in views.values())
     k2, v2 = k * 3.0, v - 1.0  # same slots, new values: torch writes in place
     second = backend.forward(q, k2, v2, layer(), fb).numpy()
-    assert backend.importer._views.keys() == views.keys(), "pools must be imported once, not per call"
+    assert backend.runner.importer._views.keys() == views.keys(), "pools must be imported once, not per call"
     assert not np.allclose(first, second)
     np.testing.assert_allclose(second, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
     kb[torch.from_numpy(table[1, :3].astype(np.int64))] += 1.0  # a direct torch write, no bridge call

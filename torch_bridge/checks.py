@@ -37,6 +37,7 @@ class RunnerSettings:
     deterministic: bool  # server_args.enable_deterministic_inference
     local_attention: bool  # model_config.is_local_attention_model (Llama 4 chunked layers)
     with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify plans the SWA table)
+    heads: Optional[tuple] = None  # (Hq, Hkv) per TP rank from model_config, when it says (launch tables)
 
     @classmethod
     def of(cls, model_runner, fa_impl_ver: int, topk: int) -> "RunnerSettings":
@@ -59,7 +60,11 @@ class RunnerSettings:
             raise ValueError("sliding window and cross attention are not supported together (as in SGLang)")
         args = getattr(model_runner, "server_args", None)
         server_topk = getattr(args, "speculative_eagle_topk", None)
-        return cls(topk=int(server_topk if server_topk is not None else topk or 0),
+        text = getattr(config, "hf_text_config", None)
+        tp = int(getattr(model_runner, "tp_size", 1) or 1)
+        hq, kv_heads = getattr(text, "num_attention_heads", None), getattr(config, "get_num_kv_heads", None)
+        heads = (int(hq) // tp, int(kv_heads(tp))) if isinstance(hq, int) and callable(kv_heads) else None
+        return cls(topk=int(server_topk if server_topk is not None else topk or 0), heads=heads,
                    num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
                    deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
                    local_attention=bool(getattr(config, "is_local_attention_model", False)),

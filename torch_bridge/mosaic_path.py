@@ -63,8 +63,10 @@ def _padded(n: int) -> int:
     return -(-n // _WORDS) * _WORDS
 
 
-def _flatten_tables(md, hq: int, hkv: int, config: MosaicConfig):
-    """The kernel's tables of plan ``md`` as one i32 array (traced once per plan key)."""
+def flatten_tables(md, hq: int, hkv: int, config: Optional[MosaicConfig] = None):
+    """The kernel's tables of plan ``md`` as one i32 array (traced: inside the step's planner call,
+    or alone for a layer shape the planner did not know yet)."""
+    config = DEFAULT_MOSAIC_CONFIG if config is None else config
     sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config)
     parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
@@ -110,28 +112,31 @@ class MosaicPath:
                            lp.v_head_dim or lp.head_dim, key.page_size)
 
     # ---- per step ---------------------------------------------------------------------------
-    def tables(self, treedef, leaves, key: PlanKey, heads: Tuple[int, int], pinned: bool) -> Tables:
-        """The step's tables for layers of ``heads = (Hq, Hkv)``: one JAX call, one export, one copy.
+    def tables(self, step, heads: Tuple[int, int], flat: Optional[jax.Array] = None) -> Tables:
+        """The step's tables for layers of ``heads = (Hq, Hkv)``: one export and one copy of ``flat``
+        (the step planner's call made them), else one JAX call first.
 
         They go into a persistent buffer per (plan key, heads), so a captured graph and the bound
-        launches of every layer keep reading the current step's values. ``pinned`` (graph buckets)
-        buffers stay; at most ``MAX_UNPINNED`` others (eager plans) are kept, oldest dropped first.
+        launches of every layer keep reading the current step's values. Graph buckets' buffers
+        (``step.graph``) stay; at most ``MAX_UNPINNED`` others (eager plans) are kept, oldest first.
         """
-        fn_key = (treedef, heads)
-        fn = self._table_fns.get(fn_key)
-        if fn is None:
-            def flat_fn(*ls):
-                return _flatten_tables(jax.tree_util.tree_unflatten(treedef, ls), *heads, self.config)
-            fn = self._table_fns[fn_key] = jax.jit(flat_fn)
-        flat = torch.from_dlpack(fn(*leaves))  # torch's current stream waits for the JAX result
-        buf_key = (key, heads, flat.device)
+        if flat is None:
+            fn_key = (step.treedef, heads)
+            fn = self._table_fns.get(fn_key)
+            if fn is None:
+                def flat_fn(*ls):
+                    return flatten_tables(jax.tree_util.tree_unflatten(step.treedef, ls), *heads, self.config)
+                fn = self._table_fns[fn_key] = jax.jit(flat_fn)
+            flat = fn(*step.leaves)
+        flat = torch.from_dlpack(flat)  # torch's current stream waits for the JAX result
+        buf_key = (step.key, heads, flat.device)
         hit = self._persistent.pop(buf_key, None)
         if hit is None:
             with torch.inference_mode(False):  # a normal tensor: later steps update it in place
                 buf = torch.empty_like(flat)
-            hit = self._views(buf, jax.tree_util.tree_unflatten(treedef, leaves), heads)
+            hit = self._views(buf, step.plan(), heads)
         self._persistent[buf_key] = hit  # most recent last
-        if pinned:
+        if step.graph:
             self._pinned.add(buf_key)
         self._evict()
         hit.flat.copy_(flat)

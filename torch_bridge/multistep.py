@@ -21,12 +21,10 @@ from typing import List, Optional, Tuple
 
 
 from jax_attn import batch as jbatch
-from jax_attn.metadata import ForwardMode
 from torch_bridge.backend import FlashAttentionBackend
 from torch_bridge.checks import RunnerSettings
 from torch_bridge.dlpack import pad_int32
 
-_DECODE = ForwardMode.DECODE
 
 
 class FlashAttentionMultiStepBackend:
@@ -73,15 +71,13 @@ class FlashAttentionMultiStepBackend:
                              f"[bs={bs}, topk={max(self.topk, 1)}, num_steps={self.speculative_num_steps}] flattened")
         self._plan(bs, forward_batch.req_pool_indices, forward_batch.seq_lens, loc, forward_batch.spec_info, bs)
 
-    def _plan(self, bs: int, rows, seq_lens, loc, spec_info, real_reqs: int) -> None:
+    def _plan(self, bs: int, rows, seq_lens, loc, spec_info, real_reqs: int, graph: bool = False) -> None:
         """One compiled planner call for all steps (``rows``, ``seq_lens``: [bs]; ``loc``: [bs*K*S])."""
-        first = self.attn_backends[0]
-        keys = [b._key(_DECODE, bs, bs * max(self.topk, 1), b._spec(spec_info, _DECODE), False)
-                for b in self.attn_backends]
-        pk = first._packing(keys[0], loc, None, None, None, all_steps=self.speculative_num_steps)
-        plans = first._run_plan(pk, rows, seq_lens, loc)
-        for b, key, md in zip(self.attn_backends, keys, plans):
-            b._install(key, md, real_reqs * max(self.topk, 1), self.speculative_num_steps)
+        plans = self.attn_backends[0].planner.draft_round(bs, rows, seq_lens, loc, spec_info,
+                                                          self.speculative_num_steps)
+        for b, md in zip(self.attn_backends, plans):
+            b.planner.install(b.planner.draft_key(bs, spec_info), md, real_reqs * max(self.topk, 1),
+                              self.speculative_num_steps, graph)
 
     # ---- capture / replay -------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -119,4 +115,4 @@ class FlashAttentionMultiStepBackend:
         lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
         loc = forward_batch.out_cache_loc
         loc = rows[:0] if loc is None else loc.reshape(-1)[: n * self._per_req]
-        self._plan(bs, rows, lens, pad_int32(loc, bs * self._per_req, 0), forward_batch.spec_info, n)
+        self._plan(bs, rows, lens, pad_int32(loc, bs * self._per_req, 0), forward_batch.spec_info, n, graph=True)

@@ -1,0 +1,132 @@
+"""The bridge's layer runner: SGLang's per-layer ``forward`` over the current ``Step``.
+
+A layer call never plans: it reads the step the step planner installed. Its trip is
+
+* launch path (Hopper, the Mosaic kernel covers the layer): torch KV write, one raw launch on
+  torch's stream (``torch_bridge.mosaic_path``); a layer seen before with the same step tables and
+  buffers skips every check (``LayerHit``);
+* otherwise: torch KV write, then one compiled JAX executable (import q, call, export out).
+
+Both write K/V only after every check passed, at slots made safe once per step (``SafeLocs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import numpy as np
+import torch
+
+from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.backend import LayerParams
+from jax_attn.kv_cache import KVPool
+from torch_bridge.checks import SafeLocs, check_layer, check_shapes, write_loc
+from torch_bridge.dlpack import Importer, check_not_capturing, export
+from torch_bridge.mosaic_path import LayerHit, MosaicPath
+from torch_bridge.step_planner import Step, StepPlanner
+from torch_bridge.translate import layer_params
+
+
+class LayerRunner:
+    """Runs one layer's attention for the current step (see the module docstring)."""
+
+    def __init__(self, planner: StepPlanner, jax_backend: JaxBackend, importer: Importer,
+                 mosaic_path: Optional[MosaicPath], num_slots: int, step_id: int):
+        self.planner, self.jax_backend, self.importer = planner, jax_backend, importer
+        self.mosaic_path, self.step_id = mosaic_path, step_id
+        self.safe_locs = SafeLocs(num_slots)
+        self._jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
+        self.executables: Dict[tuple, Any] = {}  # (layer, plan structure, q/k/v/sinks signatures) -> compiled
+        self._step_exes: Dict[tuple, Any] = {}  # this step's executables by layer identity (a fast lookup)
+        self._step_of_exes: Optional[Step] = None
+        self._layers: Dict[int, Tuple[Any, LayerParams]] = {}
+        self.hits: Dict[int, LayerHit] = {}  # layer_id -> the layer's checked launch
+        self.trace_count = 0
+
+    def share(self, other: "LayerRunner") -> None:
+        """Use ``other``'s compiled executables (draft steps of one multi-step backend)."""
+        self.executables = other.executables
+
+    def _attn_fn(self, layer: LayerParams, treedef, q, k_buffer, v_buffer, sinks, *leaves):
+        # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv]; sinks [Hq] | None
+        self.trace_count += 1
+        md = jax.tree_util.tree_unflatten(treedef, leaves)
+        sinks = None if sinks is None else sinks.astype(np.float32)
+        out, _ = self.jax_backend.forward(q, None, None, layer, KVPool(k_buffer, v_buffer), md,
+                                          sinks=sinks, save_kv_cache=False)
+        return out
+
+    def run(self, step: Step, q, k, v, layer, forward_batch, save_kv_cache: bool, sinks):
+        """``q [T, Hq * D]`` -> ``[T, Hq * Dv]``, writing this step's K/V first (unless told not to)."""
+        hit = self.hits.get(layer.layer_id)
+        if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
+            loc = self.safe_locs(forward_batch.out_cache_loc, step) if save_kv_cache else None
+            return hit(q, k, v, loc, sinks)
+        lp = self.layer_params(layer)
+        check_layer(lp, step.key)
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        t = check_shapes(q, lp, step, k_buf, v_buf, self.planner.jax_backend.page_size)
+        call = self._launch_call(lp, step, q, k_buf, v_buf, sinks)
+        if call is None:
+            check_not_capturing()
+        loc = None
+        if save_kv_cache and k is not None:
+            loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step)
+        if call is not None:
+            hit = self.hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None)
+            return hit(q, k, v, loc, sinks)
+        if loc is not None:
+            pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
+        return self._jax_call(step, lp, layer.layer_id, q, t, k_buf, v_buf, sinks)
+
+    def _jax_call(self, step: Step, lp: LayerParams, layer_id: int, q, t: int, k_buf, v_buf, sinks):
+        """One compiled executable: import q (stream-ordered), call, export the output."""
+        q = q.reshape(t, lp.num_q_heads, lp.head_dim)
+        if t != step.key.num_tokens:
+            q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, step.key.num_tokens - t))
+        elif not q.is_contiguous():
+            q = q.contiguous()
+        if self._step_of_exes is not step:
+            self._step_exes, self._step_of_exes = {}, step
+        fast = (layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
+        exe = self._step_exes.get(fast)
+        views = (self.importer.view(k_buf), self.importer.view(v_buf),
+                 None if sinks is None else self.importer.view(sinks, strict=False))
+        jq = self.importer(q)
+        if exe is None:
+            exe = self._step_exes[fast] = self._executable(lp, step, jq, *views)
+        out = export(exe(jq, *views, *step.leaves))
+        return out if t == step.key.num_tokens else out[:t]
+
+    def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
+        """This layer's bound Mosaic launch when the launch path covers the call, else None."""
+        path = self.mosaic_path
+        if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
+            return None
+        heads = (lp.num_q_heads, lp.num_kv_heads)
+        tables = step.tables.get(heads)
+        if tables is None:
+            tables = self.planner.tables(step, heads)
+        if sinks is not None and tables.pack > 1:
+            return None  # sinks with packed decode rows: the JAX path
+        return path.layer_call(lp, step.key, tables, q, k_buf, v_buf, sinks is not None)
+
+    def _executable(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
+        def sig(x):
+            return None if x is None else (x.shape, x.dtype)
+        ck = (lp, step.treedef, sig(q), sig(k_buf), sig(v_buf), sig(sinks))
+        exe = self.executables.get(ck)
+        if exe is None:
+            exe = self.executables[ck] = self._jit.lower(lp, step.treedef, q, k_buf, v_buf, sinks,
+                                                         *step.leaves).compile()
+        return exe
+
+    def layer_params(self, layer) -> LayerParams:
+        hit = self._layers.get(layer.layer_id)
+        if hit is not None and hit[0] is layer:
+            return hit[1]
+        lp = layer_params(layer)
+        self._layers[layer.layer_id] = (layer, lp)
+        return lp

@@ -1,0 +1,377 @@
+"""The bridge's step planner: SGLang's ``init_forward_metadata`` and the three CUDA-graph hooks.
+
+Eager, capture and replay share one prepare path (``StepPlanner.plan``): the step's index tensors
+go to one compiled JAX planner call (``jax_attn.backend.plan_arrays``, guarded against bad input)
+and come back as a ``Step``, the one object every layer of the step reads. Per step the host does:
+
+* eager: one torch concat of SGLang's int64 index tensors, seen as int32 word pairs (no cast
+  kernel), one DLPack import, one compiled call; values outside int32 saturate inside the planner;
+* replay of a bucket whose tensors SGLang already padded (its static buffers): no torch op at all,
+  one import per index tensor and one compiled call;
+* on the Mosaic launch path, the launch tables of every layer shape come out of the same call, and
+  one export plus one copy refreshes the persistent buffers the captured graph reads.
+
+Dimension legend: B requests (the bucket), T tokens, N draft tokens, S draft steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_attn import batch as jbatch
+from jax_attn import safety
+from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.backend import PlanKey, guard_plan, plan_arrays
+from jax_attn.metadata import ForwardMode
+from jax_attn.multistep import plan_draft_steps
+from jax_attn.spec import draft_mask_from_custom_mask
+from torch_bridge.checks import RunnerSettings, check_host_lengths
+from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
+from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, Tables, flatten_tables
+from torch_bridge.translate import UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, plan_locs
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step's plan, read by every layer (the interface's one piece of state)."""
+
+    key: PlanKey
+    treedef: Any  # the plan's pytree structure (carries the static fields)
+    leaves: Tuple[jax.Array, ...]  # the plan's arrays
+    real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
+    loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
+    graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
+    tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
+
+    def plan(self):
+        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Static layout of one planner call's inputs, and what to plan (the compile-cache key)."""
+
+    key: PlanKey
+    num_locs: int  # out_cache_loc entries (tree draft decode: B * topk * num_steps)
+    has_ext: bool = False  # extend_seq_lens (extend modes)
+    has_enc: bool = False  # encoder_lens (cross attention)
+    mask_words: int = 0  # int32 words of the flat verify custom mask (tree verify)
+    all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
+    exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
+    wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
+    split: bool = False  # rows and seq_lens come as two arrays (a replay of SGLang's static buffers)
+    heads: Tuple[Tuple[int, int], ...] = ()  # layer shapes whose launch tables come out of the call
+
+    def sizes(self) -> Tuple[int, ...]:
+        b = self.key.batch_size
+        return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words)
+
+
+def narrow(words: jax.Array) -> jax.Array:
+    """int64 values seen as little-endian int32 word pairs ``[..., 2]`` -> int32, saturating: a
+    value outside int32 becomes INT32_MIN / INT32_MAX, which every range check flags."""
+    low, high = words[..., 0], words[..., 1]
+    fits = high == (low >> 31)  # the high word only extends the low word's sign
+    return jnp.where(fits, low, jnp.where(high < 0, jnp.int32(safety.INT32_MIN), jnp.int32(safety.INT32_MAX)))
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int64 tensor as its int32 words ``[..., 2]`` (a view: no kernel)."""
+    return t.contiguous().view(torch.int32).view(*t.shape, 2)
+
+
+class StepPlanner:
+    """Turns SGLang's batch tensors into a ``Step`` (see the module docstring).
+
+    Args:
+      model_runner: SGLang's ``ModelRunner`` (or ``torch_bridge.types.ModelRunner``).
+      settings: what the runner asks for, checked (``torch_bridge.checks.RunnerSettings``).
+      jax_backend: the JAX backend whose planners and static rules are used.
+      importer: DLPack importer of the pools' device.
+      mosaic_path: the launch path, or None.
+      speculative_step_id, speculative_num_steps: this backend's draft step (draft decode).
+    """
+
+    def __init__(self, model_runner, settings: RunnerSettings, jax_backend: JaxBackend, importer: Importer,
+                 mosaic_path: Optional[MosaicPath], speculative_step_id: int, speculative_num_steps: int):
+        self.model_runner, self.settings, self.jax_backend = model_runner, settings, jax_backend
+        self.importer, self.mosaic_path = importer, mosaic_path
+        self.step_id, self.num_steps = speculative_step_id, speculative_num_steps
+        self.device = importer_device(model_runner)
+        self._jit = jax.jit(self._plan_fn, static_argnums=0)
+        self.executables: Dict[tuple, Any] = {}  # (Packing, req_to_token shape) -> compiled planner
+        self.launch_heads: set = set()  # (Hq, Hkv) of launch-path layers: their tables come with each plan
+        if mosaic_path is not None and settings.heads is not None:  # SGLang's model config names them
+            self.launch_heads.add(settings.heads)
+        self.graph_max: Optional[Tuple[int, int]] = None
+        self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
+        self.step: Optional[Step] = None
+        self.trace_count = 0
+
+    def share(self, other: "StepPlanner") -> None:
+        """Use ``other``'s compiled planners and layer shapes (draft steps of one multi-step backend)."""
+        self.executables, self.launch_heads = other.executables, other.launch_heads
+
+    # ---- the traced planner -----------------------------------------------------------------
+    def _plan_fn(self, pk: Packing, req_to_token, *inputs):
+        self.trace_count += 1
+        if pk.split:
+            rows, lens = (narrow(x) if pk.wide else x for x in inputs)
+            loc = ext = enc = words = None
+            loc = jnp.zeros((pk.num_locs,), jnp.int32)
+        else:
+            packed = narrow(inputs[0]) if pk.wide else inputs[0]
+            offs = np.cumsum((0,) + pk.sizes())
+            rows, lens, loc, ext, enc, words = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
+        key = pk.key
+        if pk.all_steps:
+            plans = plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
+                                     page_size=key.page_size, max_pages=key.max_pages)
+            return guard_plan(plans, key, req_to_token, rows), ()
+        mask = None
+        if pk.mask_words:
+            flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
+            mask = draft_mask_from_custom_mask(flat, lens, num_draft=key.q_len_per_req)
+        md = plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
+                         enc if pk.has_enc else None, mask)
+        if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
+            md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
+        config = None if self.mosaic_path is None else self.mosaic_path.config
+        return md, tuple(flatten_tables(md, hq, hkv, config) for hq, hkv in pk.heads)
+
+    def _run(self, pk: Packing, inputs):
+        r2t = self.importer.view(self.model_runner.req_to_token_pool.req_to_token)
+        ck = (pk, r2t.shape)
+        exe = self.executables.get(ck)
+        if exe is None:
+            specs = [jax.ShapeDtypeStruct(tuple(x.shape), np.int32) for x in inputs]
+            exe = self.executables[ck] = self._jit.lower(pk, r2t, *specs).compile()
+        return exe(r2t, *(self.importer(x) for x in inputs))
+
+    # ---- one prepare path ---------------------------------------------------------------------
+    def key(self, mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
+        """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
+        z = np.zeros(bs, np.int32)
+        locs = np.zeros(tokens * locs_per_token(spec, mode), np.int32)
+        shape_batch = jbatch.ForwardBatch(mode, z, z, locs, extend_seq_lens=z if has_ext else None,
+                                          encoder_lens=z if has_enc else None, spec_info=spec)
+        return self.jax_backend.plan_static(shape_batch)
+
+    def plan(self, pk: Packing, rows, lens, loc=None, ext=None, enc=None, words=None, *, real_tokens: int,
+             graph: bool = False, draft_steps: int = 1):
+        """Run the planner on the step's tensors; returns the plan (a tuple of plans for
+        ``pk.all_steps``) and installs it as the current ``Step`` unless ``pk.all_steps``."""
+        parts = [t for t in (rows, lens, loc, ext, enc, words) if t is not None]
+        if any(t.device != self.device for t in parts):
+            raise ValueError(f"index tensors must be on the pools' device {self.device}")
+        wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
+        heads = tuple(sorted(self.launch_heads)) if self._launches(pk.key) else ()
+        pk = dataclasses.replace(pk, wide=wide, heads=heads)
+        if pk.split:
+            inputs = [as_words(rows), as_words(lens)]
+        else:
+            if not wide:  # mixed dtypes: saturate each part in torch
+                parts = [narrow_int32(t.reshape(-1)) for t in parts]
+            packed = torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+            if packed.shape[0] != sum(pk.sizes()):
+                raise ValueError(f"req_pool_indices / seq_lens / extend_seq_lens / encoder_lens must have one entry "
+                                 f"per request ({pk.key.batch_size}); got {packed.shape[0]} packed entries, "
+                                 f"expected {sum(pk.sizes())}")
+            inputs = [as_words(packed) if wide else packed]
+        md, flats = self._run(pk, inputs)
+        if pk.all_steps:
+            return md
+        self.install(pk.key, md, real_tokens, draft_steps, graph, dict(zip(heads, flats)))
+        return md
+
+    def _launches(self, key: PlanKey) -> bool:
+        return self.mosaic_path is not None and key.topk == 1 and bool(self.launch_heads)
+
+    def install(self, key: PlanKey, md, real_tokens: int, draft_steps: int = 1, graph: bool = False,
+                flats: Optional[dict] = None) -> Step:
+        """Make ``md`` the current step (validation mode reads its error flag first)."""
+        if self.jax_backend.validate:
+            self.step = None  # a bad step raises here, before any layer writes the cache
+            safety.check(md, "torch_bridge plan")
+        leaves, treedef = jax.tree_util.tree_flatten(md)
+        step = self.step = Step(key, treedef, tuple(leaves), real_tokens, draft_steps, graph)
+        if self.mosaic_path is not None and key.topk == 1:
+            for heads in self.launch_heads:
+                flat = (flats or {}).get(heads)
+                step.tables[heads] = self.mosaic_path.tables(step, heads, flat)
+        return step
+
+    def tables(self, step: Step, heads: Tuple[int, int]) -> Tables:
+        """The launch tables of a layer shape first seen in this step (the next plans bring them)."""
+        if capturing():
+            raise RuntimeError(WARM_UP_MESSAGE)
+        tables = step.tables[heads] = self.mosaic_path.tables(step, heads, None)
+        self.launch_heads.add(heads)
+        return tables
+
+    # ---- SGLang's entry points ----------------------------------------------------------------
+    def spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
+        """jax_attn's static SpecInfo from EAGLE's / NGRAM's spec_info and this backend's settings."""
+        speculative = mode == ForwardMode.TARGET_VERIFY or mode.is_draft_extend()
+        if not speculative and (spec_info is None or mode != ForwardMode.DECODE):
+            return None
+        topk = 1 if mode.is_draft_extend() else self.topk(spec_info)  # draft extend is never a tree
+        draft = int(getattr(spec_info, "draft_token_num", 0) or 0) or self.settings.num_draft_tokens
+        if mode == ForwardMode.TARGET_VERIFY and draft < 1:
+            raise ValueError("target verify needs spec_info.draft_token_num or "
+                             "server_args.speculative_num_draft_tokens >= 1")
+        steps = max(self.num_steps, 1)
+        if topk > 1 and mode == ForwardMode.DECODE and not 0 <= self.step_id < steps:
+            raise ValueError(f"tree draft decode step {self.step_id} needs speculative_num_steps > "
+                             f"step id (got {self.num_steps}); pass it to the backend")
+        placeholder = np.zeros((1, draft, draft), bool) if topk > 1 else None  # the mask itself is planned on device
+        return jbatch.SpecInfo(topk=topk, num_draft_tokens=draft, step_id=self.step_id, num_steps=steps,
+                               draft_mask=placeholder,
+                               with_swa=self.settings.with_swa and mode == ForwardMode.TARGET_VERIFY)
+
+    def topk(self, spec_info) -> int:
+        """SGLang's ``server_args.speculative_eagle_topk`` (or the constructor's ``topk``); without
+        either, an EAGLE ``spec_info.topk``. A spec_info that disagrees with the server raises."""
+        server = self.settings.topk
+        own = getattr(spec_info, "topk", None)
+        own = int(own) if isinstance(own, int) and own > 0 else 0
+        if server > 0 and own and own != server:
+            raise ValueError(f"spec_info.topk={own} differs from server_args.speculative_eagle_topk={server}")
+        return max(server or own, 1)
+
+    def eager(self, forward_batch, mode: ForwardMode) -> None:
+        """``init_forward_metadata``: plan the batch as it is (no bucket)."""
+        spec = self.spec(forward_batch.spec_info, mode)
+        ext = extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
+        enc = getattr(forward_batch, "encoder_lens", None)
+        bs = int(forward_batch.seq_lens.shape[0])
+        if bs == 0:
+            raise ValueError(f"a {mode.name} batch of size 0: SGLang plans an empty step as ForwardMode.IDLE")
+        loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.step_id)
+        tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
+        key = self.key(mode, bs, tokens, spec, ext is not None, enc is not None)
+        check_host_lengths(forward_batch, mode, tokens, ext is not None, capacity=self.jax_backend.capacity,
+                           kv_offset=key.kv_offset)
+        words = None
+        if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
+            n = int(custom_mask(forward_batch.spec_info).numel())
+            words = pack_mask_words(forward_batch.spec_info.custom_mask, max(64, 1 << (n - 1).bit_length()),
+                                    self.device).to(loc.dtype)
+        pk = packing(key, loc, ext, enc, words, exact=True)
+        self.plan(pk, forward_batch.req_pool_indices, forward_batch.seq_lens, loc, ext, enc, words,
+                  real_tokens=tokens, draft_steps=loc_steps(spec, mode))
+
+    def init_graphs(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_max = (int(max_bs), int(max_num_tokens))
+        self.graph_keys = {}
+
+    def capture(self, bs: int, num_tokens: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode,
+                spec_info) -> None:
+        """The capture hook: compile bucket ``bs``'s planner and plan the capture run with it."""
+        if self.graph_max is None:
+            raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing")
+        if bs > self.graph_max[0] or num_tokens > self.graph_max[1]:
+            raise ValueError(f"{bs=}, {num_tokens=} exceed init_cuda_graph_state's {self.graph_max}")
+        spec = self.spec(spec_info, mode)
+        per_req = self.tokens_per_req(mode, spec)
+        if num_tokens != bs * per_req:
+            raise ValueError(f"{mode.name}: {num_tokens=} must be bs * {per_req} = {bs * per_req}")
+        key = self.key(mode, bs, num_tokens, spec, mode not in UNIFORM, encoder_lens is not None)
+        self.graph_keys[(mode, bs)] = key
+        self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
+
+    def replay(self, bs: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info,
+               out_cache_loc=None) -> None:
+        """The replay hook: pad to bucket ``bs`` (seq_len 1, row 0, slot 0) and run its planner."""
+        key = self.graph_keys.get((mode, bs))
+        if key is None:
+            raise ValueError(f"no captured plan for {mode.name} bs={bs}; call "
+                             "init_forward_metadata_capture_cuda_graph for this bucket first")
+        if key.has_encoder != (encoder_lens is not None):
+            raise ValueError(f"bucket bs={bs} was captured with{'' if key.has_encoder else 'out'} encoder_lens; "
+                             "replay must pass the same kind of batch")
+        spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
+        self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
+
+    def tokens_per_req(self, mode: ForwardMode, spec) -> int:
+        if mode == ForwardMode.DECODE:
+            return spec.topk if spec is not None else 1
+        if mode == ForwardMode.TARGET_VERIFY or mode.is_draft_extend():
+            if spec is None or spec.num_draft_tokens < 1:
+                raise ValueError(f"{mode.name} capture needs speculative_num_draft_tokens >= 1")
+            return spec.num_draft_tokens
+        raise ValueError(f"{mode.name} is not capturable (ragged tokens per request); plan it eagerly "
+                         "with init_forward_metadata")
+
+    def bucket(self, key: PlanKey, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc,
+               capturing: bool = False) -> None:
+        """Plan a graph bucket: SGLang's static buffers as they are, or padded here."""
+        bs, tokens, mode = key.batch_size, key.num_tokens, key.mode
+        n = min(int(seq_lens.shape[0]), bs)
+        real = n * (tokens // bs)
+        if mode in UNIFORM and key.topk == 1 and encoder_lens is None:
+            # Two int64 inputs; SGLang's graph runner hands its static buffers already padded, so no
+            # torch op runs here. The plan's slots stay 0: graph steps write K/V from the engine's
+            # out_cache_loc in torch (made safe per step), never through the plan.
+            pk = Packing(key, tokens * locs_per_token(spec, mode), split=True)
+            self.plan(pk, pad_wide(req_pool_indices[:n], bs, 0),
+                      pad_wide(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE), real_tokens=real, graph=True,
+                      draft_steps=loc_steps(spec, mode))
+            return
+        rows = pad_int32(req_pool_indices[:n], bs, 0)
+        lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
+        loc = rows[:0] if out_cache_loc is None else plan_locs(out_cache_loc, spec, mode, None, self.step_id)
+        loc = pad_int32(loc, tokens * locs_per_token(spec, mode), 0)
+        enc = None if encoder_lens is None else pad_int32(encoder_lens[:n], bs, 0)
+        ext = None
+        if mode not in UNIFORM:  # draft extend: each request's accepted tokens (capture: one each)
+            acc = jbatch.accepted_tokens(spec_info)
+            if acc is None and not capturing:
+                raise ValueError("draft extend replay needs spec_info.num_accepted_tokens (or accept_length)")
+            ext = pad_int32(acc[:n] if acc is not None else rows[:n] * 0 + 1, bs, 0)
+            real = tokens  # draft extend replays the padded token layout
+        words = None
+        if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
+            mask = getattr(spec_info, "custom_mask", None) if capturing else custom_mask(spec_info)
+            n_draft = key.q_len_per_req  # the static bound covers any committed lengths of the bucket
+            words = pack_mask_words(mask, bs * n_draft * (self.jax_backend.capacity + n_draft), self.device)
+        self.plan(packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words, real_tokens=real,
+                  graph=True, draft_steps=loc_steps(spec, mode))
+
+    def draft_key(self, bs: int, spec_info) -> PlanKey:
+        """The plan key of this backend's draft decode step for ``bs`` requests."""
+        spec = self.spec(spec_info, ForwardMode.DECODE)
+        return self.key(ForwardMode.DECODE, bs, bs * spec.topk, spec, False)
+
+    def draft_round(self, bs: int, rows, seq_lens, loc, spec_info, num_steps: int):
+        """Plans of draft steps ``0..num_steps-1`` in one planner call (the multi-step backend)."""
+        key = self.draft_key(bs, spec_info)
+        return self.plan(packing(key, loc, None, None, None, all_steps=num_steps), rows, seq_lens, loc,
+                         real_tokens=0)
+
+
+def pad_wide(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i64[size]
+    """As int64 padded with ``fill`` to ``size`` entries; a full int64 buffer passes untouched."""
+    x = x.reshape(-1)
+    if x.dtype != torch.int64:
+        x = x.to(torch.int64)
+    if x.shape[0] > size:
+        raise ValueError(f"{x.shape[0]} entries do not fit the bucket of {size}; capture a larger bucket")
+    if x.shape[0] == size:
+        return x
+    return torch.cat([x, torch.full((size - x.shape[0],), fill, dtype=torch.int64, device=x.device)])
+
+
+def packing(key: PlanKey, loc, ext, enc, words, all_steps: int = 0, exact: bool = False) -> Packing:
+    return Packing(key, int(loc.shape[0]), ext is not None, enc is not None,
+                   0 if words is None else int(words.shape[0]), all_steps, exact)
+
+
+def importer_device(model_runner) -> torch.device:
+    return model_runner.req_to_token_pool.req_to_token.device
