@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jax_attn import planner, safety
 from jax_attn import spec as spec_plan
-from jax_attn.attention import attention, mosaic_wanted, resolve_impl
+from jax_attn.attention import attention
+from jax_attn.kernel_policy import Call, mosaic_wanted, resolve_impl
 from jax_attn.batch import ForwardBatch, accepted_tokens, check_batch, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
 from jax_attn.metadata import AttentionMetadata, ForwardMode
@@ -144,8 +145,9 @@ class FlashAttentionBackend:
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
                               num_splits=1 if self.deterministic else None)
         mosaic = None
-        if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(md, num_kv_heads=hkv,
-                                                                          deterministic=self.deterministic)):
+        call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
+                    head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic)
+        if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(call)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
             mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,

@@ -152,8 +152,11 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
     assert InterpretedKernel.calls == before
     lp = backend.runner.layer_params(RadixAttention(HQ, D, D**-0.5, HKV, 0))
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
-    q32 = torch.zeros(2, HQ * D, dtype=torch.float32)
-    assert "dtypes" in backend.mosaic_path.reason(lp, backend.step.key, q32, kb, vb)
+    assert "contiguous" in backend.mosaic_path.reason(lp, backend.step.key, kb, kb[:, :, ::2], vb)
+    from jax_attn.kernel_policy import Call, select_kernel
+    f32 = Call(max_q_len=1, page_size=PAGE, num_tokens=2, num_kv_heads=HKV, head_dim=D, head_dim_v=D,
+               dtype="float32", kv_dtype="bfloat16")
+    assert select_kernel("auto", f32, from_torch=True) == "jax"  # the kernel takes bf16 / f16 only
 
 
 def test_checked_layer_rebinds_when_the_pool_buffer_changes():

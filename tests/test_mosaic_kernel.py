@@ -101,12 +101,15 @@ def test_mosaic_gpu_configs(block_kv, stages):
 
 def test_attention_dispatch_runs_mosaic():
     """``attention(impl="mosaic")`` reaches the kernel (interpreted on CPU); ``auto`` picks Triton off Hopper."""
-    from jax_attn.attention import attention, choose_impl
+    from jax_attn.attention import attention, call_of
+    from jax_attn.kernel_policy import on_hopper, select_kernel
+
+    def choose_impl(impl, q, k, v, md, **kw):
+        return select_kernel(impl, call_of(q, k, v, md, **kw))
 
     case = MOSAIC_CPU_CASES[2]
     check_attention(functools.partial(attention, impl="mosaic"), case)
     q, k, v, md, _ = build_inputs(case)
-    from jax_attn.attention import on_hopper
 
     assert choose_impl("auto", q, k, v, md) == ("mosaic" if on_hopper() and md.max_q_len > 16 else "triton")
     assert choose_impl("auto", q, k, v, md, num_splits=1) == "triton"  # deterministic mode: one kernel
@@ -118,12 +121,13 @@ def test_auto_rule_on_hopper(monkeypatch):
     """``auto`` on a Hopper GPU (faked): Mosaic for prefill and for decode whose (token, kv head)
     programs fit in one wave; Triton for big decode buckets, sinks with decode rows, page size 1,
     deterministic mode and what the Mosaic kernel does not cover."""
-    import importlib
+    from jax_attn import kernel_policy
+    from jax_attn.attention import call_of
 
-    from jax_attn.attention import choose_impl
+    monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
 
-    # (``jax_attn.attention`` the attribute is the function the package exports, not the module.)
-    monkeypatch.setattr(importlib.import_module("jax_attn.attention"), "on_hopper", lambda: True)
+    def choose_impl(impl, q, k, v, md, **kw):
+        return kernel_policy.select_kernel(impl, call_of(q, k, v, md, **kw))
 
     def impl(seq_lens, heads=(32, 8), page_size=16, **kw):
         q, k, v, md, _ = build_inputs(Case(name="rule", seq_lens=tuple(seq_lens), heads=heads, head_dim=64,
@@ -139,8 +143,7 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
     assert impl([(1, 300)] * 4, page_size=1) == "triton"
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"
-    from jax_attn.attention import mosaic_wanted
-
-    _, _, _, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
+    q, k, v, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
                                        page_size=16))
-    assert not mosaic_wanted(dataclasses.replace(md, num_tokens=0), num_kv_heads=8)  # unknown token count
+    unknown = dataclasses.replace(call_of(q, k, v, md), num_tokens=0)
+    assert not kernel_policy.mosaic_wanted(unknown)  # unknown token count

@@ -20,9 +20,11 @@ import torch
 
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
+from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.kv_cache import KVPool
 from torch_bridge.checks import SafeLocs, check_layer, check_shapes, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export
+from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath
 from torch_bridge.step_planner import Step, StepPlanner
 from torch_bridge.translate import layer_params
@@ -109,8 +111,11 @@ class LayerRunner:
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
-        if sinks is not None and tables.pack > 1:
-            return None  # sinks with packed decode rows: the JAX path
+        call = Call(max_q_len=tables.max_q_len, page_size=step.key.page_size, num_tokens=step.key.num_tokens,
+                    num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim, head_dim_v=lp.v_head_dim or lp.head_dim,
+                    dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype), has_sinks=sinks is not None)
+        if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
+            return None
         return path.layer_call(lp, step.key, tables, q, k_buf, v_buf, sinks is not None)
 
     def _executable(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):

@@ -27,7 +27,7 @@ import torch
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
-                                           kernel_statics, plan_mosaic_schedule, unsupported)
+                                           kernel_statics, plan_mosaic_schedule)
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import compile_for_torch, jax_dtype
 
@@ -102,14 +102,15 @@ class MosaicPath:
 
     def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
                v_buf: torch.Tensor) -> Optional[str]:
-        """None when this layer's call can run on this path, else why not (sinks with packed decode
-        rows are decided once the step's tables are known: the backend's ``_launch_call``)."""
+        """None when this layer's call can be launched from torch, else why not. What the kernel
+        itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
         if key.topk > 1 or lp.is_cross_attention:
             return "tree (topk > 1) steps and cross attention run through JAX"
         if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
             return "pool buffers must be contiguous"
-        return unsupported(jax_dtype(q.dtype), jax_dtype(k_buf.dtype), jax_dtype(v_buf.dtype), lp.head_dim,
-                           lp.v_head_dim or lp.head_dim, key.page_size)
+        if v_buf.dtype != k_buf.dtype:
+            return f"dtypes {k_buf.dtype}/{v_buf.dtype}: one dtype for the K and V pools"
+        return None
 
     # ---- per step ---------------------------------------------------------------------------
     def tables(self, step, heads: Tuple[int, int], flat: Optional[jax.Array] = None) -> Tables:

@@ -1,0 +1,98 @@
+"""Which kernel runs a call: the one policy both front ends use.
+
+``impl``:
+  ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
+                  tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dim 64/128,
+                  page size a multiple of 8, no fp8 descale, no sinks with packed decode rows, not
+                  deterministic mode), else the Triton-lowered kernel (interpret mode on CPU);
+  ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature);
+  ``"mosaic"``    the Pallas Mosaic GPU kernel for Hopper (raises ``NotImplementedError`` for what
+                  it does not cover: see ``jax_attn.kernels.mosaic_paged.supports``);
+  ``"reference"`` the plain-``jnp`` float32 reference.
+
+The torch bridge asks ``select_kernel(..., from_torch=True)``: there the Mosaic kernel is the only
+one torch can launch (and capture in a CUDA graph), so it runs every call it covers; the rest go
+through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
+The kernels keep their own capability checks (``supports`` / ``unsupported``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+IMPLS = ("auto", "triton", "mosaic", "reference")
+_HOPPER = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def resolve_impl(impl: str) -> str:
+    """Check ``impl``; ``auto`` stays ``auto`` (each call picks a kernel, see ``select_kernel``)."""
+    if impl not in IMPLS:
+        raise ValueError(f"{impl=} must be one of {IMPLS}")
+    return impl
+
+
+@functools.cache
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (the Mosaic kernel's target)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and any(name in dev.device_kind for name in _HOPPER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What the policy needs to know about one attention call (static facts only)."""
+
+    max_q_len: int  # static bound on queries per sequence
+    page_size: int
+    num_tokens: int  # padded token count (0: unknown)
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: object  # q's dtype (anything jnp.dtype takes)
+    kv_dtype: object
+    has_sinks: bool = False
+    fp8_descale: bool = False
+    deterministic: bool = False  # one KV split per sequence (SGLang's deterministic inference)
+
+
+def mosaic_wanted(call: Call) -> bool:
+    """``auto``'s speed rule: Mosaic on Hopper for query runs longer than the packed-decode bound,
+    and for decode (short query runs) whose (token, kv head) programs fit in one wave of the GPU
+    (unknown token counts stay on Triton).
+
+    On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
+    Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
+    256 x 1024: decode buckets of many tokens stay on Triton. Deterministic mode keeps one kernel
+    for every batch (bitwise batch invariance).
+    """
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+
+    if call.deterministic or not on_hopper() or call.page_size % 8:
+        return False
+    if call.max_q_len > config.pack_max_q_len:
+        return True
+    return 0 < call.num_tokens * call.num_kv_heads <= config.num_sms
+
+
+def mosaic_covers(call: Call) -> bool:
+    """Whether the Mosaic kernel takes this call at all (its capability rules)."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, unsupported
+
+    if call.fp8_descale or (call.has_sinks and call.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len):
+        return False  # fp8 descale; sinks with packed decode rows
+    return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
+                       call.page_size) is None
+
+
+def select_kernel(impl: str, call: Call, *, from_torch: bool = False) -> str:
+    """The kernel a call runs with: ``"mosaic"``, ``"triton"`` or ``"reference"`` (``from_torch``:
+    ``"mosaic"`` means the torch launch path, anything else a compiled JAX executable)."""
+    impl = resolve_impl(impl)
+    if from_torch:
+        return "mosaic" if impl in ("auto", "mosaic") and mosaic_covers(call) else "jax"
+    if impl != "auto":
+        return impl
+    return "mosaic" if mosaic_wanted(call) and mosaic_covers(call) else "triton"
