@@ -12,6 +12,11 @@ import math
 HOPPER_NUM_SMS = 132
 
 
+def cdiv(a, b):
+    """Ceiling division for Python ints and JAX integer arrays alike (the one copy)."""
+    return -(-a // b)
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 

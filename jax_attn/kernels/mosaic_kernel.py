@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, load_q, memory_wg,
                                         padding_rows, zero_tail_values)
 
@@ -107,9 +108,6 @@ class KernelStatics:
         return self.num_splits > 1
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
 
 def _row_ranges(st: KernelStatics, wg, row_base, seq_rows, q_len, k_len):
     """Rows and key blocks of compute warpgroup ``wg``: (first row, valid rows, kv block lo, hi)."""
@@ -128,19 +126,19 @@ def _row_ranges(st: KernelStatics, wg, row_base, seq_rows, q_len, k_len):
     if left >= 0:
         lo = jnp.maximum(p_first - left, 0)
     blk_lo = lo // st.block_kv
-    blk_hi = jnp.where(n_valid > 0, jnp.maximum(_cdiv(hi, st.block_kv), blk_lo), blk_lo)
+    blk_hi = jnp.where(n_valid > 0, jnp.maximum(cdiv(hi, st.block_kv), blk_lo), blk_lo)
     # Blocks every valid row sees whole (no mask needed): [full_lo, full_hi).
     full_hi = jnp.minimum(k_len, (p_first + 1) if st.causal else k_len)
     if right >= 0:
         full_hi = jnp.minimum(full_hi, p_first + right + 1)
     full_hi = full_hi // st.block_kv
-    full_lo = _cdiv(jnp.maximum(p_last - left, 0), st.block_kv) if left >= 0 else jnp.int32(0)
+    full_lo = cdiv(jnp.maximum(p_last - left, 0), st.block_kv) if left >= 0 else jnp.int32(0)
     return r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi
 
 
 def _split_blocks(cta_lo, cta_hi, split, num_splits):
     """Key blocks ``[lo, hi)`` of kv split ``split``: the CTA's blocks cut into ``num_splits`` runs."""
-    chunk = _cdiv(jnp.maximum(cta_hi - cta_lo, 0), num_splits)
+    chunk = cdiv(jnp.maximum(cta_hi - cta_lo, 0), num_splits)
     lo = jnp.minimum(cta_lo + split * chunk, cta_hi)
     return lo, jnp.minimum(cta_hi, lo + chunk)
 
@@ -422,7 +420,7 @@ def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     if st.split:
         raise ValueError(f"{st.num_splits=}: the split kernel is mosaic_split.kernel_call_split")
     rows_per_tile = COMPUTE_WGS * st.block_q
-    pad_tiles = _cdiv(st.num_rows, rows_per_tile * PAD_BLOCKS)
+    pad_tiles = cdiv(st.num_rows, rows_per_tile * PAD_BLOCKS)
     out_shape = (st.num_rows, st.num_heads, st.head_dim_v)
     if st.token_major:
         out_shape = (st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)

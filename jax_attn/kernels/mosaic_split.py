@@ -23,14 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.config import DEFAULT_CONFIG
+from jax_attn.kernels.config import DEFAULT_CONFIG, cdiv
 from jax_attn.kernels.merge_state import merge_splits
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry
 from jax_attn.metadata import WorkSchedule
 
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int, pack: int, num_heads: int,
@@ -51,11 +48,11 @@ def static_num_splits(*, num_splits: int | None, num_tokens: int, max_q_len: int
         if num_splits < 1:
             raise ValueError(f"{num_splits=} must be >= 1 (or None for the heuristic)")
         return int(num_splits)
-    tiles = max(_cdiv(num_tokens * pack, block_rows), _cdiv(num_tokens, max(max_q_len, 1)), 1)
+    tiles = max(cdiv(num_tokens * pack, block_rows), cdiv(num_tokens, max(max_q_len, 1)), 1)
     if tiles * num_heads * split_below_fill > num_sms:
         return 1  # the unsplit grid fills enough of the GPU: the partials and merge cost more than they gain
     by_sms = (num_sms * split_waves) // (tiles * num_heads)
-    return int(max(1, min(max_splits, by_sms, _cdiv(max_kv_len, min_kv_per_split))))
+    return int(max(1, min(max_splits, by_sms, cdiv(max_kv_len, min_kv_per_split))))
 
 
 def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):

@@ -12,17 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_attn.kernels.config import KernelConfig, choose_block_q, kv_heads_per_program
+from jax_attn.kernels.config import KernelConfig, cdiv, choose_block_q, kv_heads_per_program
 from jax_attn.metadata import AttentionMetadata, WorkSchedule
 
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def max_num_tiles(*, num_tokens: int, batch_size: int, max_q_len: int, block_q: int, max_splits: int) -> int:
     """Static upper bound N on the tile count of any batch in the bucket."""
-    q_blocks = min(num_tokens // block_q + batch_size, batch_size * _cdiv(max(max_q_len, 1), block_q), num_tokens)
+    q_blocks = min(num_tokens // block_q + batch_size, batch_size * cdiv(max(max_q_len, 1), block_q), num_tokens)
     return max(1, q_blocks * max_splits)
 
 
@@ -46,10 +43,10 @@ def static_num_splits(
     if base >= config.num_sms:
         return 1
     want = config.num_sms * config.split_waves
-    s = max(1, min(config.max_splits, _cdiv(want, base)))
+    s = max(1, min(config.max_splits, cdiv(want, base)))
     if s > 1 and decode:
         pack = kv_heads_per_program(config, num_kv_heads, decode=True, split=True)
-        s = max(1, min(config.max_splits, _cdiv(want, max(1, tiles * (num_kv_heads // pack)))))
+        s = max(1, min(config.max_splits, cdiv(want, max(1, tiles * (num_kv_heads // pack)))))
     return int(s)
 
 
@@ -93,7 +90,7 @@ def build_schedule(
     cache_seqlens = cache_seqlens.astype(jnp.int32)
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
     q_lens = jnp.maximum(cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)
-    q_blocks = _cdiv(q_lens, block_q)  # i32[B]
+    q_blocks = cdiv(q_lens, block_q)  # i32[B]
     splits = _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force_splits, num_sms, min_kv_per_split,
                          split_waves)
     counts = q_blocks * splits
@@ -134,8 +131,8 @@ def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sm
     if max_splits == 1 or force:
         return jnp.full(cache_seqlens.shape, max_splits, jnp.int32)
     base = jnp.maximum(jnp.sum(q_blocks) * num_kv_heads, 1)
-    want = jnp.where(base >= num_sms, 1, _cdiv(jnp.int32(num_sms * split_waves), base))
-    by_len = _cdiv(cache_seqlens, min_kv_per_split)
+    want = jnp.where(base >= num_sms, 1, cdiv(jnp.int32(num_sms * split_waves), base))
+    by_len = cdiv(cache_seqlens, min_kv_per_split)
     return jnp.clip(jnp.minimum(want, by_len), 1, max_splits).astype(jnp.int32)
 
 
