@@ -70,14 +70,27 @@ def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int):
     return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device="cuda")
 
 
+class StaticBatch:
+    """A decode bucket's inputs in persistent int64 buffers, as SGLang's graph runner keeps them: the
+    replay hook gets the same tensors every step (their values would be copied in between)."""
+
+    def __init__(self, runner, backend, batch: int, ctx: int):
+        self.backend, self.batch = backend, batch
+        self.rows = torch.arange(1, batch + 1, device="cuda")
+        self.lens = torch.full((batch,), ctx, device="cuda")
+        loc = runner.req_to_token_pool.req_to_token[self.rows, ctx - 1].long()
+        self.fb = ForwardBatch(ForwardMode.DECODE, batch, self.rows, self.lens, loc, positions=self.lens - 1,
+                               token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
+
+    def replay(self):
+        """SGLang's replay hook call (positional, as cuda_graph_runner makes it)."""
+        self.backend.init_forward_metadata_replay_cuda_graph(self.batch, self.rows, self.lens, None, None,
+                                                             ForwardMode.DECODE, None, None)
+        return self.fb
+
+
 def decode_batch(runner, backend, batch: int, ctx: int):
-    rows = torch.arange(1, batch + 1, device="cuda")
-    lens = torch.full((batch,), ctx, device="cuda")
-    loc = runner.req_to_token_pool.req_to_token[rows, ctx - 1].long()
-    backend.init_forward_metadata_replay_cuda_graph(batch, rows, lens, None, None, ForwardMode.DECODE, None,
-                                                    None, out_cache_loc=loc)
-    return ForwardBatch(ForwardMode.DECODE, batch, rows, lens, loc, positions=lens - 1,
-                        token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
+    return StaticBatch(runner, backend, batch, ctx).replay()
 
 
 def capture(backend, batch: int):
@@ -113,7 +126,8 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
         "launch path (page 16): call, no KV write":
             host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
         "launch path (page 16): call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
-        "launch path (page 16): per-step plan + tables": host(lambda: decode_batch(runner, backend, 1, 256), iters),
+        "launch path (page 16): per-step plan + tables (replay hook)": host(StaticBatch(runner, backend, 1, 256).replay,
+                                                                           iters),
     }
 
 
@@ -138,7 +152,12 @@ def bench_host_overhead(cfg, iters: int):
     rows["  part: export (torch.from_dlpack)"] = host(lambda: torch.from_dlpack(out), iters)
     rows["  chain: import + call + export"] = host(
         lambda: torch.from_dlpack(exe(backend.runner.importer(q3), *views, *leaves)), iters)
-    rows["per-step plan (replay hook)"] = host(lambda: decode_batch(runner, backend, 1, 256), iters)
+    rows["per-step plan (replay hook)"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
+    eager = StaticBatch(runner, backend, 1, 256).fb
+    rows["per-step plan (init_forward_metadata, eager)"] = host(lambda: backend.init_forward_metadata(eager), iters)
+    eager.seq_lens_cpu = eager.seq_lens.cpu()
+    rows["  eager plan with seq_lens_cpu (host checks on)"] = host(lambda: backend.init_forward_metadata(eager),
+                                                                   iters)
     rows.update(launch_rows)
     print("\n## host time per call (us), decode batch 1, ctx 256 (JAX path: page 1)")
     for name, s in rows.items():
@@ -198,18 +217,19 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
             continue  # no launch path on this device
         capture(backend, batch)
 
-        def step(backend=backend):
-            fb = decode_batch(runner, backend, batch, ctx)
+        static = StaticBatch(runner, backend, batch, ctx)
+
+        def step(static=static):
+            fb = static.replay()
             return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
         steps[f"{name} step"] = step
-        fb = decode_batch(runner, backend, batch, ctx)
+        fb = static.replay()
         q, k, v = (x.reshape(batch, -1) for x in qkv)
         results[f"{name} attention x layers"] = wall(
             lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
         if path is None:
             results[f"{name} step, CUDA graph"] = wall(graph_step(
-                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)),
-                lambda: decode_batch(runner, backend, batch, ctx)), iters)
+                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay), iters)
     results.update(interleaved(steps, iters))
     print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
           f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms; eager steps: median of 5 interleaved rounds)")
