@@ -144,14 +144,14 @@ def bench_host_overhead(cfg, iters: int):
     views = (backend.runner.importer.view(kb), backend.runner.importer.view(vb), None)
     q3 = q.view(1, cfg.n_heads, cfg.head_dim)
     jq = backend.runner.importer(q3)
-    leaves = backend.step.leaves
-    out = exe(jq, *views, *leaves)
+    words = backend.step.words
+    out = exe(jq, *views, words)
     rows["  part: import q (DLPack, stream-ordered)"] = host(lambda: backend.runner.importer(q3), iters)
     rows["  part: jax.dlpack.from_dlpack (for comparison)"] = host(lambda: jax.dlpack.from_dlpack(q3), iters)
-    rows["  part: compiled JAX call"] = host(lambda: exe(jq, *views, *leaves), iters)
+    rows["  part: compiled JAX call"] = host(lambda: exe(jq, *views, words), iters)
     rows["  part: export (torch.from_dlpack)"] = host(lambda: torch.from_dlpack(out), iters)
     rows["  chain: import + call + export"] = host(
-        lambda: torch.from_dlpack(exe(backend.runner.importer(q3), *views, *leaves)), iters)
+        lambda: torch.from_dlpack(exe(backend.runner.importer(q3), *views, words)), iters)
     rows["per-step plan (replay hook)"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
     eager = StaticBatch(runner, backend, 1, 256).fb
     rows["per-step plan (init_forward_metadata, eager)"] = host(lambda: backend.init_forward_metadata(eager), iters)

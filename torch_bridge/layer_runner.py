@@ -27,7 +27,7 @@ from torch_bridge.dlpack import Importer, check_not_capturing, export
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath
 from torch_bridge.step_planner import Step, StepPlanner
-from torch_bridge.translate import layer_params
+from torch_bridge.translate import UNIFORM, layer_params
 
 
 class LayerRunner:
@@ -50,10 +50,10 @@ class LayerRunner:
         """Use ``other``'s compiled executables (draft steps of one multi-step backend)."""
         self.executables = other.executables
 
-    def _attn_fn(self, layer: LayerParams, treedef, q, k_buffer, v_buffer, sinks, *leaves):
+    def _attn_fn(self, layer: LayerParams, layout, q, k_buffer, v_buffer, sinks, words):
         # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv]; sinks [Hq] | None
         self.trace_count += 1
-        md = jax.tree_util.tree_unflatten(treedef, leaves)
+        md = layout.unpack(words)
         sinks = None if sinks is None else sinks.astype(np.float32)
         out, _ = self.jax_backend.forward(q, None, None, layer, KVPool(k_buffer, v_buffer), md,
                                           sinks=sinks, save_kv_cache=False)
@@ -99,7 +99,7 @@ class LayerRunner:
         jq = self.importer(q)
         if exe is None:
             exe = self._step_exes[fast] = self._executable(lp, step, jq, *views)
-        out = export(exe(jq, *views, *step.leaves))
+        out = export(exe(jq, *views, step.words))
         return out if t == step.key.num_tokens else out[:t]
 
     def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
@@ -107,25 +107,27 @@ class LayerRunner:
         path = self.mosaic_path
         if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
             return None
+        key = step.key
+        call = Call(max_q_len=key.q_len_per_req if key.mode in UNIFORM else key.num_tokens, page_size=key.page_size,
+                    num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
+                    head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
+                    has_sinks=sinks is not None)
+        if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
+            return None  # decided before any table is made: layers off the path cost the plan nothing
         heads = (lp.num_q_heads, lp.num_kv_heads)
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
-        call = Call(max_q_len=tables.max_q_len, page_size=step.key.page_size, num_tokens=step.key.num_tokens,
-                    num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim, head_dim_v=lp.v_head_dim or lp.head_dim,
-                    dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype), has_sinks=sinks is not None)
-        if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
-            return None
-        return path.layer_call(lp, step.key, tables, q, k_buf, v_buf, sinks is not None)
+        return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None)
 
     def _executable(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
         def sig(x):
             return None if x is None else (x.shape, x.dtype)
-        ck = (lp, step.treedef, sig(q), sig(k_buf), sig(v_buf), sig(sinks))
+        ck = (lp, step.layout, sig(q), sig(k_buf), sig(v_buf), sig(sinks))
         exe = self.executables.get(ck)
         if exe is None:
-            exe = self.executables[ck] = self._jit.lower(lp, step.treedef, q, k_buf, v_buf, sinks,
-                                                         *step.leaves).compile()
+            exe = self.executables[ck] = self._jit.lower(lp, step.layout, q, k_buf, v_buf, sinks,
+                                                         step.words).compile()
         return exe
 
     def layer_params(self, layer) -> LayerParams:

@@ -113,23 +113,22 @@ class MosaicPath:
         return None
 
     # ---- per step ---------------------------------------------------------------------------
-    def tables(self, step, heads: Tuple[int, int], flat: Optional[jax.Array] = None) -> Tables:
-        """The step's tables for layers of ``heads = (Hq, Hkv)``: one export and one copy of ``flat``
-        (the step planner's call made them), else one JAX call first.
+    def tables(self, step, heads: Tuple[int, int], flat: Optional[torch.Tensor] = None) -> Tables:
+        """The step's tables for layers of ``heads = (Hq, Hkv)``: one copy of ``flat`` (the step
+        planner's call made them and exported its buffer), else one JAX call and one export first.
 
         They go into a persistent buffer per (plan key, heads), so a captured graph and the bound
         launches of every layer keep reading the current step's values. Graph buckets' buffers
         (``step.graph``) stay; at most ``MAX_UNPINNED`` others (eager plans) are kept, oldest first.
         """
         if flat is None:
-            fn_key = (step.treedef, heads)
+            fn_key = (step.layout, heads)
             fn = self._table_fns.get(fn_key)
             if fn is None:
-                def flat_fn(*ls):
-                    return flatten_tables(jax.tree_util.tree_unflatten(step.treedef, ls), *heads, self.config)
+                def flat_fn(words):
+                    return flatten_tables(step.layout.unpack(words), *heads, self.config)
                 fn = self._table_fns[fn_key] = jax.jit(flat_fn)
-            flat = fn(*step.leaves)
-        flat = torch.from_dlpack(flat)  # torch's current stream waits for the JAX result
+            flat = torch.from_dlpack(fn(step.words))  # torch's current stream waits for the JAX result
         buf_key = (step.key, heads, flat.device)
         hit = self._persistent.pop(buf_key, None)
         if hit is None:

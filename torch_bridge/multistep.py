@@ -75,8 +75,8 @@ class FlashAttentionMultiStepBackend:
         """One compiled planner call for all steps (``rows``, ``seq_lens``: [bs]; ``loc``: [bs*K*S])."""
         plans = self.attn_backends[0].planner.draft_round(bs, rows, seq_lens, loc, spec_info,
                                                           self.speculative_num_steps)
-        for b, md in zip(self.attn_backends, plans):
-            b.planner.install(b.planner.draft_key(bs, spec_info), md, real_reqs * max(self.topk, 1),
+        for b, (layout, words) in zip(self.attn_backends, plans):
+            b.planner.install(b.planner.draft_key(bs, spec_info), layout, words, real_reqs * max(self.topk, 1),
                               self.speculative_num_steps, graph)
 
     # ---- capture / replay -------------------------------------------------------------------

@@ -38,19 +38,60 @@ from torch_bridge.translate import UNIFORM, custom_mask, extend_lens, loc_steps,
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """Where a plan's arrays (all int32) and launch tables sit in its one ``words`` buffer (static)."""
+
+    treedef: Any  # the plan's pytree structure (carries the static fields)
+    shapes: Tuple[Tuple[int, ...], ...]  # each leaf's shape, in tree order
+    tables: Tuple[Tuple[Tuple[int, int], int], ...] = ()  # ((Hq, Hkv), words) of each launch table
+
+    @staticmethod
+    def of(plan, tables=()) -> "PlanLayout":
+        """The layout of ``plan`` (arrays or their shapes) and ``((Hq, Hkv), flat table)`` pairs."""
+        leaves, treedef = jax.tree_util.tree_flatten(plan)
+        if any(jnp.dtype(x.dtype) != jnp.int32 for x in leaves):
+            raise TypeError("a plan packed into one int32 buffer must hold int32 arrays only")
+        return PlanLayout(treedef, tuple(tuple(x.shape) for x in leaves),
+                          tuple((heads, int(flat.shape[0])) for heads, flat in tables))
+
+    @staticmethod
+    def pack(plan, tables=()) -> jax.Array:
+        """i32[N]: the plan's leaves then the flat tables (traced inside the planner call)."""
+        parts = [x.reshape(-1).astype(jnp.int32) for x in jax.tree_util.tree_leaves(plan)] + list(tables)
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
+
+    def unpack(self, words):
+        """The plan from its words (static slices: free inside a jitted layer call)."""
+        leaves, at = [], 0
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            leaves.append(words[at:at + n].reshape(shape))
+            at += n
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def table_range(self, heads: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+        at = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+        for h, n in self.tables:
+            if h == heads:
+                return at, at + n
+            at += n
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """One step's plan, read by every layer (the interface's one piece of state)."""
 
     key: PlanKey
-    treedef: Any  # the plan's pytree structure (carries the static fields)
-    leaves: Tuple[jax.Array, ...]  # the plan's arrays
+    layout: PlanLayout
+    words: jax.Array  # i32[N]: the plan and the launch tables, one device buffer
     real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
     tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
 
     def plan(self):
-        return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+        return self.layout.unpack(self.words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +148,8 @@ class StepPlanner:
         self._jit = jax.jit(self._plan_fn, static_argnums=0)
         self.executables: Dict[tuple, Any] = {}  # (Packing, req_to_token shape) -> compiled planner
         self.launch_heads: set = set()  # (Hq, Hkv) of launch-path layers: their tables come with each plan
-        if mosaic_path is not None and settings.heads is not None:  # SGLang's model config names them
+        if mosaic_path is not None and settings.heads is not None and jax_backend.page_size % 8 == 0:
+            # SGLang's model config names the layer shapes: their tables come with every plan
             self.launch_heads.add(settings.heads)
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
@@ -120,7 +162,15 @@ class StepPlanner:
 
     # ---- the traced planner -----------------------------------------------------------------
     def _plan_fn(self, pk: Packing, req_to_token, *inputs):
+        """The planner call: the plan (and launch tables) as one int32 buffer (per draft step)."""
         self.trace_count += 1
+        plans, tables = self._plan_tree(pk, req_to_token, *inputs)
+        if pk.all_steps:
+            return tuple(PlanLayout.pack(md) for md in plans)
+        return PlanLayout.pack(plans, tables)
+
+    def _plan_tree(self, pk: Packing, req_to_token, *inputs):
+        """(plan, launch tables per ``pk.heads``); for ``pk.all_steps`` (plans of every draft step, ())."""
         if pk.split:
             rows, lens = (narrow(x) if pk.wide else x for x in inputs)
             loc = ext = enc = words = None
@@ -146,13 +196,23 @@ class StepPlanner:
         return md, tuple(flatten_tables(md, hq, hkv, config) for hq, hkv in pk.heads)
 
     def _run(self, pk: Packing, inputs):
+        """(layout or layouts, words or tuple of words) of the planner call for ``pk``."""
         r2t = self.importer.view(self.model_runner.req_to_token_pool.req_to_token)
         ck = (pk, r2t.shape)
-        exe = self.executables.get(ck)
-        if exe is None:
+        hit = self.executables.get(ck)
+        if hit is None:
             specs = [jax.ShapeDtypeStruct(tuple(x.shape), np.int32) for x in inputs]
-            exe = self.executables[ck] = self._jit.lower(pk, r2t, *specs).compile()
-        return exe(r2t, *(self.importer(x) for x in inputs))
+            layout = self._layouts(pk, r2t, specs)
+            hit = self.executables[ck] = (self._jit.lower(pk, r2t, *specs).compile(), layout)
+        exe, layout = hit
+        return layout, exe(r2t, *(self.importer(x) for x in inputs))
+
+    def _layouts(self, pk: Packing, r2t, specs):
+        """The static layout(s) of the planner's output words (an abstract evaluation, no compile)."""
+        plans, tables = jax.eval_shape(lambda *a: self._plan_tree(pk, *a), r2t, *specs)
+        if pk.all_steps:
+            return tuple(PlanLayout.of(md) for md in plans)
+        return PlanLayout.of(plans, tuple(zip(pk.heads, tables)))
 
     # ---- one prepare path ---------------------------------------------------------------------
     def key(self, mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
@@ -184,26 +244,27 @@ class StepPlanner:
                                  f"per request ({pk.key.batch_size}); got {packed.shape[0]} packed entries, "
                                  f"expected {sum(pk.sizes())}")
             inputs = [as_words(packed) if wide else packed]
-        md, flats = self._run(pk, inputs)
+        layout, words = self._run(pk, inputs)
         if pk.all_steps:
-            return md
-        self.install(pk.key, md, real_tokens, draft_steps, graph, dict(zip(heads, flats)))
-        return md
+            return list(zip(layout, words))
+        self.install(pk.key, layout, words, real_tokens, draft_steps, graph)
 
     def _launches(self, key: PlanKey) -> bool:
         return self.mosaic_path is not None and key.topk == 1 and bool(self.launch_heads)
 
-    def install(self, key: PlanKey, md, real_tokens: int, draft_steps: int = 1, graph: bool = False,
-                flats: Optional[dict] = None) -> Step:
-        """Make ``md`` the current step (validation mode reads its error flag first)."""
+    def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,
+                graph: bool = False) -> Step:
+        """Make the planned ``words`` the current step (validation mode reads its error flag first)."""
+        step = Step(key, layout, words, real_tokens, draft_steps, graph)
         if self.jax_backend.validate:
             self.step = None  # a bad step raises here, before any layer writes the cache
-            safety.check(md, "torch_bridge plan")
-        leaves, treedef = jax.tree_util.tree_flatten(md)
-        step = self.step = Step(key, treedef, tuple(leaves), real_tokens, draft_steps, graph)
-        if self.mosaic_path is not None and key.topk == 1:
+            safety.check(step.plan(), "torch_bridge plan")
+        self.step = step
+        if self.mosaic_path is not None and key.topk == 1 and self.launch_heads:
+            exported = torch.from_dlpack(words) if layout.tables else None  # one export for every table
             for heads in self.launch_heads:
-                flat = (flats or {}).get(heads)
+                span = layout.table_range(heads)
+                flat = None if span is None else exported[span[0]:span[1]]
                 step.tables[heads] = self.mosaic_path.tables(step, heads, flat)
         return step
 
