@@ -44,6 +44,7 @@ class PlanLayout:
     treedef: Any  # the plan's pytree structure (carries the static fields)
     shapes: Tuple[Tuple[int, ...], ...]  # each leaf's shape, in tree order
     tables: Tuple[Tuple[Tuple[int, int], int], ...] = ()  # ((Hq, Hkv), words) of each launch table
+    spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) of each leaf, then of each table, in words
 
     @staticmethod
     def of(plan, tables=()) -> "PlanLayout":
@@ -51,8 +52,10 @@ class PlanLayout:
         leaves, treedef = jax.tree_util.tree_flatten(plan)
         if any(jnp.dtype(x.dtype) != jnp.int32 for x in leaves):
             raise TypeError("a plan packed into one int32 buffer must hold int32 arrays only")
-        return PlanLayout(treedef, tuple(tuple(x.shape) for x in leaves),
-                          tuple((heads, int(flat.shape[0])) for heads, flat in tables))
+        shapes = tuple(tuple(x.shape) for x in leaves)
+        sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
+        ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
+        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())))
 
     @staticmethod
     def pack(plan, tables=()) -> jax.Array:
@@ -62,19 +65,13 @@ class PlanLayout:
 
     def unpack(self, words):
         """The plan from its words (static slices: free inside a jitted layer call)."""
-        leaves, at = [], 0
-        for shape in self.shapes:
-            n = int(np.prod(shape, dtype=np.int64))
-            leaves.append(words[at:at + n].reshape(shape))
-            at += n
+        leaves = [words[a:b].reshape(shape) for shape, (a, b) in zip(self.shapes, self.spans)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def table_range(self, heads: Tuple[int, int]) -> Optional[Tuple[int, int]]:
-        at = sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
-        for h, n in self.tables:
+        for (h, _), span in zip(self.tables, self.spans[len(self.shapes):]):
             if h == heads:
-                return at, at + n
-            at += n
+                return span
         return None
 
 
@@ -106,7 +103,7 @@ class Packing:
     all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
     exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
     wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
-    split: bool = False  # rows and seq_lens come as two arrays (a replay of SGLang's static buffers)
+    split: bool = False  # only rows and seq_lens, int64 (a replay of SGLang's static buffers)
     heads: Tuple[Tuple[int, int], ...] = ()  # layer shapes whose launch tables come out of the call
 
     def sizes(self) -> Tuple[int, ...]:
@@ -171,9 +168,9 @@ class StepPlanner:
 
     def _plan_tree(self, pk: Packing, req_to_token, *inputs):
         """(plan, launch tables per ``pk.heads``); for ``pk.all_steps`` (plans of every draft step, ())."""
-        if pk.split:
-            rows, lens = (narrow(x) if pk.wide else x for x in inputs)
-            loc = ext = enc = words = None
+        if pk.split:  # rows then seq_lens, one bucket each
+            rows, lens = narrow(inputs[0]).reshape(2, -1)
+            ext = enc = words = None
             loc = jnp.zeros((pk.num_locs,), jnp.int32)
         else:
             packed = narrow(inputs[0]) if pk.wide else inputs[0]
@@ -233,8 +230,8 @@ class StepPlanner:
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
         heads = tuple(sorted(self.launch_heads)) if self._launches(pk.key) else ()
         pk = dataclasses.replace(pk, wide=wide, heads=heads)
-        if pk.split:
-            inputs = [as_words(rows), as_words(lens)]
+        if pk.split:  # one concat, one import
+            inputs = [as_words(torch.cat([rows, lens]))]
         else:
             if not wide:  # mixed dtypes: saturate each part in torch
                 parts = [narrow_int32(t.reshape(-1)) for t in parts]
