@@ -185,6 +185,25 @@ def compare(out, ref, *, tol: float, what: str):
     return err
 
 
+def compare_per_sequence(out, ref, cu_seqlens_q, *, tol: float, what: str):
+    """Relative error of each sequence's rows against that sequence's own reference norm, so a wrong
+    page of one sequence fails even when the batch-wide error is small. Returns the worst error."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    cu = np.asarray(cu_seqlens_q)
+    worst, bad = 0.0, []
+    for b in range(len(cu) - 1):
+        o, r = out[cu[b]:cu[b + 1]], ref[cu[b]:cu[b + 1]]
+        if not r.size:
+            continue
+        err = np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30)
+        worst = max(worst, err) if np.isfinite(err) else np.inf
+        if not err < tol:
+            bad.append(f"sequence {b} (rows {cu[b]}:{cu[b + 1]}): {err:.3e}")
+    assert not bad, f"{what}: relative error >= {tol:.1e} in " + "; ".join(bad)
+    return worst
+
+
 def check_attention(attn_fn, case: Case, *, seed: int = 0, tol: float | None = None, **extra):
     """Runs ``attn_fn`` on ``case`` and checks it against the reference; returns the relative error."""
     q, k, v, md, kwargs = build_inputs(case, seed)
@@ -197,6 +216,7 @@ def check_attention(attn_fn, case: Case, *, seed: int = 0, tol: float | None = N
     ref_out, ref_lse = want if case.return_lse else (want, None)
     assert out.dtype == q.dtype, f"{out.dtype=} must equal {q.dtype=}"
     err = compare(out, ref_out, tol=tol, what=f"{case.name} out")
+    compare_per_sequence(out, ref_out, md.cu_seqlens_q, tol=2 * tol, what=f"{case.name} out per sequence")
     n_real = int(md.cu_seqlens_q[-1])
     assert not np.asarray(out[n_real:], np.float32).any(), f"{case.name}: padding tokens must be 0"
     if lse is not None:

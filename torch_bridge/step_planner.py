@@ -6,8 +6,8 @@ and come back as a ``Step``, the one object every layer of the step reads. Per s
 
 * eager: one torch concat of SGLang's int64 index tensors, seen as int32 word pairs (no cast
   kernel), one DLPack import, one compiled call; values outside int32 saturate inside the planner;
-* replay of a bucket whose tensors SGLang already padded (its static buffers): no torch op at all,
-  one import per index tensor and one compiled call;
+* replay of a bucket whose tensors SGLang already padded (its static buffers): one concat of
+  ``req_pool_indices`` and ``seq_lens``, one import, one compiled call;
 * on the Mosaic launch path, the launch tables of every layer shape come out of the same call, and
   one export plus one copy refreshes the persistent buffers the captured graph reads.
 
@@ -374,8 +374,8 @@ class StepPlanner:
         n = min(int(seq_lens.shape[0]), bs)
         real = n * (tokens // bs)
         if mode in UNIFORM and key.topk == 1 and encoder_lens is None:
-            # Two int64 inputs; SGLang's graph runner hands its static buffers already padded, so no
-            # torch op runs here. The plan's slots stay 0: graph steps write K/V from the engine's
+            # Rows and seq_lens only; SGLang's graph runner hands its static buffers already padded, so
+            # nothing is padded here. The plan's slots stay 0: graph steps write K/V from the engine's
             # out_cache_loc in torch (made safe per step), never through the plan.
             pk = Packing(key, tokens * locs_per_token(spec, mode), split=True)
             self.plan(pk, pad_wide(req_pool_indices[:n], bs, 0),
