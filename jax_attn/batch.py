@@ -156,6 +156,8 @@ def check_lengths(mode: ForwardMode, seq_lens: np.ndarray, extend_seq_lens: Opti
         return
     if seq_lens.shape[0] == 0:
         raise ValueError(f"a {mode.name} batch of size 0: plan an empty step as ForwardMode.IDLE")
+    if extend_seq_lens is None and 1 - kv_offset <= seq_lens.min() and seq_lens.max() <= capacity - kv_offset:
+        return  # the common case in two reductions; the checks below name the first bad row
     kv = seq_lens + kv_offset
     if (seq_lens < 0).any():
         i = _first(seq_lens < 0)
