@@ -388,8 +388,8 @@ class StepPlanner:
         loc = pad_int32(loc, tokens * locs_per_token(spec, mode), 0)
         enc = None if encoder_lens is None else pad_int32(encoder_lens[:n], bs, 0)
         ext = None
-        if mode not in UNIFORM:  # draft extend: each request's accepted tokens (capture: one each)
-            acc = jbatch.accepted_tokens(spec_info)
+        if mode not in UNIFORM:  # draft extend: each request's new tokens (capture: one each)
+            acc = replay_extend_lens(mode, spec_info, tokens // bs, n, self.device)
             if acc is None and not capturing:
                 raise ValueError("draft extend replay needs spec_info.num_accepted_tokens (or accept_length)")
             ext = pad_int32(acc[:n] if acc is not None else rows[:n] * 0 + 1, bs, 0)
@@ -412,6 +412,21 @@ class StepPlanner:
         key = self.draft_key(bs, spec_info)
         return self.plan(packing(key, loc, None, None, None, all_steps=num_steps), rows, seq_lens, loc,
                          real_tokens=0)
+
+
+def replay_extend_lens(mode: ForwardMode, spec_info, per_req: int, rows: int, device):
+    """New tokens per request at a draft-extend graph replay, as SGLang 0.5.11 takes them: DRAFT_EXTEND
+    from ``num_accepted_tokens``; DRAFT_EXTEND_V2 from ``spec_info.extend_seq_lens_tensor``, else
+    ``extend_seq_lens_cpu``, else ``num_tokens_per_req`` (default: the bucket's tokens per request)."""
+    if mode != ForwardMode.DRAFT_EXTEND_V2:
+        return jbatch.accepted_tokens(spec_info)
+    lens = getattr(spec_info, "extend_seq_lens_tensor", None)
+    if lens is None and getattr(spec_info, "extend_seq_lens_cpu", None) is not None:
+        lens = torch.as_tensor(spec_info.extend_seq_lens_cpu, dtype=torch.int64, device=device)
+    if lens is None and spec_info is not None:
+        each = getattr(spec_info, "num_tokens_per_req", None)
+        lens = torch.full((rows,), per_req if each is None or each < 1 else each, dtype=torch.int64, device=device)
+    return lens
 
 
 def pad_wide(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i64[size]
