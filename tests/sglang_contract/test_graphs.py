@@ -1,0 +1,174 @@
+"""CUDA-graph capture and replay as SGLang's graph runners drive them (``graph_runner``): state once,
+capture every bucket (largest first) on static buffers, then per batch pad to the bucket and call
+the replay hook with SGLang's positional order; the graph's batch is then run again.
+
+Each replayed batch is first run eagerly on the same backend; the replay must match it (and the
+float64 oracle) on every real row, write only the real slots plus the reserved slot 0 (padding
+tokens), and trace nothing new. Batches are replayed with fewer real rows than the bucket and with
+other lengths than the capture's. Capture runs themselves may write only the slots of the
+capture-time ``out_cache_loc`` buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import pytest
+
+import torch_bridge
+from tests.sglang_contract.batches import (Req, draft_extend_step, draft_extend_v2_step, draft_round, idle_step,
+                                          plain_step, server_args_for, step_locs, verify_step)
+from tests.sglang_contract.check import check_draft_round, check_step, forward_layers, random_qkv
+from tests.sglang_contract.engine import ForwardMode
+from tests.sglang_contract.graph_runner import (CudaGraphRunner, EAGLEDraftCudaGraphRunner,
+                                                EAGLEDraftExtendCudaGraphRunner)
+from tests.sglang_contract.test_spec import EAGLE_CHAIN, EAGLE_TREE, NGRAM_TREE
+from tests.sglang_contract.world import CAP, CROSS, PLAIN, SINK, SWA, LayerSpec, World
+
+CAPTURE_BS = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCase:
+    name: str
+    kind: str  # decode | verify | draft_decode | draft_extend | draft_extend_v2
+    batches: Tuple[Tuple[int, ...], ...]  # committed tokens per request of each replayed batch
+    catches: str
+    server: Optional[dict] = None
+    layers: Tuple[LayerSpec, ...] = (PLAIN,)
+    page_size: int = 1
+    encoder_decoder: bool = False
+
+
+CASES = [
+    GraphCase("decode_p1", "decode", ((9, 40, 2), (30,)),
+              "padded rows (seq_len 1, row 0, slot 0) and re-planned lengths", layers=(CAP,)),
+    GraphCase("decode_p16", "decode", ((15, 47, 16), (33, 3)), "replay at page size 16; bucket without padding",
+              layers=(SINK,), page_size=16),
+    GraphCase("cross_decode_p1", "decode", ((9, 20, 4), (13,)),
+              "encoder lengths padded with max_source_positions; cross layers with k=None",
+              layers=(PLAIN, CROSS), encoder_decoder=True),
+    GraphCase("verify_chain_p16", "verify", ((9, 40, 2), (20,)), "chain verify replay (kv offset N)",
+              server=EAGLE_CHAIN, layers=(SWA,), page_size=16),
+    GraphCase("verify_tree_p1", "verify", ((9, 30, 3), (21,)),
+              "tree verify replay: the real custom_mask of fewer rows than the bucket", server=EAGLE_TREE,
+              layers=(SINK,)),
+    GraphCase("verify_ngram_p1", "verify", ((12, 25, 5),), "NGRAM tree replay: topk from server_args",
+              server=NGRAM_TREE),
+    GraphCase("draft_decode_topk1_p16", "draft_decode", ((9, 40, 2), (30,)), "chain draft decode replay",
+              server=EAGLE_CHAIN, layers=(SWA,), page_size=16),
+    GraphCase("draft_decode_topk2_p1", "draft_decode", ((9, 30, 3),),
+              "tree draft decode replay: out_cache_loc of raw_bs rows padded to the bucket", server=EAGLE_TREE),
+    GraphCase("draft_extend_p1", "draft_extend", ((9, 30, 3), (21, 14)),
+              "draft extend replay: lengths from num_accepted_tokens (no accept_length in 0.5.11); a full "
+              "bucket of rows with fewer tokens than bs * (num_steps + 1)",
+              server=EAGLE_CHAIN, layers=(SINK,)),
+    GraphCase("draft_extend_v2_p1", "draft_extend_v2", ((9, 30, 3), (21, 14)),
+              "DRAFT_EXTEND_V2 replay: extend lengths are the num_draft_tokens in extend_seq_lens, not "
+              "num_accepted_tokens", server=EAGLE_CHAIN, layers=(PLAIN,)),
+]
+
+
+def traces(*backends) -> int:
+    """Traces of the bridge's compiled functions so far (0 when the backend does not count them)."""
+    return sum(getattr(b, "trace_count", 0) for b in backends)
+
+
+def _setup(case: GraphCase):
+    world = World(case.layers, page_size=case.page_size, encoder_decoder=case.encoder_decoder,
+                  server_args=server_args_for(**(case.server or {})))
+    if case.kind == "draft_decode":
+        args = world.runner.server_args
+        backend = torch_bridge.FlashAttentionMultiStepBackend(world.runner, args.speculative_eagle_topk,
+                                                              args.speculative_num_steps)
+        return world, backend, EAGLEDraftCudaGraphRunner(world.runner, backend, CAPTURE_BS)
+    backend = torch_bridge.FlashAttentionBackend(world.runner, skip_prefill=not case.kind.startswith("draft_extend"))
+    if case.kind == "draft_extend":
+        return world, backend, EAGLEDraftExtendCudaGraphRunner(world.runner, backend, CAPTURE_BS)
+    if case.kind == "draft_extend_v2":
+        return world, backend, EAGLEDraftExtendCudaGraphRunner(world.runner, backend, CAPTURE_BS,
+                                                               ForwardMode.DRAFT_EXTEND_V2)
+    return world, backend, CudaGraphRunner(world.runner, backend, CAPTURE_BS)
+
+
+def _capture(world: World, backend, graph) -> None:
+    """Capture every bucket; the capture runs may only write the capture buffer's slots."""
+    allowed = sorted(set(graph.out_cache_loc.tolist()))
+    before = world.snapshot()
+    if hasattr(backend, "attn_backends"):
+        def model(fb, n):  # the draft loop of EAGLEWorker.draft_forward on the static batch
+            full = fb.out_cache_loc
+            per_step = step_locs(fb, backend.topk, backend.speculative_num_steps)
+            for step_backend, loc in zip(backend.attn_backends, per_step):
+                fb.attn_backend, fb.out_cache_loc = step_backend, loc
+                forward_layers(world, fb, random_qkv(world, n))
+            fb.out_cache_loc = full
+    else:
+        def model(fb, n):
+            forward_layers(world, fb, random_qkv(world, n))
+    graph.capture(model)
+    world.check_pools(before, "capture runs", free=allowed)
+
+
+def _batch(case: GraphCase, world: World, committed):
+    rows = [world.new_request() for _ in committed]
+    if case.kind == "decode":
+        enc = [6, 3, 9, 5][:len(committed)] if case.encoder_decoder else [0] * len(committed)
+        return plain_step(world, [Req(r, c, 1, enc=e) for r, c, e in zip(rows, committed, enc)], ForwardMode.DECODE)
+    if case.kind == "verify":
+        n = case.server["draft"]
+        return verify_step(world, [Req(r, c, n) for r, c in zip(rows, committed)], chain=case.server["topk"] == 1,
+                           ngram=case.server["algo"] == "NGRAM")
+    if case.kind == "draft_extend":
+        ntpb = case.server["steps"] + 1
+        acc = [1 + (3 * i + 1) % ntpb for i in range(len(committed))]
+        return draft_extend_step(world, [Req(r, c, a) for r, c, a in zip(rows, committed, acc)])
+    if case.kind == "draft_extend_v2":
+        n = case.server["draft"]
+        return draft_extend_v2_step(world, [Req(r, c, n) for r, c in zip(rows, committed)],
+                                    accepted=[1 + i % n for i in range(len(committed))])
+    return draft_round(world, [Req(r, c, 0) for r, c in zip(rows, committed)], case.server["topk"],
+                       case.server["steps"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_replay_equals_eager(case: GraphCase):
+    """Catches (per case, ``catches``): a replay that differs from eager on any real row, writes a slot
+    other than the real ones or slot 0, or traces inside a captured bucket."""
+    world, backend, graph = _setup(case)
+    _capture(world, backend, graph)
+    backends = getattr(backend, "attn_backends", [backend])
+    for b, committed in enumerate(case.batches):
+        what = f"{case.name} batch {b} (bs {len(committed)} -> bucket {graph.bucket(len(committed))}) [{case.catches}]"
+        fb, ex = _batch(case, world, committed)
+        if case.kind == "draft_decode":
+            eager = check_draft_round(world, backend, fb, ex, what=f"eager {what}")
+            before = traces(*backends)
+            check_draft_round(world, backend, graph.replay(fb), ex, what=f"replay {what}", replay=eager)
+        else:
+            outs, qkvs = check_step(world, backend, fb, ex, what=f"eager {what}")
+            before = traces(*backends)
+            graph_fb = graph.replay(fb)
+            check_step(world, backend, graph_fb, ex, plan=False, qkvs=qkvs, pad_to=int(graph_fb.out_cache_loc.shape[0]),
+                       eager=outs, what=f"replay {what}")
+        assert traces(*backends) == before, f"{what}: replay of a captured bucket traced again"
+
+
+IDLE_CASES = [c for c in CASES if c.kind == "decode" or (c.kind == "verify" and c.server["algo"] == "EAGLE")]
+
+
+@pytest.mark.parametrize("case", IDLE_CASES, ids=[c.name for c in IDLE_CASES])
+def test_idle_batch_replays_the_smallest_bucket(case: GraphCase):
+    """Catches: an IDLE batch (``batch_size`` 0; SGLang's model runner replays it through the graph,
+    the replay hook getting the captured DECODE / TARGET_VERIFY mode and, for verify,
+    ``EagleVerifyInput.create_idle_input`` with the buffers' custom mask) failing, or its padding rows
+    writing anything but the reserved slot 0."""
+    world, backend, graph = _setup(case)
+    _capture(world, backend, graph)
+    fb, _ = idle_step(world)
+    before, count = world.snapshot(), traces(backend)
+    graph_fb = graph.replay(fb)
+    assert graph_fb.batch_size == CAPTURE_BS[0]
+    forward_layers(world, graph_fb, random_qkv(world, int(graph_fb.out_cache_loc.shape[0])))
+    world.check_pools(before, f"idle replay {case.name}", free=(0,))
+    assert traces(backend) == count, f"{case.name}: idle replay traced again"
