@@ -153,6 +153,8 @@ class StepRunner:
                 self._warned_eager = True
             return self.eager(batch, token_inputs, *args)
         n = batch.num_tokens
+        if self.backend.validate:  # validation mode: host checks and the plan's error flag, before any write
+            self.backend.plan(padded)
         layout, packed = pack_int32(batch_arrays(padded))  # one host-to-device copy for the plan inputs
         tokens = _pad_tokens(token_inputs, padded.num_tokens)
         if self.static_buffers:

@@ -263,3 +263,28 @@ def test_nan_in_one_query_gives_nan_in_that_row_only(front):
     assert np.isnan(out[1, 0]).all() and np.isnan(out[2, 0]).all(), "a NaN / Inf query must give NaN"
     np.testing.assert_array_equal(out[0], clean.reshape(3, HQ, D)[0])  # other tokens untouched
     np.testing.assert_array_equal(out[1, 1:], clean.reshape(3, HQ, D)[1, 1:])
+
+
+def test_step_runner_validation_raises_before_the_step_runs():
+    """Validation mode covers StepRunner replays: a bad page id raises before the executable writes."""
+    from jax_attn.capture import StepRunner
+
+    table, num_slots, k, v = setup()
+    backend = JaxBackend(table, page_size=PAGE, max_context_len=CTX, impl="reference", num_slots=num_slots,
+                         validate=True)
+    layer = LayerParams(HQ, HKV, D, scaling=SCALE)
+
+    def step_fn(md, tok, pool):
+        out, pool = backend.forward(tok["q"], tok["k"], tok["v"], layer, pool, md)
+        return out, pool
+    runner = StepRunner(backend, step_fn, batch_buckets=(4,))
+    step = decode_step(table)
+    q, kn, vn = (jnp.asarray(x) for x in qkv(3, np.random.default_rng(2)))
+    tok = {"q": q, "k": kn, "v": vn}
+    pool = KVPool(jnp.asarray(k), jnp.asarray(v))
+    batch = JaxBatch(step.mode, step.rows, step.seq_lens, step.loc)
+    runner.capture([batch], tok, pool, verbose=False)
+    runner.replay(batch, tok, pool)  # clean: runs
+    backend.req_to_token = make(CASES[9], table, num_slots).table  # a page id past the pool
+    with pytest.raises(ValueError, match="req_to_token entry"):
+        runner.replay(batch, tok, pool)
