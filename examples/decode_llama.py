@@ -3,6 +3,7 @@
     python examples/decode_llama.py --config tiny        # CPU, kernels in interpret mode
     python examples/decode_llama.py --config 1b          # GPU, 1B-class shapes (32/8 heads, d=128)
     python examples/decode_llama.py --config 1b --batch 64 --new-tokens 32 --overlap --static-buffers
+    python examples/decode_llama.py --config tiny-llama4 # Llama-4 style: chunked local layers + global NoPE
 
 Prefill runs the EXTEND plan eagerly; decode steps replay executables captured per batch bucket.
 The script checks itself against the same model with dense (non-paged) attention: identical greedy
@@ -17,6 +18,10 @@ launched with step i's ids still on the device, and only then does the host read
 ``--static-buffers`` replays with fixed input and output buffers (``StepRunner(static_buffers=True)``);
 ``--no-command-buffers`` launches each step's kernels one by one instead of as XLA command buffers.
 Every combination produces the same tokens and runs the same check.
+
+Compiled executables and kernels are kept in the persistent compilation cache
+(``jax_attn.compile_cache``: ``~/.cache/jax_attn``; ``JAX_ATTN_COMPILE_CACHE=0`` turns it off), so a
+second run starts faster.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 
+from jax_attn import compile_cache  # noqa: E402
 from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch, bucket_for  # noqa: E402
 from jax_attn.capture import StepRunner  # noqa: E402
@@ -169,6 +175,7 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
     the logits f32[V] each token was taken from), the model and prompts for the check, and timings.
     """
+    compile_cache.enable()  # executables and kernels kept across runs (JAX_ATTN_COMPILE_CACHE=0: off)
     cfg = llama.CONFIGS[config]
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(min_prompt, max_prompt + 1, batch).astype(np.int32)
@@ -176,7 +183,8 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
-                                    num_heads=(cfg.n_heads, cfg.n_kv_heads))
+                                    num_heads=(cfg.n_heads, cfg.n_kv_heads),
+                                    attention_chunk_size=cfg.attention_chunk_size)  # Llama-4 local layers (0: none)
     params = llama.with_layout(llama.init_params(cfg, seed), layout)
     pools = llama.layout_pools(cfg, layout, reqs.num_slots)
     runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap), batch_buckets=BATCH_BUCKETS,

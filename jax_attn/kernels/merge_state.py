@@ -150,6 +150,9 @@ def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits:
 ROW_MERGE_MAX_ELEMENTS = 64 * 128  # f32 elements of one row's partials that one program loads at once
 
 
+# Jitted: every call site with the same shapes shares one traced pallas_call, lowered once per
+# executable (not once per layer).
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def merge_splits(
     partial_o,  # f32[S, R, D]
     partial_lse,  # f32[S, R], or with lse_index any flat f32[M]

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import cdiv
+from jax_attn.kernels.kernel_cache import mosaic_call
 from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, load_q, memory_wg,
                                         padding_rows, zero_tail_values)
 
@@ -419,15 +420,24 @@ def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     """
     if st.split:
         raise ValueError(f"{st.num_splits=}: the split kernel is mosaic_split.kernel_call_split")
-    rows_per_tile = COMPUTE_WGS * st.block_q
-    pad_tiles = cdiv(st.num_rows, rows_per_tile * PAD_BLOCKS)
-    out_shape = (st.num_rows, st.num_heads, st.head_dim_v)
+    if interpret is None:  # compiled: built once per process, whatever the call sites (``kernel_cache``)
+        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=_out_type(st, num_tiles))
+    return _pallas_kernel(st, num_tiles, interpret)
+
+
+def _out_type(st: KernelStatics, num_tiles: int):
+    out_shape: tuple[int, ...] = (st.num_rows, st.num_heads, st.head_dim_v)
     if st.token_major:
         out_shape = (st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
+    return (jax.ShapeDtypeStruct(out_shape, st.dtype),
+            jax.ShapeDtypeStruct((num_tiles, st.num_heads, COMPUTE_WGS * st.block_q), jnp.float32))
+
+
+def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
+    pad_tiles = cdiv(st.num_rows, COMPUTE_WGS * st.block_q * PAD_BLOCKS)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=(jax.ShapeDtypeStruct(out_shape, st.dtype),
-                  jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
+        out_type=_out_type(st, num_tiles),
         grid=(st.num_heads, num_tiles + pad_tiles),
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,

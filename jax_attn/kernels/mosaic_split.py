@@ -24,6 +24,7 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import DEFAULT_CONFIG, cdiv
+from jax_attn.kernels.kernel_cache import mosaic_call
 from jax_attn.kernels.merge_state import merge_splits
 from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry
 from jax_attn.metadata import WorkSchedule
@@ -65,14 +66,23 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     """
     if not st.split or not st.return_lse:
         raise ValueError(f"{st.num_splits=} must be > 1 and {st.return_lse=} True for the split kernel")
-    rows_per_tile = COMPUTE_WGS * st.block_q
-    part_shape = (st.num_splits, st.num_rows, st.num_heads, st.head_dim_v)
+    if interpret is None:  # compiled: built once per process, whatever the call sites (``kernel_cache``)
+        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=_out_type(st, num_tiles))
+    return _pallas_kernel(st, num_tiles, interpret)
+
+
+def _out_type(st: KernelStatics, num_tiles: int):
+    part_shape: tuple[int, ...] = (st.num_splits, st.num_rows, st.num_heads, st.head_dim_v)
     if st.token_major:
         part_shape = (st.num_splits, st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
+    return (jax.ShapeDtypeStruct(part_shape, jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, st.num_heads, COMPUTE_WGS * st.block_q), jnp.float32))
+
+
+def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=(jax.ShapeDtypeStruct(part_shape, jnp.float32),
-                  jax.ShapeDtypeStruct((num_tiles, st.num_heads, rows_per_tile), jnp.float32)),
+        out_type=_out_type(st, num_tiles),
         grid=(st.num_heads, num_tiles),
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
