@@ -1,5 +1,10 @@
 """A small Llama-style model in plain JAX (RMSNorm, RoPE, GQA, SwiGLU) with random weights.
 
+``Config.attention_chunk_size > 0`` makes it Llama-4 style (iRoPE): layer i with ``(i + 1) % 4 != 0``
+is a chunked local layer with RoPE (a query sees only the keys of its own ``attention_chunk_size``
+chunk: ``LayerParams(use_irope=True)``), every fourth layer is global and NoPE (no rotary
+embedding). ``CONFIGS["tiny-llama4"]`` is such a model.
+
 Two attention paths share every other line: ``forward_paged`` runs jax_attn's backend over a
 paged KV pool; ``forward_dense`` recomputes whole sequences with dense causal attention and is
 the check. The weights and pools can be laid out several ways (``LAYOUTS``): per-layer arrays, or
@@ -31,11 +36,21 @@ class Config:
     ffn_dim: int = 8192
     rope_theta: float = 500000.0
     dtype: str = "bfloat16"
+    attention_chunk_size: int = 0  # > 0: Llama-4 iRoPE layers (see the module docstring)
+
+    def is_local(self, i: int) -> bool:
+        """Layer ``i`` is a chunked local (RoPE) layer; with a chunk size, every fourth is global NoPE."""
+        return self.attention_chunk_size > 0 and (i + 1) % 4 != 0
+
+    def uses_rope(self, i: int) -> bool:
+        return self.attention_chunk_size == 0 or self.is_local(i)
 
 
 CONFIGS = {
     "tiny": Config(vocab=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                    dtype="float32"),
+    "tiny-llama4": Config(vocab=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                          dtype="float32", attention_chunk_size=8),  # layers 0-2 local, 3 global NoPE
     "small": Config(vocab=4096, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=64, ffn_dim=1024),
     "1b": Config(),
 }
@@ -155,7 +170,7 @@ def layout_pools(cfg: Config, layout: str, num_slots: int):
 
 def layer_params(cfg: Config, layer_id: int) -> LayerParams:
     return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                       layer_id=layer_id)
+                       layer_id=layer_id, use_irope=cfg.is_local(layer_id))
 
 
 # ---- layer math ---------------------------------------------------------------------------
@@ -173,15 +188,16 @@ def rope(x, positions, theta):  # x [T, H, D], positions i32[T]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _qkv(cfg, lp, h, positions):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv, D]
+def _qkv(cfg, lp, h, positions, use_rope=True):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv, D]
     t = h.shape[0]
     qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     if "wqkv" in lp:
         q, k, v = jnp.split(h @ lp["wqkv"], [qd, qd + kd], axis=-1)
     else:
         q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-    q = rope(q.reshape(t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-    k = rope(k.reshape(t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    q, k = q.reshape(t, cfg.n_heads, cfg.head_dim), k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
+    if use_rope:  # Llama-4's global layers are NoPE
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     return q, k, v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
 
 
@@ -193,7 +209,7 @@ def _mlp(lp, x):
 
 def _layer(cfg, backend, lp, md, x, positions, pools, i):
     """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then)."""
-    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
+    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions, cfg.uses_rope(i if isinstance(i, int) else 0))
     layer = layer_params(cfg, i if isinstance(i, int) else 0)
     if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
         attn, pools = backend.forward(q, k, v, layer, pools, md, layer_index=i)
@@ -215,6 +231,9 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     if scan:
         if not isinstance(params["layers"], dict) or not isinstance(pools, KVPool):
             raise ValueError("scan=True needs layer-stacked weights (with_layout(params, 'scan')) and a stacked pool")
+        if cfg.attention_chunk_size:
+            raise ValueError("scan=True needs identical layers; a Llama-4 style config (local and global layers) "
+                             "needs an unrolled layout")
 
         def body(carry, xs):
             return _layer(cfg, backend, xs[0], md, carry[0], positions, carry[1], xs[1]), None
@@ -227,25 +246,31 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32), pools
 
 
-def _dense_causal(q, k, v):  # q [S, Hq, D], k/v [S, Hkv, D]
+def _dense_causal(q, k, v, chunk: int = 0):  # q [S, Hq, D], k/v [S, Hkv, D]; chunk > 0: the chunk mask
     s_len, hq, d = q.shape
     g = hq // k.shape[1]
     qf = q.astype(jnp.float32).reshape(s_len, k.shape[1], g, d)
     s = jnp.einsum("skgd,tkd->kgst", qf, k.astype(jnp.float32)) * d**-0.5
-    s = jnp.where(jnp.tril(jnp.ones((s_len, s_len), bool)), s, -jnp.inf)
+    mask = jnp.tril(jnp.ones((s_len, s_len), bool))
+    if chunk:  # query p sees keys in [p // chunk * chunk, p]
+        pos = jnp.arange(s_len)
+        mask &= (pos[None, :] // chunk) == (pos[:, None] // chunk)
+    s = jnp.where(mask, s, -jnp.inf)
     o = jnp.einsum("kgst,tkd->skgd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
     return o.reshape(s_len, hq * d).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def forward_dense(cfg: Config, params, token_ids):
-    """Whole-sequence forward with dense causal attention (no cache): ``logits f32[S, V]``."""
+    """Whole-sequence forward with dense causal attention (no cache; local layers: the chunk mask):
+    ``logits f32[S, V]``."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     x = params["embed"][token_ids]
     for i in range(cfg.n_layers):
         lp = layer_weights(params["layers"], i)
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions)
-        x = _mlp(lp, x + _dense_causal(q, k, v) @ lp["wo"])
+        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions, cfg.uses_rope(i))
+        chunk = cfg.attention_chunk_size if cfg.is_local(i) else 0
+        x = _mlp(lp, x + _dense_causal(q, k, v, chunk) @ lp["wo"])
     return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
 
 

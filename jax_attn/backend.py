@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from jax_attn import local as local_attn
 from jax_attn import planner, safety
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention
@@ -41,6 +42,7 @@ class LayerParams:
     k_scale: Optional[float] = None  # fp8 pools: stored k = k / k_scale
     v_scale: Optional[float] = None
     layer_id: int = 0
+    use_irope: bool = False  # Llama-4 chunked local layer: keys of its own chunk only (the backend's chunk size)
 
     def __post_init__(self):
         if self.num_q_heads % self.num_kv_heads:
@@ -70,11 +72,18 @@ class FlashAttentionBackend:
       num_heads: ``(num_q_heads, num_kv_heads)`` of the model's layers; with a kernel ``impl``
         the plan then carries the kernel's work schedule, built once per step instead of per
         layer (layers with other head counts still get a correct, per-call schedule).
+      attention_chunk_size: Llama-4 chunked local attention (SGLang's ``attention_chunk_size``; 0 =
+        none): every plan of a mode in ``jax_attn.local.LOCAL_MODES`` then carries the virtual batch
+        (``md.local``) that ``use_irope`` layers run. A multiple of ``page_size``.
     """
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
-                 num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None):
+                 num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None,
+                 attention_chunk_size: int = 0):
+        if attention_chunk_size:
+            local_attn.check_chunk_size(attention_chunk_size, page_size)
+        self.attention_chunk_size = int(attention_chunk_size or 0)
         self._req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
@@ -152,7 +161,8 @@ class FlashAttentionBackend:
 
             mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,
                                           num_splits=1 if self.deterministic else None)
-        return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic)
+        local = None if md.local is None else self.attach_schedule(md.local)  # chunked local layers' own tiles
+        return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""
@@ -170,6 +180,7 @@ class FlashAttentionBackend:
             has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
             topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
             step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa), num_slots=self.num_slots,
+            attention_chunk_size=self.attention_chunk_size,
         )
 
     # ---- per layer ------------------------------------------------------------------------
@@ -195,6 +206,11 @@ class FlashAttentionBackend:
         if tree and (layer.is_cross_attention or not layer.causal):
             raise NotImplementedError("a cross-attention or non-causal (encoder-only) layer inside a tree "
                                       "(topk > 1) speculative step is not supported")
+        if layer.use_irope:  # chunked local layer: checked before anything is written
+            if layer.is_cross_attention or not layer.causal:
+                raise NotImplementedError("use_irope (chunked local attention) on a cross-attention or non-causal "
+                                          "layer is not supported")
+            local_attn.local_plan_of(md)
         if save_kv_cache and k is not None:
             loc = _write_slots(layer, md, k)
             k = k.reshape(loc.shape[0], layer.num_kv_heads, layer.head_dim)
@@ -204,7 +220,9 @@ class FlashAttentionBackend:
         view, amd = pool, md
         if layer_index is not None:  # read the stacked pool as one big pool, this layer's slots
             view, amd = pool.flat(), offset_slots(md, layer_index * pool.num_slots)
-        if tree:
+        if layer.use_irope:  # the step's virtual batch: one row per (sequence, chunk) (jax_attn.local)
+            res = self._attend(q, layer, view, amd.local, sinks=sinks, return_lse=return_lse)
+        elif tree:
             res = self._attend_tree(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
         else:
             res = self._attend(q, layer, view, amd, sinks=sinks, return_lse=return_lse)
@@ -281,7 +299,8 @@ def offset_slots(md, slot_offset):
     enc = md.encoder
     if enc is not None:
         enc = dataclasses.replace(enc, encoder_page_table=enc.encoder_page_table + slot_offset)
-    return dataclasses.replace(md, page_table=md.page_table + slot_offset // md.page_size, encoder=enc)
+    local = None if md.local is None else offset_slots(md.local, slot_offset)
+    return dataclasses.replace(md, page_table=md.page_table + slot_offset // md.page_size, encoder=enc, local=local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +321,7 @@ class PlanKey:
     step_id: int = 0
     with_swa: bool = False
     num_slots: int = 0  # KV pool slots (0: unknown): the error flag then also covers page ids and slots
+    attention_chunk_size: int = 0  # > 0: plans of jax_attn.local.LOCAL_MODES carry the local virtual batch
 
 
 def _kv_offset(batch: ForwardBatch) -> int:
@@ -332,7 +352,8 @@ def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cach
     """
     md = _plan(key, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens, encoder_lens,
                draft_mask)
-    return guard_plan(md, key, req_to_token, req_pool_indices, encoder_lens)
+    md = guard_plan(md, key, req_to_token, req_pool_indices, encoder_lens)
+    return local_attn.with_local(md, chunk_size=key.attention_chunk_size)  # from the guarded (clamped) plan
 
 
 def guard_plan(md, key: PlanKey, req_to_token, req_pool_indices, encoder_lens=None):

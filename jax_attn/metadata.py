@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import Optional, dataclass_transform
 
 import jax
 
@@ -58,6 +58,7 @@ class ForwardMode(enum.IntEnum):
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
 
+@dataclass_transform(frozen_default=True)  # type checkers see the dataclass fields
 def _pytree_dataclass(cls):
     """Frozen dataclass registered as a pytree; fields marked ``static`` become meta fields."""
     cls = dataclasses.dataclass(frozen=True)(cls)
@@ -109,7 +110,8 @@ class AttentionMetadata:
     cache_seqlens: jax.Array  # i32[B]; KV tokens per sequence incl. the new ones; padded rows 1
     cu_seqlens_q: jax.Array  # i32[B + 1]; query offsets into the token axis
     cu_seqlens_k: jax.Array  # i32[B + 1]; exclusive prefix sum of cache_seqlens
-    page_table: jax.Array  # i32[B, P]; page ids (slots when page_size == 1); [i, :ceil(cache_seqlens[i]/page_size)] valid
+    # i32[B, P]; page ids (slots when page_size == 1); [i, :ceil(cache_seqlens[i]/page_size)] valid
+    page_table: jax.Array
     out_cache_loc: jax.Array  # i32[T]; slot written by each new token; padded tokens 0
     max_seqlen_q: jax.Array  # i32[]; longest query run in the batch
     max_seqlen_k: jax.Array  # i32[]; longest KV run in the batch
@@ -117,6 +119,7 @@ class AttentionMetadata:
     schedule: Optional[WorkSchedule] = None  # the Triton-lowered kernel's tiles
     mosaic_schedule: Optional[WorkSchedule] = None  # the Mosaic GPU kernel's tiles (rows of its row view)
     errors: Optional[jax.Array] = None  # i32[]; bad-input bitmask (jax_attn.safety.ERRORS), 0 = clean
+    local: Optional["AttentionMetadata"] = None  # chunked local layers' virtual batch (jax_attn.local)
     mode: ForwardMode = static_field(default=ForwardMode.DECODE)
     batch_size: int = static_field(default=0)  # B (padded)
     num_tokens: int = static_field(default=0)  # T (padded)
