@@ -52,10 +52,10 @@ class _Runner:
 
     def capture(self, model: Model) -> None:
         """Largest bucket first (SGLang captures in reverse for memory sharing); per bucket the model
-        runs three times after the capture hook, as SGLang's two warm-up runs and the captured one."""
+        runs twice after the capture hook: a warm-up run (SGLang makes two) and the captured one."""
         for bs in reversed(self.capture_bs):
             fb = self._capture_one(bs)
-            for _ in range(3):
+            for _ in range(2):
                 model(fb, bs * self.num_tokens_per_bs)
             self.graphs[bs] = fb
 

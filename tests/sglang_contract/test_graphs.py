@@ -134,7 +134,8 @@ def _batch(case: GraphCase, world: World, committed):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_replay_equals_eager(case: GraphCase):
     """Catches (per case, ``catches``): a replay that differs from eager on any real row, writes a slot
-    other than the real ones or slot 0, or traces inside a captured bucket."""
+    other than the real ones or slot 0, or traces inside a captured bucket; an IDLE batch replayed
+    through a decode / EAGLE verify graph failing or writing outside slot 0."""
     world, backend, graph = _setup(case)
     _capture(world, backend, graph)
     backends = getattr(backend, "attn_backends", [backend])
@@ -152,23 +153,20 @@ def test_replay_equals_eager(case: GraphCase):
             check_step(world, backend, graph_fb, ex, plan=False, qkvs=qkvs, pad_to=int(graph_fb.out_cache_loc.shape[0]),
                        eager=outs, what=f"replay {what}")
         assert traces(*backends) == before, f"{what}: replay of a captured bucket traced again"
+    if case.kind == "decode" or (case.kind == "verify" and case.server["algo"] == "EAGLE"):
+        check_idle_replay(world, backend, graph, case.name)
 
 
-IDLE_CASES = [c for c in CASES if c.kind == "decode" or (c.kind == "verify" and c.server["algo"] == "EAGLE")]
 
-
-@pytest.mark.parametrize("case", IDLE_CASES, ids=[c.name for c in IDLE_CASES])
-def test_idle_batch_replays_the_smallest_bucket(case: GraphCase):
-    """Catches: an IDLE batch (``batch_size`` 0; SGLang's model runner replays it through the graph,
-    the replay hook getting the captured DECODE / TARGET_VERIFY mode and, for verify,
-    ``EagleVerifyInput.create_idle_input`` with the buffers' custom mask) failing, or its padding rows
-    writing anything but the reserved slot 0."""
-    world, backend, graph = _setup(case)
-    _capture(world, backend, graph)
+def check_idle_replay(world: World, backend, graph, name: str) -> None:
+    """An IDLE batch (``batch_size`` 0): SGLang's model runner replays it through the graph, the replay
+    hook getting the captured DECODE / TARGET_VERIFY mode and, for verify,
+    ``EagleVerifyInput.create_idle_input`` with the buffers' custom mask. It must run, write nothing
+    but the reserved slot 0 and trace nothing."""
     fb, _ = idle_step(world)
     before, count = world.snapshot(), traces(backend)
     graph_fb = graph.replay(fb)
     assert graph_fb.batch_size == CAPTURE_BS[0]
     forward_layers(world, graph_fb, random_qkv(world, int(graph_fb.out_cache_loc.shape[0])))
-    world.check_pools(before, f"idle replay {case.name}", free=(0,))
-    assert traces(backend) == count, f"{case.name}: idle replay traced again"
+    world.check_pools(before, f"idle replay {name}", free=(0,))
+    assert traces(backend) == count, f"{name}: idle replay traced again"

@@ -39,11 +39,10 @@ def test_cross_attention(name, mode, reqs):
     check_step(world, backend, fb, ex, what=f"cross {name}")
 
 
-ENCODER_ONLY_CASES = [("no_prefix", ((0, 9), (0, 20), (0, 1))), ("prefix", ((6, 5), (0, 12)))]
+ENCODER_ONLY_CASES = [("no_prefix_p1", ((0, 9), (0, 20), (0, 1)), 1), ("prefix_p16", ((6, 5), (0, 12), (17, 3)), 16)]
 
 
-@pytest.mark.parametrize("name,reqs", ENCODER_ONLY_CASES, ids=[c[0] for c in ENCODER_ONLY_CASES])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name,reqs,page_size", ENCODER_ONLY_CASES, ids=[c[0] for c in ENCODER_ONLY_CASES])
 def test_encoder_only_layer_is_bidirectional(name, reqs, page_size):
     """Catches: ``attn_type == AttentionType.ENCODER_ONLY`` ignored (causal attention for an
     embedding model's bidirectional layers)."""
