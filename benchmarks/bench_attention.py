@@ -14,8 +14,8 @@ a float32 reference on small cases first); a peer off by more than the tolerance
 The last thing printed is one table; results go to $OUT (or ./out) as JSON, CSV and a PNG plot
 of the decode matrix.
 
-Run on the GPU machine from the repository root (peers from ``bash tools/get_peers.sh .peers``,
-found in ./.peers when present):
+Run on the GPU machine from the repository root (peers from ``bash benchmarks/fetch_peers.sh .peers``,
+found in ./.peers when present; FA3 after ``eval "$(bash .peers/peer_site.sh .peers)"``):
   PYTHONPATH=.:.peers python3 benchmarks/bench_attention.py [--only decode] [--quick]
 """
 
@@ -139,7 +139,8 @@ def _run_peer(name, build, p, ref, row: Row, amount, reps, flagged) -> Row:
         traceback.print_exc(limit=3)
     if row.peer in flagged:
         row.note = f"SELFCHECK FAILED; {row.note}"
-    print(f"  {row.peer:<30} {row.status:<6} {common.fmt(row.time_us, '9.1f')} us (wall {common.fmt(row.wall_us, '.1f')}) "
+    print(f"  {row.peer:<30} {row.status:<6} {common.fmt(row.time_us, '9.1f')} us "
+          f"(wall {common.fmt(row.wall_us, '.1f')}) "
           f"{common.fmt(row.value, '7.3g')} {row.unit}  err {common.fmt(row.rel_err, '.1e')}  {row.note}",
           flush=True)
     return row
@@ -224,7 +225,8 @@ def selfcheck(device) -> tuple[list[str], set[str]]:
             except peers.Unavailable as e:
                 lines.append(f"  {kind:<8} {name:<30} n/a: {e}")
             except Exception as e:
-                lines.append(f"  {kind:<8} {name:<30} error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                first = str(e).splitlines()[0][:120] if str(e) else ""
+                lines.append(f"  {kind:<8} {name:<30} error: {type(e).__name__}: {first}")
         del p
     return lines, failed
 
@@ -290,7 +292,8 @@ def main(argv=None) -> int:
 
     path = common.out_dir()
     files = common.write_results(rows, meta, path)
-    title = f"decode, {HEADS['num_q_heads']}/{HEADS['num_kv_heads']} heads, d={HEADS['head_dim']}, bf16 — {meta['device']}"
+    heads = f"{HEADS['num_q_heads']}/{HEADS['num_kv_heads']} heads, d={HEADS['head_dim']}"
+    title = f"decode, {heads}, bf16 — {meta['device']}"
     png = common.plot_decode(rows, path, title, meta["copy_tbps"])
     files.append(png or "(no plot: matplotlib missing or no decode rows)")
     print("\nwrote:", ", ".join(files))

@@ -137,7 +137,8 @@ def bench_host_overhead(cfg, iters: int):
     rows = {
         "bridge call, no KV write": host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
         "bridge call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
-        "torch set_kv_buffer alone": host(lambda: runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k), iters),
+        "torch set_kv_buffer alone": host(
+            lambda: runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k), iters),
     }
     exe = next(iter(backend.runner._step_exes.values()))
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
@@ -162,7 +163,6 @@ def bench_host_overhead(cfg, iters: int):
     print("\n## host time per call (us), decode batch 1, ctx 256 (JAX path: page 1)")
     for name, s in rows.items():
         print(f"{name:48s} {1e6 * s:8.1f}")
-    del backend, runner
 
 
 def graph_step(run, refresh=None):

@@ -219,7 +219,6 @@ def copy_bandwidth_tbps(num_bytes: int = 4 << 30, calls: int = 20) -> float:
     for _ in range(10):  # let the clocks come up
         dst.copy_(src)
     t = time_device(lambda: dst.copy_(src), lambda out: None, calls)
-    del src, dst
     return 2 * num_bytes / (t.time_us * 1e-6) / 1e12 if t else float("nan")
 
 

@@ -246,8 +246,9 @@ def sdpa(p: Problem) -> PeerRun:
             kk, vv, extra = k4.repeat_interleave(group, 1), v4.repeat_interleave(group, 1), {}
         for mask_label, mask_kw in _sdpa_masks(p, p.q.device):
             for name, backend in _sdpa_candidates(p.q.is_cuda):
+                sdpa_kw = {**mask_kw, **extra}
 
-                def call(kk=kk, vv=vv, kw={**mask_kw, **extra}, backend=backend):
+                def call(kk=kk, vv=vv, kw=sdpa_kw, backend=backend):
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(q4, kk, vv, scale=p.softmax_scale, **kw)
 
@@ -272,7 +273,8 @@ def sglang_decode(p: Problem, max_kv_splits: int) -> PeerRun:
     try:
         from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
     except Exception as e:
-        raise Unavailable(f"import failed ({type(e).__name__}: {e}); run get_peers.sh, carry .peers") from e
+        raise Unavailable(f"import failed ({type(e).__name__}: {e}); "
+                          "run benchmarks/fetch_peers.sh, carry .peers") from e
     b, hq, d, dev = p.batch, p.num_q_heads, p.head_dim, p.q.device
     kb, vb = p.token_pool()
     kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * p.kv_len
@@ -296,7 +298,8 @@ def sglang_extend(p: Problem) -> PeerRun:
     try:
         from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
     except Exception as e:
-        raise Unavailable(f"import failed ({type(e).__name__}: {e}); run get_peers.sh, carry .peers") from e
+        raise Unavailable(f"import failed ({type(e).__name__}: {e}); "
+                          "run benchmarks/fetch_peers.sh, carry .peers") from e
     b, dev = p.batch, p.q.device
     prefix = p.kv_len - p.q_len
     kb, vb = p.token_pool()
@@ -304,7 +307,10 @@ def sglang_extend(p: Problem) -> PeerRun:
     k_ext, v_ext = kb[new].contiguous(), vb[new].contiguous()  # [T, Hkv, D]
     qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * p.q_len
     kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * prefix
-    kv_indices = p.slots[:, :prefix].reshape(-1).contiguous() if prefix else torch.zeros(1, dtype=torch.int32, device=dev)
+    if prefix:
+        kv_indices = p.slots[:, :prefix].reshape(-1).contiguous()
+    else:
+        kv_indices = torch.zeros(1, dtype=torch.int32, device=dev)
     out = torch.empty_like(p.q)
 
     def call():

@@ -192,7 +192,8 @@ def print_report(name: str, rep: dict) -> None:
 def main(config="1b", batch=64, ctx=4096, page_size=16, steps=20, layers=None, variant="fused", piped=False):
     for (layout, opts), variants in bho.parse_variants(variant).items():
         env = bho.setup(config, batch, ctx, page_size, steps + 8, layers, "auto", layout, opts)
-        where = f"{jax.devices()[0].device_kind} (layers {env['cfg'].n_layers}, batch {batch}, ctx {ctx}, page {page_size})"
+        where = (f"{jax.devices()[0].device_kind} (layers {env['cfg'].n_layers}, batch {batch}, ctx {ctx}, "
+                 f"page {page_size})")
         if piped:
             print_window(f"{where} {layout}: bare calls, same inputs",
                          analyze_window(trace_window(env, None, steps, piped=False), steps))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one go: gpu-marked tests, the 1B-class example decode, the
 # host-overhead figure and the kernel benchmark. Logs go to $OUT (default ./out).
-# Usage (repo root, peers fetched into .peers by ../shared/tools/get_peers.sh):
+# Usage (repo root, peers fetched into .peers by benchmarks/fetch_peers.sh and unpacked with
+# `eval "$(bash .peers/peer_site.sh .peers)"`):
 #   bash benchmarks/run_gpu_suite.sh [tests|compiled|example|host|timeline|bench|all]...
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"

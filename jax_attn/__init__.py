@@ -1,5 +1,7 @@
 """jax_attn: paged attention for serving engines in JAX (SGLang FlashAttention-backend semantics)."""
 
+__version__ = "0.1.0"  # the package version (pyproject reads it)
+
 from jax_attn.attention import attention
 from jax_attn.backend import FlashAttentionBackend, LayerParams
 from jax_attn.batch import ForwardBatch, SpecInfo

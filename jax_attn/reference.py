@@ -89,7 +89,7 @@ def paged_attention_reference(
       page_table: page ids per sequence (slot ids when ``page_size == 1``).
       page_size: tokens per page (static).
       causal, window_size, softcap, sinks, k_descale, v_descale, softmax_scale: FA3 semantics
-        (see DESIGN.md).
+        (``docs/semantics.md``).
       return_lse: also return the natural-log softmax denominator ``f32[T, Hq]``.
 
     Returns:

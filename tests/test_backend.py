@@ -86,7 +86,8 @@ def expected(pool, table, rows, fb, q_lens, tok, page_size, kv_offset):
     width = -(-MAX_CTX // page_size)
     pt = table[rows][:, ::page_size][:, :width] // page_size if page_size > 1 else table[rows]
     return paged_attention_reference(
-        jnp.asarray(tok["q"]).reshape(-1, HQ, D), paged_view(jnp.asarray(k), page_size), paged_view(jnp.asarray(v), page_size),
+        jnp.asarray(tok["q"]).reshape(-1, HQ, D), paged_view(jnp.asarray(k), page_size),
+        paged_view(jnp.asarray(v), page_size),
         jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
         jnp.asarray(pt), page_size=page_size,
     )

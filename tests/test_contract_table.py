@@ -154,7 +154,8 @@ CASES[("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)")] = (unknow
 def test_every_raises_row_has_a_case():
     rows = raises_rows()
     assert len(rows) >= 10, f"the table lost its raises rows: {rows}"
-    assert set(rows) == set(CASES), f"rows without a case: {set(rows) - set(CASES)}; stale cases: {set(CASES) - set(rows)}"
+    assert set(rows) == set(CASES), (f"rows without a case: {set(rows) - set(CASES)}; "
+                                     f"stale cases: {set(CASES) - set(rows)}")
 
 
 @pytest.mark.parametrize("row", sorted(CASES), ids=lambda r: f"{r[0]}.{r[1]}")

@@ -120,7 +120,8 @@ def scale_fn(x, interpret=False):
     """``2x + 1`` through a kernel with a constant input and a second, unread output."""
     kern = plgpu.kernel(
         _scale_body, out_type=(jax.ShapeDtypeStruct((N_SCALE,), jnp.float32), jax.ShapeDtypeStruct((16,), jnp.int32)),
-        grid=(1,), grid_names=("g",), scratch_types=[plgpu.SMEM((N_SCALE,), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+        grid=(1,), grid_names=("g",),
+        scratch_types=[plgpu.SMEM((N_SCALE,), jnp.float32), plgpu.Barrier(num_arrivals=1)],
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, spare = kern(x, jnp.full((16,), 3, jnp.int32))
     return spare, o
@@ -139,8 +140,8 @@ def test_plan_fresh_outputs_and_constants():
     assert plan.returns == (Slot("out", 0), Slot("out", 1))
     assert plan.out_types == (((16,), "int32"), ((N_SCALE,), "float32"))
     assert plan.owned == (launcher.Owned((16,), "int32", 3, refill=False),)
-    np.testing.assert_array_equal(jax.jit(functools.partial(scale_fn, interpret=True))(jnp.arange(N_SCALE, dtype=jnp.float32))[1],
-                                  2 * np.arange(N_SCALE) + 1)
+    scaled = jax.jit(functools.partial(scale_fn, interpret=True))(jnp.arange(N_SCALE, dtype=jnp.float32))
+    np.testing.assert_array_equal(scaled[1], 2 * np.arange(N_SCALE) + 1)
 
 
 def _copy_body(x, r, o, smem, bar):  # refs: f32[N] (in), f32[N] (written) -> f32[N]
@@ -154,7 +155,8 @@ def _copy_body(x, r, o, smem, bar):  # refs: f32[N] (in), f32[N] (written) -> f3
 def copy_into(x, init):
     """Copies ``x`` into a ref initialised by ``init`` (jnp.empty / jnp.zeros) and into an output."""
     kern = plgpu.kernel(_copy_body, out_type=jax.ShapeDtypeStruct((N_SCALE,), jnp.float32), grid=(1,),
-                        grid_names=("g",), scratch_types=[plgpu.SMEM((N_SCALE,), jnp.float32), plgpu.Barrier(num_arrivals=1)])
+                        grid_names=("g",),
+                        scratch_types=[plgpu.SMEM((N_SCALE,), jnp.float32), plgpu.Barrier(num_arrivals=1)])
     ref = jax.new_ref(init((N_SCALE,), jnp.float32))
     o = kern(x, ref)
     return jax.freeze(ref), o
@@ -384,7 +386,8 @@ def test_gpu_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         kern(*args, check=False)
     for seed in (1, 2):
-        fresh = torch_inputs(dataclasses.replace(case, slots=tuple(np.random.default_rng(seed).permutation(64)[:6].tolist())), seed)
+        slots = tuple(np.random.default_rng(seed).permutation(64)[:6].tolist())
+        fresh = torch_inputs(dataclasses.replace(case, slots=slots), seed)
         for dst, src in zip(args, fresh):
             dst.copy_(src)
         want = torch_reference(*args)

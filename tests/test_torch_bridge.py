@@ -300,8 +300,8 @@ def test_gpu_nondefault_stream_and_graph_capture():
         del junk
     torch.cuda.synchronize()
     pool = runner.token_to_kv_pool
-    cpu = ModelRunner(runner.req_to_token_pool, MHATokenToKVPool([b.cpu() for b in pool.k_buffer],
-                                                                 [b.cpu() for b in pool.v_buffer]), ModelConfig(MAX_CTX))
+    cpu_pool = MHATokenToKVPool([b.cpu() for b in pool.k_buffer], [b.cpu() for b in pool.v_buffer])
+    cpu = ModelRunner(runner.req_to_token_pool, cpu_pool, ModelConfig(MAX_CTX))
     fb_cpu = ForwardBatch(fb.forward_mode, 4, fb.req_pool_indices.cpu(), fb.seq_lens.cpu(), fb.out_cache_loc.cpu())
     np.testing.assert_array_equal(cpu.token_to_kv_pool.k_buffer[0][fb_cpu.out_cache_loc].numpy(),
                                   kk.cpu().reshape(-1, HKV, D).numpy())

@@ -78,7 +78,7 @@ class Slot(NamedTuple):
     """One entry of the kernel's buffer list: a caller argument, an output or an owned buffer."""
 
     kind: str  # "arg" (caller tensor), "out" (returned output), "own" (kernel-owned tensor)
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, which nothing here calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _call_module(call) -> bytes:
 
 def _call_aliases(call) -> dict[int, int]:
     """result index -> operand index, from the call's ``output_operand_aliases``."""
-    aliases = {}
+    aliases: dict[int, int] = {}
     if "output_operand_aliases" not in call.attributes:
         return aliases
     for attr in call.attributes["output_operand_aliases"]:
@@ -226,8 +226,8 @@ def plan_kernel(fn: Callable, *arg_structs: jax.ShapeDtypeStruct) -> KernelPlan:
             raise ValueError(f"{s!r}: pass one jax.ShapeDtypeStruct (or array) per argument, no pytrees")
     traced = jax.jit(fn, keep_unused=True).trace(*arg_structs)
     out_leaves, out_tree = jax.tree.flatten(traced.out_info)
-    single = out_tree == jax.tree.structure(0)
-    if not single and out_tree != jax.tree.structure((0,) * len(out_leaves)):
+    single = out_tree == jax.tree.structure(0)  # type: ignore[operator]  # PyTreeDef has ==; its stub does not say
+    if not single and out_tree != jax.tree.structure((0,) * len(out_leaves)):  # type: ignore[operator]
         raise ValueError(f"the function must return an array or a flat tuple of arrays, got {out_tree}")
     module = traced.lower(lowering_platforms=("cuda",)).compiler_ir()
     with module.context:
@@ -281,7 +281,8 @@ def cuda_loader(module: bytes, device) -> Compiled:
         torch.empty(1, device=device)  # the primary context exists and is current on this thread
         res = lib.MosaicGpuCompile(module, len(module))
     if not res:
-        raise RuntimeError("MosaicGpuCompile failed (set MOSAIC_GPU_DUMP_PTX=1 / MOSAIC_GPU_DUMP_MLIR_PASSES=1 to see why)")
+        raise RuntimeError("MosaicGpuCompile failed "
+                           "(set MOSAIC_GPU_DUMP_PTX=1 / MOSAIC_GPU_DUMP_MLIR_PASSES=1 to see why)")
     return Compiled(res[0], _LAUNCH_T(res[1]), functools.partial(lib.MosaicGpuUnload, res))
 
 
@@ -342,6 +343,7 @@ class TorchKernel:
         """Check (optionally), write the pointers of ``args`` and the outputs into ``ptrs``; return the outputs."""
         if check:
             self._check(args, self._torch_arg, "argument")
+        outs: Sequence[Any]  # torch tensors
         if out is None:
             outs = [self._empty(s, dtype=d, device=self.device) for s, d in self._torch_out]
         else:
@@ -438,7 +440,8 @@ class MosaicLauncher:
     """``fn`` compiled once per (shapes, dtypes, device) of the torch tensors it is called with."""
 
     def __init__(self, fn: Callable, loader=cuda_loader):
-        self.fn, self._loader, self._kernels = fn, loader, {}
+        self.fn, self._loader = fn, loader
+        self._kernels: dict = {}
 
     def kernel(self, *tensors) -> TorchKernel:
         """The compiled kernel for these tensors' shapes (compiled on first use)."""

@@ -15,7 +15,7 @@ Dimension legend: T new tokens, S pool slots, H kv heads, D key head dim, Dv val
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +96,7 @@ def _kernel_body(k_chunks, v_chunks, num_slots,
 def _build_kernel(tokens: int, num_slots: int, heads: int, k_dtype, v_dtype,
                   k_chunks, v_chunks, interpret):
     k_width, v_width = k_chunks[0][1], v_chunks[0][1]
-    scratch = [
+    scratch: list[Any] = [
         plgpu.SMEM((len(k_chunks), heads, k_width), k_dtype),
         plgpu.SMEM((len(v_chunks), heads, v_width), v_dtype),
         plgpu.Barrier(num_arrivals=1, num_barriers=len(k_chunks) + len(v_chunks)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -176,13 +177,14 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
     g = st.pack if token_major else 1
     tpb = st.block_q // g  # rows (tokens) per query head in the buffer
     row0, n = (row0 // g, n // g) if token_major else (row0, n)
-    off = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
+    off: Any = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
     size = tpb
     while size >= 1:
         take = (n & size) != 0
         for j in range(g):
             src = o_smem.at[pl.ds(j * tpb + off, size)]
-            dst = out_ref.at[pl.ds(row0 + off, size), head, j] if token_major else out_ref.at[pl.ds(row0 + off, size), head]
+            rows = pl.ds(row0 + off, size)
+            dst = out_ref.at[rows, head, j] if token_major else out_ref.at[rows, head]
             pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
         off = off + jnp.where(take, size, 0)
         size //= 2

@@ -223,7 +223,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     return KernelStatics(
         num_rows=num_tokens * pack, num_heads=num_q_heads if pack == 1 else num_kv_heads, kv_group=g // pack,
         pack=pack, page_size=page_size, block_q=config.block_q, block_kv=block_kv, stages=stages,
-        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),
+        head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,

@@ -287,7 +287,7 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
         return body
 
     i_lo, i_hi, n = bounds
-    carry = (jnp.zeros((st.rows, v_ref.shape[-1]), jnp.float32),
+    carry: tuple = (jnp.zeros((st.rows, v_ref.shape[-1]), jnp.float32),
              jnp.full((st.rows,), _NEG_INF, jnp.float32),
              jnp.zeros((st.rows,), jnp.float32))
     if st.prefetch_pages:  # the three loops walk consecutive blocks, so the carried ids stay in step
@@ -407,7 +407,7 @@ def paged_attention(
     config: KernelConfig | None = None,
     interpret: bool | None = None,
 ):
-    """Ragged-query attention over a paged KV cache (SGLang / FA3 semantics, see DESIGN.md).
+    """Ragged-query attention over a paged KV cache (SGLang / FA3 semantics: ``docs/semantics.md``).
 
     Args:
       q: queries; token ``t`` of sequence ``b`` lies in ``[cu_seqlens_q[b], cu_seqlens_q[b+1])``.
@@ -450,7 +450,7 @@ def paged_attention(
         num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
         block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, pack * hq // hkv), kv_pack=pack,
         prefetch_pages=config.prefetch_pages,
-        split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),
+        split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
         softcap=float(softcap), scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=sinks is not None, has_k_descale=k_descale is not None,
         has_v_descale=v_descale is not None, compute_dtype=jnp.dtype(compute_dtype),
