@@ -54,9 +54,11 @@ from typing import Optional
 
 import torch
 
+from jax_attn import compile_cache as jax_compile_cache
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.metadata import ForwardMode
+from jax_attn.progress import Progress
 from torch_bridge.checks import RunnerSettings, check_local, pool_slots
 from torch_bridge.dlpack import Importer
 from torch_bridge.layer_runner import LayerRunner
@@ -87,12 +89,21 @@ class FlashAttentionBackend:
       mosaic_path: the Mosaic launch path (``torch_bridge.mosaic_path.MosaicPath``) for the layers
         it covers; default: one on Hopper GPUs when ``impl`` is ``auto`` or ``mosaic``; False: off
         (every layer runs a compiled JAX executable).
+      compile_cache: turn on the persistent compilation cache (``jax_attn.compile_cache``: a per-user
+        0700 directory; ``JAX_ATTN_COMPILE_CACHE=0`` opts out), so a restarted server reuses its
+        compiled plans, executables and kernels.
+      verbose: the graph capture reports each bucket on stderr (``jax_attn.progress``: bucket i of n,
+        elapsed time; n from ``server_args.cuda_graph_bs`` when set).
     """
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
                  topk: int = 0, speculative_num_steps: int = 0, fa_impl_ver: int = 3, *,
                  impl: Optional[str] = None, max_encoder_len: Optional[int] = None, mosaic_path=None,
-                 validate: Optional[bool] = None):
+                 validate: Optional[bool] = None, compile_cache: bool = True, verbose: bool = True):
+        if compile_cache:
+            jax_compile_cache.enable()  # warns and runs without it when the directory is unsafe
+        self.verbose = verbose
+        self._capture_progress: Optional[Progress] = None
         self.settings = RunnerSettings.of(model_runner, fa_impl_ver, topk)
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
@@ -151,17 +162,25 @@ class FlashAttentionBackend:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Set the largest batch / token bucket the capture hook will be asked for."""
         self.planner.init_graphs(max_bs, max_num_tokens)
+        sizes = getattr(getattr(self.model_runner, "server_args", None), "cuda_graph_bs", None)
+        self._capture_progress = Progress(len(sizes) if sizes else None, "torch_bridge graph capture",
+                                          enabled=self.verbose)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices,
                                                  seq_lens, encoder_lens, forward_mode, spec_info) -> None:
         """Compile the plan of bucket ``bs`` ahead of time and plan the capture run with it."""
-        self.planner.capture(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, to_mode(forward_mode),
-                             spec_info)
+        mode = to_mode(forward_mode)
+        self.planner.capture(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode, spec_info)
+        if self._capture_progress is not None:  # the elapsed time includes the earlier buckets' warm-up runs
+            self._capture_progress.step(f"{mode.name} bs={bs}", "plan compiled")
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, seq_lens_sum,
                                                 encoder_lens, forward_mode, spec_info, seq_lens_cpu,
                                                 out_cache_loc=None) -> None:
         """Pad the batch to bucket ``bs`` (seq_len 1, row 0, slot 0) and run the captured plan."""
+        if self._capture_progress is not None:  # the first replay ends the warm-up: report its total
+            self._capture_progress.finish("capture hooks, warm-up forwards and graph captures")
+            self._capture_progress = None
         self.planner.replay(bs, req_pool_indices, seq_lens, encoder_lens, to_mode(forward_mode), spec_info,
                             out_cache_loc)
 

@@ -48,10 +48,16 @@ def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sme
     warps on the same schedulers would otherwise wait for."""
     body = functools.partial(_producer_warp, st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem,
                              v_smem, k_bar, v_bar, k_used, v_used)
-    if st.spread_copies:
-        plgpu.warp_map(body)
-    else:  # the whole warpgroup issues every copy
+    if not st.spread_copies:  # the whole warpgroup issues every copy
         body(None)
+        return
+    copies_per_block = 1 if st.page_size >= st.block_kv else st.pages_per_block
+    if copies_per_block >= WARPS_PER_WG:
+        plgpu.warp_map(body)
+        return
+    # A warp with no copy to issue sits the loop out: waiting on the ring's barriers without gating
+    # them, it could fall two phases behind, and a parity wait would then block forever.
+    plgpu.warp_map(lambda warp: pl.when(warp < copies_per_block)(functools.partial(body, warp)))
 
 
 def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar, k_used,
