@@ -293,9 +293,11 @@ def main(argv=None) -> int:
     path = common.out_dir()
     files = common.write_results(rows, meta, path)
     heads = f"{HEADS['num_q_heads']}/{HEADS['num_kv_heads']} heads, d={HEADS['head_dim']}"
-    title = f"decode, {heads}, bf16 — {meta['device']}"
-    png = common.plot_decode(rows, path, title, meta["copy_tbps"])
-    files.append(png or "(no plot: matplotlib missing or no decode rows)")
+    for kind in common.PLOTS:
+        ceiling = meta["copy_tbps"] if kind == "decode" else None
+        png = common.plot_kind(rows, kind, path, f"{kind}, {heads}, bf16 — {meta['device']}", ceiling,
+                               f"D2D copy {ceiling:.2f} TB/s" if ceiling else "")
+        files.append(png or f"(no {kind} plot: matplotlib missing or no {kind} rows)")
     print("\nwrote:", ", ".join(files))
     print(f"\ndevice: {meta['device']}; torch {meta['torch']}, jax {meta['jax']}; median of {reps} reps; "
           f"D2D copy {common.fmt(meta['copy_tbps'], '.2f')} TB/s\n"

@@ -273,8 +273,16 @@ def write_results(rows: list[Row], meta: dict, path: str) -> list[str]:
     return [jpath, cpath]
 
 
-def plot_decode(rows: list[Row], path: str, title: str, ceiling_tbps: Optional[float]) -> Optional[str]:
-    """Grouped bars of decode TB/s per case and peer; returns the file or None without matplotlib."""
+PLOTS = {  # kind: (file, y label, case-name prefix dropped from the tick labels)
+    "decode": ("decode_matrix.png", "TB/s (KV bytes / time)", "decode "),
+    "prefill": ("prefill_matrix.png", "TFLOP/s (causal)", "prefill "),
+}
+
+
+def plot_kind(rows: list[Row], kind: str, path: str, title: str,
+              ceiling: Optional[float] = None, ceiling_label: str = "") -> Optional[str]:
+    """Grouped bars of one kind's figure (``PLOTS``) per case and peer; returns the file, or None
+    without matplotlib or rows of that kind."""
     try:
         import matplotlib
 
@@ -282,25 +290,26 @@ def plot_decode(rows: list[Row], path: str, title: str, ceiling_tbps: Optional[f
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    dec = [r for r in rows if r.kind == "decode" and r.status == "ok"]
-    if not dec:
+    sel = [r for r in rows if r.kind == kind and r.status == "ok"]
+    if not sel:
         return None
-    cases = list(dict.fromkeys(r.case for r in dec))
-    peers = list(dict.fromkeys(r.peer for r in dec))
+    fname, ylabel, prefix = PLOTS[kind]
+    cases = list(dict.fromkeys(r.case for r in sel))
+    peers = list(dict.fromkeys(r.peer for r in sel))
     width = 0.8 / len(peers)
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
     for i, p in enumerate(peers):
-        vals = [next((r.value for r in dec if r.case == c and r.peer == p), 0.0) for c in cases]
+        vals = [next((r.value for r in sel if r.case == c and r.peer == p), 0.0) for c in cases]
         ax.bar([x + (i - (len(peers) - 1) / 2) * width for x in range(len(cases))], vals, width, label=p)
-    if ceiling_tbps and not math.isnan(ceiling_tbps):
-        ax.axhline(ceiling_tbps, color="k", ls="--", lw=1, label=f"D2D copy {ceiling_tbps:.2f} TB/s")
+    if ceiling and not math.isnan(ceiling):
+        ax.axhline(ceiling, color="k", ls="--", lw=1, label=ceiling_label)
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([c.replace("decode ", "").replace(" ps", "\nps") for c in cases], fontsize=8)
-    ax.set_ylabel("TB/s (KV bytes / time)")
+    ax.set_xticklabels([c.replace(prefix, "").replace(" ps", "\nps") for c in cases], fontsize=8)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10, pad=28)
     ax.legend(fontsize=7, ncol=len(peers) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
-    out = os.path.join(path, "decode_matrix.png")
-    fig.savefig(out, dpi=120)
+    out = os.path.join(path, fname)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
