@@ -3,7 +3,8 @@ that raises ``NotImplementedError`` naming the attribute and leaves the cache bi
 steps count sinks once (the exact softmax), which a float64 oracle tells apart from counting twice.
 
 Bugs these catch: an attribute listed as raising that is silently ignored (a Llama 4 ``use_irope``
-layer attending its whole history, an MLA model run as MHA, a hybrid SWA pool read as one pool); a
+layer attending its whole history in a tree step, a chunk that does not start on a page boundary
+shrunk as the seed does, an MLA model run as MHA, a hybrid SWA pool read as one pool); a
 row added to the table without a case; a change to how tree steps apply sinks."""
 
 import dataclasses
@@ -46,7 +47,8 @@ class HybridPool(MHATokenToKVPool):
 def _runner(**attrs):
     runner, table = make_runner(6, 4, seed=7)
     for name, value in attrs.items():
-        target = runner.model_config if name in ("attention_arch", "is_local_attention_model") else runner
+        target = runner.model_config if name in ("attention_arch", "is_local_attention_model",
+                                                 "attention_chunk_size") else runner
         setattr(target, name, value)
     return runner, table
 
@@ -82,9 +84,11 @@ def decode_layer(layer_kw=None, runner_kw=None, call_kw=None, fb_kw=None):
     return case
 
 
-def tree_verify_layer(**layer_kw):
+def tree_verify_layer(runner_kw=None, **layer_kw):
     def case(rng):
         runner, table = make_runner(8, 4, seed=3)
+        for name, value in (runner_kw or {}).items():
+            setattr(runner.model_config, name, value)
         backend = FlashAttentionBackend(runner, topk=TOPK, impl="reference")
         fb, (q, k, v) = verify_case(runner, table, np.array([3, 1]), np.array([9, 17]), [two_branches(), star(N)],
                                     rng)
@@ -109,19 +113,23 @@ class UnknownMode:
     name = "PREBUILT"
 
 
+LOCAL = {"is_local_attention_model": True, "attention_chunk_size": 8}  # a Llama 4 model config (page size 4)
+
 # (object, attribute cell) -> (case, words the message must contain)
 CASES = {
     ("layer", "`sliding_window_size` (tree draft decode)"): (tree_draft_decode_window, "sliding-window"),
     ("layer", "`is_cross_attention` (tree step)"): (tree_verify_layer(is_cross_attention=True), "cross-attention"),
     ("layer", "`attn_type` (other values)"): (decode_layer({"attn_type": "ENCODER_DECODER"}), "attn_type"),
     ("layer", "`attn_type` (tree step)"): (tree_verify_layer(attn_type="ENCODER_ONLY"), "ENCODER_ONLY"),
-    ("layer", "`use_irope`"): (decode_layer({"use_irope": True}, {"is_local_attention_model": True}), "use_irope"),
+    ("layer", "`use_irope` (tree step, draft extend, multi-step draft decode)"):
+        (tree_verify_layer(LOCAL, use_irope=True), "use_irope"),
+    ("layer", "`use_irope` (cross attention, `ENCODER_ONLY`)"):
+        (decode_layer({"use_irope": True, "attn_type": "ENCODER_ONLY"}, LOCAL), "use_irope"),
     ("forward call", "`q_rope`, `k_rope`"): (decode_layer(call_kw={"q_rope": "q"}), "q_rope"),
     ("model_runner", "`attn_cp_size`"): (construct(attn_cp_size=2), "attn_cp_size"),
     ("model_runner", "`token_to_kv_pool`"): (None, "SWAKVPool"),  # filled below (needs the runner's pool)
-    ("model_runner", "`attention_chunk_size`"): (decode_layer({"use_irope": True}, {"is_local_attention_model": True,
-                                                                                  "attention_chunk_size": 8}),
-                                                 "attention_chunk_size"),
+    ("model_runner", "`attention_chunk_size` (not a multiple of `page_size`)"):  # page size 4
+        (construct(is_local_attention_model=True, attention_chunk_size=6), "attention_chunk_size"),
     ("model_config", "`attention_arch`"): (construct(attention_arch=Arch("MLA")), "attention_arch"),
     ("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)"): (None, "forward_mode"),
     ("forward_batch", "`attn_cp_metadata`"): (construct(attn_cp_size=2), "attn_cp_size"),

@@ -42,8 +42,9 @@ FAMILIES = [
     Family("Mistral (sliding window)", "works", layers=({"sliding_window_size": 5},)),
     Family("Gemma (logit softcap)", "works", layers=({"logit_cap": 4.0}, {"logit_cap": 4.0, "sliding_window_size": 6})),
     Family("gpt-oss (attention sinks)", "works", sinks=True, layers=({}, {"sliding_window_size": 6})),
-    Family("Llama 4 (chunked local attention)", "raises", config={"is_local_attention_model": True},
-           layers=({"use_irope": True}, {})),
+    Family("Llama 4 (chunked local attention)", "works", config={"is_local_attention_model": True,
+                                                                  "attention_chunk_size": 8},
+           layers=({"use_irope": True}, {})),  # a chunked RoPE layer and a global NoPE layer
     Family("DeepSeek (MLA)", "raises", config={"attention_arch": AttentionArch.MLA}),
     Family("EAGLE speculative, chain (topk 1)", "works", steps="eagle", topk=1),
     Family("EAGLE speculative, tree (topk > 1)", "works", steps="eagle", topk=2),
@@ -69,6 +70,7 @@ class World:
         self.runner = ModelRunner(ReqToTokenPool(torch.from_numpy(self.table).clone()), pool, config,
                                   page_size=PAGE, server_args=args, attention_impl="reference")
         self.sinks = self.randn(self.hq) if fam.sinks else None
+        self.chunk = fam.config.get("attention_chunk_size") if fam.config.get("is_local_attention_model") else None
 
     def randn(self, *shape):
         return torch.from_numpy(self.rng.standard_normal(shape).astype(np.float32))
@@ -90,6 +92,8 @@ class World:
         opts, (kb, vb) = self.fam.layers[i], self.pool(i)
         window, cap = opts.get("sliding_window_size", -1), opts.get("logit_cap", 0.0)
         vis = (positions <= qpos) & ((positions >= qpos - window) if window >= 0 else True)
+        if opts.get("use_irope") and self.chunk:  # Llama 4 local layer: the query's own chunk only
+            vis &= positions >= qpos // self.chunk * self.chunk
         q, g, out = q.double().numpy().reshape(self.hq, D), self.hq // self.hkv, np.zeros((self.hq, D))
         for h in range(self.hq):
             s = kb[keys[vis], h // g] @ q[h] * D**-0.5
@@ -216,11 +220,15 @@ def test_family(fam):
     run_family(fam)
 
 
-def test_llama4_global_layers_still_run():
-    """In a Llama 4 model only the chunked local (use_irope) layers raise; its global NoPE layers run."""
+def test_llama4_case_tells_local_from_global():
+    """The Llama 4 row crosses chunk boundaries (chunk 8; prefill at 9..12 and 14..19, decode at 13 and 20):
+    an oracle blind to the chunk rejects the bridge's local layer, so a local layer given full attention
+    would fail the row."""
     fam = next(f for f in FAMILIES if f.name.startswith("Llama 4"))
-    w = World(dataclasses.replace(fam, layers=({},)))
-    prefill_decode(w)
+    w = World(fam)
+    w.chunk = None
+    with pytest.raises(AssertionError):
+        prefill_decode(w)
 
 
 def test_docs_table_matches_families():

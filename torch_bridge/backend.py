@@ -32,6 +32,10 @@ its K/V at ``forward_batch.encoder_out_cache_loc`` and attends non-causally over
 tokens. The static bound on encoder lengths is the constructor's ``max_encoder_len``, else the
 request table's width (no extra model-config attribute needed).
 
+Llama 4 chunked local attention: in a ``model_config.is_local_attention_model`` model, every plan of
+an extend, mixed, decode or target-verify step (topk <= 1) carries the virtual batch of
+``attention_chunk_size`` chunks (``jax_attn.local``), and ``layer.use_irope`` layers attend it.
+
 The SGLang 0.5.11 attributes read, and those that raise ``NotImplementedError``, are listed in
 ``docs/sglang_contract.md``; ``torch_bridge.checks.RunnerSettings`` reads the model runner's.
 
@@ -59,7 +63,7 @@ from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.metadata import ForwardMode
 from jax_attn.progress import Progress
-from torch_bridge.checks import RunnerSettings, check_local, pool_slots
+from torch_bridge.checks import RunnerSettings, pool_slots
 from torch_bridge.dlpack import Importer
 from torch_bridge.layer_runner import LayerRunner
 from torch_bridge.mosaic_path import MosaicPath
@@ -126,7 +130,8 @@ class FlashAttentionBackend:
         num_slots = pool_slots(getattr(model_runner, "token_to_kv_pool", None))
         self.jax_backend = JaxBackend(importer.view(r2t), page_size=self.page_size, max_context_len=max_context_len,
                                       impl=impl, deterministic=self.settings.deterministic,
-                                      max_encoder_len=max_encoder_len, num_slots=num_slots, validate=validate)
+                                      max_encoder_len=max_encoder_len, num_slots=num_slots, validate=validate,
+                                      attention_chunk_size=self.settings.attention_chunk_size)
         if mosaic_path is None:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         self.mosaic_path = mosaic_path or None
@@ -221,9 +226,9 @@ class FlashAttentionBackend:
         step = self.planner.step
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
-        check_local(layer, self.settings)
         out = self.runner.run(step, q, k, v, layer, forward_batch, save_kv_cache, sinks)
         dest = getattr(forward_batch, "_attn_output", None)  # SGLang's preallocated output (extend path)
         if dest is not None and dest.data_ptr() != out.data_ptr():
             return dest.view(out.shape).copy_(out)
         return out
+

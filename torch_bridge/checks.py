@@ -12,6 +12,7 @@ import numpy as np
 
 from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.batch import check_lengths
+from jax_attn.local import LOCAL_MODES
 from jax_attn.metadata import ForwardMode
 from torch_bridge.dlpack import capturing
 
@@ -35,7 +36,7 @@ class RunnerSettings:
     topk: int  # server_args.speculative_eagle_topk (0: none)
     num_draft_tokens: int  # server_args.speculative_num_draft_tokens (0: none)
     deterministic: bool  # server_args.enable_deterministic_inference
-    local_attention: bool  # model_config.is_local_attention_model (Llama 4 chunked layers)
+    attention_chunk_size: int  # Llama 4 chunked local layers' chunk (0: not model_config.is_local_attention_model)
     with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify plans the SWA table)
     heads: Optional[tuple] = None  # (Hq, Hkv) per TP rank from model_config, when it says (launch tables)
 
@@ -60,6 +61,7 @@ class RunnerSettings:
             raise ValueError("sliding window and cross attention are not supported together (as in SGLang)")
         args = getattr(model_runner, "server_args", None)
         server_topk = getattr(args, "speculative_eagle_topk", None)
+        chunk = local_chunk_size(model_runner, config)
         text = getattr(config, "hf_text_config", None)
         tp = int(getattr(model_runner, "tp_size", 1) or 1)
         hq, kv_heads = getattr(text, "num_attention_heads", None), getattr(config, "get_num_kv_heads", None)
@@ -67,15 +69,58 @@ class RunnerSettings:
         return cls(topk=int(server_topk if server_topk is not None else topk or 0), heads=heads,
                    num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
                    deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
-                   local_attention=bool(getattr(config, "is_local_attention_model", False)),
+                   attention_chunk_size=chunk,
                    with_swa=window is not None and window >= 0)
 
 
-def check_local(layer, settings: RunnerSettings) -> None:
-    """Llama 4's chunked local attention (``layer.use_irope`` in a local-attention model) raises."""
-    if settings.local_attention and getattr(layer, "use_irope", False):
-        raise NotImplementedError("layer.use_irope (chunked local attention, model_config.is_local_attention_model"
-                                  " / attention_chunk_size) is not supported by torch_bridge yet")
+def local_chunk_size(model_runner, config) -> int:
+    """The chunk of a local-attention model (``model_config.is_local_attention_model``, Llama 4), as the
+    seed reads it: ``model_runner.attention_chunk_size`` (SGLang copies ``model_config``'s), else
+    ``model_config.attention_chunk_size``; 0 for other models (their ``use_irope`` layers attend fully,
+    as in the seed). Checked against ``model_runner.page_size``."""
+    if not bool(getattr(config, "is_local_attention_model", False)):
+        return 0
+    chunk = getattr(model_runner, "attention_chunk_size", None)
+    if chunk is None:
+        chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is None:  # the seed asserts the same
+        raise ValueError("model_config.is_local_attention_model needs attention_chunk_size (model_runner's or "
+                         "model_config's): the chunk of the use_irope layers")
+    chunk, page = int(chunk), int(getattr(model_runner, "page_size", 1) or 1)
+    if chunk < 1:
+        raise ValueError(f"attention_chunk_size={chunk} must be >= 1")
+    if chunk % page:
+        raise NotImplementedError(
+            f"attention_chunk_size={chunk} is not a multiple of page_size={page}: chunked local attention needs "
+            "every chunk to start on a page boundary (the seed shrinks the chunk instead, which changes the "
+            "model's attention); use a page size that divides attention_chunk_size")
+    return chunk
+
+
+def plans_local(key: PlanKey) -> bool:
+    """Whether a step of ``key`` carries the local virtual batch (``jax_attn.local.with_local``'s rule)."""
+    return key.attention_chunk_size > 0 and key.topk == 1 and key.mode in LOCAL_MODES
+
+
+def check_local(lp: LayerParams, key: PlanKey, has_local: bool) -> None:
+    """A chunked local layer (``lp.use_irope``: ``layer.use_irope`` in a local-attention model) needs a
+    causal self-attention layer and a step whose plan carries the local virtual batch."""
+    if not lp.use_irope:
+        return
+    if lp.is_cross_attention or not lp.causal:
+        raise NotImplementedError("layer.use_irope (chunked local attention) on a cross-attention or ENCODER_ONLY "
+                                  "layer is not supported")
+    if not has_local:
+        if key.topk > 1:
+            what = f"{key.mode.name} step with topk={key.topk} (tree)"
+        elif key.mode in LOCAL_MODES:  # planned without the virtual batch: the multi-step draft backend
+            what = "multi-step draft decode (FlashAttentionMultiStepBackend)"
+        else:
+            what = f"{key.mode.name} step"
+        raise NotImplementedError(
+            f"layer.use_irope (chunked local attention, attention_chunk_size={key.attention_chunk_size}) in a "
+            f"{what} is not supported by torch_bridge: local metadata exists for "
+            f"{', '.join(m.name for m in LOCAL_MODES)} steps with topk <= 1 planned by FlashAttentionBackend")
 
 
 def pool_slots(pool) -> int:
@@ -125,8 +170,10 @@ def check_host_lengths(forward_batch, mode: ForwardMode, tokens: int, extend: bo
                   kv_offset=kv_offset)
 
 
-def check_layer(lp: LayerParams, key: PlanKey) -> None:
-    """Layer kinds the step's plan cannot serve, caught before anything is written."""
+def check_layer(lp: LayerParams, key: PlanKey, has_local: bool = False) -> None:
+    """Layer kinds the step's plan cannot serve, caught before anything is written (``has_local``: the
+    plan carries the local virtual batch)."""
+    check_local(lp, key, has_local)
     if key.topk > 1 and (lp.is_cross_attention or not lp.causal):
         raise NotImplementedError("a cross-attention or encoder-only (attn_type ENCODER_ONLY) layer inside a tree "
                                   "(topk > 1) speculative step is not supported")

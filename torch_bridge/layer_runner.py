@@ -8,6 +8,9 @@ A layer call never plans: it reads the step the step planner installed. Its trip
 * otherwise: torch KV write, then one compiled JAX executable (import q, call, export out).
 
 Both write K/V only after every check passed, at slots made safe once per step (``SafeLocs``).
+A chunked local layer (Llama 4 ``use_irope`` in a local-attention model) takes the same trip over the
+step's local virtual batch (``md.local``): the executable attends it, the launch path reads its own
+tables (``mosaic_path.TableKey`` ``(Hq, Hkv, 1)``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax_attn.kv_cache import KVPool
 from torch_bridge.checks import SafeLocs, check_layer, check_shapes, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import LayerHit, MosaicPath
+from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
 from torch_bridge.step_planner import Step, StepPlanner
 from torch_bridge.translate import UNIFORM, layer_params
 
@@ -66,7 +69,7 @@ class LayerRunner:
             loc = self.safe_locs(forward_batch.out_cache_loc, step) if save_kv_cache else None
             return hit(q, k, v, loc, sinks)
         lp = self.layer_params(layer)
-        check_layer(lp, step.key)
+        check_layer(lp, step.key, step.layout.local)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         t = check_shapes(q, lp, step, k_buf, v_buf, self.planner.jax_backend.page_size)
@@ -108,13 +111,16 @@ class LayerRunner:
         if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
             return None
         key = step.key
-        call = Call(max_q_len=key.q_len_per_req if key.mode in UNIFORM else key.num_tokens, page_size=key.page_size,
+        max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
+        if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
+            max_q_len = min(max_q_len, key.attention_chunk_size)
+        call = Call(max_q_len=max_q_len, page_size=key.page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=sinks is not None)
         if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
             return None  # decided before any table is made: layers off the path cost the plan nothing
-        heads = (lp.num_q_heads, lp.num_kv_heads)
+        heads = table_key(lp)  # local layers: the tables of the step's local virtual batch
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
@@ -134,6 +140,6 @@ class LayerRunner:
         hit = self._layers.get(layer.layer_id)
         if hit is not None and hit[0] is layer:
             return hit[1]
-        lp = layer_params(layer)
+        lp = layer_params(layer, local_model=self.planner.settings.attention_chunk_size > 0)
         self._layers[layer.layer_id] = (layer, lp)
         return lp

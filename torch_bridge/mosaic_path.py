@@ -7,6 +7,9 @@ stream with raw pointers, reading ``q`` and writing a new output tensor in the e
 layer is therefore a KV write, one allocation and one raw launch: it costs a few microseconds of
 host time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
 
+Tables are kept per ``TableKey``: a layer shape ``(Hq, Hkv)`` over the step's plan, or
+``(Hq, Hkv, 1)`` over its chunked local virtual batch (``md.local``: Llama 4 ``use_irope`` layers).
+
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
 that every replay hook overwrites, so a captured graph reads the current step's tables.
 
@@ -37,6 +40,7 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
                    "capture. Run the bucket's forward once outside the capture first (a warm-up, as SGLang's "
                    "graph runner does): it compiles the kernel and learns the layer shapes the replay hooks "
                    "must prepare.")
+TableKey = Tuple[int, ...]  # (Hq, Hkv): the step's plan; (Hq, Hkv, 1): its local virtual batch (md.local)
 
 
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
@@ -63,11 +67,23 @@ def _padded(n: int) -> int:
     return -(-n // _WORDS) * _WORDS
 
 
-def flatten_tables(md, hq: int, hkv: int, config: Optional[MosaicConfig] = None):
-    """The kernel's tables of plan ``md`` as one i32 array (traced: inside the step's planner call,
-    or alone for a layer shape the planner did not know yet)."""
+def table_key(lp: LayerParams) -> TableKey:
+    """Which tables a layer reads: its head counts, and whether it runs on the local virtual batch."""
+    heads = (lp.num_q_heads, lp.num_kv_heads)
+    return heads + (1,) if lp.use_irope else heads
+
+
+def table_plan(md, key: TableKey):
+    """The plan the tables of ``key`` describe: the step's, or its local virtual batch."""
+    return md.local if len(key) > 2 else md
+
+
+def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None):
+    """The kernel's tables of step plan ``md`` for ``key`` as one i32 array (traced: inside the step's
+    planner call, or alone for a table key the planner did not know yet)."""
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
-    sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config)
+    md = table_plan(md, key)
+    sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config)
     parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
@@ -113,8 +129,8 @@ class MosaicPath:
         return None
 
     # ---- per step ---------------------------------------------------------------------------
-    def tables(self, step, heads: Tuple[int, int], flat: Optional[torch.Tensor] = None) -> Tables:
-        """The step's tables for layers of ``heads = (Hq, Hkv)``: one copy of ``flat`` (the step
+    def tables(self, step, heads: TableKey, flat: Optional[torch.Tensor] = None) -> Tables:
+        """The step's tables for layers of ``heads`` (a ``TableKey``): one copy of ``flat`` (the step
         planner's call made them and exported its buffer), else one JAX call and one export first.
 
         They go into a persistent buffer per (plan key, heads), so a captured graph and the bound
@@ -126,7 +142,7 @@ class MosaicPath:
             fn = self._table_fns.get(fn_key)
             if fn is None:
                 def flat_fn(words):
-                    return flatten_tables(step.layout.unpack(words), *heads, self.config)
+                    return flatten_tables(step.layout.unpack(words), heads, self.config)
                 fn = self._table_fns[fn_key] = jax.jit(flat_fn)
             flat = torch.from_dlpack(fn(step.words))  # torch's current stream waits for the JAX result
         buf_key = (step.key, heads, flat.device)
@@ -134,7 +150,7 @@ class MosaicPath:
         if hit is None:
             with torch.inference_mode(False):  # a normal tensor: later steps update it in place
                 buf = torch.empty_like(flat)
-            hit = self._views(buf, step.plan(), heads)
+            hit = self._views(buf, table_plan(step.plan(), heads), heads)
         self._persistent[buf_key] = hit  # most recent last
         if step.graph:
             self._pinned.add(buf_key)
@@ -148,7 +164,7 @@ class MosaicPath:
             gone = self._persistent.pop(k)
             self._calls = {ck: c for ck, c in self._calls.items() if c.tables is not gone}
 
-    def _views(self, flat: torch.Tensor, md, heads: Tuple[int, int]) -> Tables:
+    def _views(self, flat: torch.Tensor, md, heads: TableKey) -> Tables:
         b, p = md.page_table.shape
         pack = choose_pack(md, heads[0], heads[1], self.config)
         num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1)) // TILE_INFO_WORDS
@@ -240,10 +256,10 @@ class LayerHit:
 
     def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool):
         self.layer, self.lp, self.call, self.pool, self.buffers, self.no_sinks = layer, lp, call, pool, buffers, no_sinks
-        self.heads = (lp.num_q_heads, lp.num_kv_heads)
+        self.heads = table_key(lp)
         self.numel = (call.t * lp.num_q_heads * lp.head_dim, call.t * lp.num_kv_heads * lp.head_dim)  # q, k
 
-    def matches(self, layer, step_tables: Dict[Tuple[int, int], Tables], q, forward_batch, sinks) -> bool:
+    def matches(self, layer, step_tables: Dict[TableKey, Tables], q, forward_batch, sinks) -> bool:
         return (self.layer is layer and step_tables.get(self.heads) is self.call.tables
                 and q.shape[0] == self.call.t and q.numel() == self.numel[0] and (sinks is None) == self.no_sinks
                 and forward_batch.token_to_kv_pool is self.pool

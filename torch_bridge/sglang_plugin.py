@@ -36,7 +36,7 @@ Not covered (SGLang checks fixed lists of names in ``ServerArgs``, which no hook
 (``GptOssForCausalLM``), Llama 4, Exaone 4 and Moss-VL require named backends and reject
 ``jax_attn``; EAGLE with ``--speculative-eagle-topk > 1`` and ``--page-size > 1`` is refused for every
 backend but flashinfer and fa3; SGLang never picks ``jax_attn`` by itself. What the bridge itself
-does not run (MLA, Llama 4 local layers, ...) raises ``NotImplementedError``: ``docs/models.md``.
+does not run (MLA, hybrid SWA pools, ...) raises ``NotImplementedError``: ``docs/models.md``.
 
 Loading: installing this package (``pip install 'jax_attn[cuda,torch]'`` beside SGLang) declares the
 entry point ``jax_attn = torch_bridge.sglang_plugin:register`` in the group ``sglang.srt.plugins``.

@@ -31,31 +31,33 @@ from jax_attn.backend import PlanKey, guard_plan, plan_arrays
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
-from torch_bridge.checks import RunnerSettings, check_host_lengths
+from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
-from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, Tables, flatten_tables
+from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, TableKey, Tables, flatten_tables
 from torch_bridge.translate import UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, plan_locs
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanLayout:
-    """Where a plan's arrays (all int32) and launch tables sit in its one ``words`` buffer (static)."""
+    """Where a plan's int32 arrays (md.local's too) and launch tables sit in its one ``words`` buffer."""
 
     treedef: Any  # the plan's pytree structure (carries the static fields)
     shapes: Tuple[Tuple[int, ...], ...]  # each leaf's shape, in tree order
-    tables: Tuple[Tuple[Tuple[int, int], int], ...] = ()  # ((Hq, Hkv), words) of each launch table
+    tables: Tuple[Tuple[TableKey, int], ...] = ()  # (table key, words) of each launch table
     spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) of each leaf, then of each table, in words
+    local: bool = False  # the plan carries md.local (chunked local layers' virtual batch)
 
     @staticmethod
     def of(plan, tables=()) -> "PlanLayout":
-        """The layout of ``plan`` (arrays or their shapes) and ``((Hq, Hkv), flat table)`` pairs."""
+        """The layout of ``plan`` (arrays or their shapes) and ``(table key, flat table)`` pairs."""
         leaves, treedef = jax.tree_util.tree_flatten(plan)
         if any(jnp.dtype(x.dtype) != jnp.int32 for x in leaves):
             raise TypeError("a plan packed into one int32 buffer must hold int32 arrays only")
         shapes = tuple(tuple(x.shape) for x in leaves)
         sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
         ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
-        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())))
+        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())),
+                          getattr(plan, "local", None) is not None)
 
     @staticmethod
     def pack(plan, tables=()) -> jax.Array:
@@ -68,7 +70,7 @@ class PlanLayout:
         leaves = [words[a:b].reshape(shape) for shape, (a, b) in zip(self.shapes, self.spans)]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def table_range(self, heads: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+    def table_range(self, heads: TableKey) -> Optional[Tuple[int, int]]:
         for (h, _), span in zip(self.tables, self.spans[len(self.shapes):]):
             if h == heads:
                 return span
@@ -85,7 +87,7 @@ class Step:
     real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
-    tables: Dict[Tuple[int, int], Tables] = dataclasses.field(default_factory=dict)  # (Hq, Hkv) -> tables
+    tables: Dict[TableKey, Tables] = dataclasses.field(default_factory=dict)  # table key -> tables
 
     def plan(self):
         return self.layout.unpack(self.words)
@@ -104,7 +106,7 @@ class Packing:
     exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
     wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
     split: bool = False  # only rows and seq_lens, int64 (a replay of SGLang's static buffers)
-    heads: Tuple[Tuple[int, int], ...] = ()  # layer shapes whose launch tables come out of the call
+    heads: Tuple[TableKey, ...] = ()  # table keys whose launch tables come out of the call
 
     def sizes(self) -> Tuple[int, ...]:
         b = self.key.batch_size
@@ -144,10 +146,12 @@ class StepPlanner:
         self.device = importer_device(model_runner)
         self._jit = jax.jit(self._plan_fn, static_argnums=0)
         self.executables: Dict[tuple, Any] = {}  # (Packing, req_to_token shape) -> compiled planner
-        self.launch_heads: set = set()  # (Hq, Hkv) of launch-path layers: their tables come with each plan
+        self.launch_heads: set = set()  # table keys of launch-path layers: their tables come with each plan
         if mosaic_path is not None and settings.heads is not None and jax_backend.page_size % 8 == 0:
             # SGLang's model config names the layer shapes: their tables come with every plan
             self.launch_heads.add(settings.heads)
+            if settings.attention_chunk_size:  # a local-attention model's use_irope layers read md.local
+                self.launch_heads.add(settings.heads + (1,))
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.step: Optional[Step] = None
@@ -190,7 +194,7 @@ class StepPlanner:
         if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
             md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
         config = None if self.mosaic_path is None else self.mosaic_path.config
-        return md, tuple(flatten_tables(md, hq, hkv, config) for hq, hkv in pk.heads)
+        return md, tuple(flatten_tables(md, heads, config) for heads in pk.heads)
 
     def _run(self, pk: Packing, inputs):
         """(layout or layouts, words or tuple of words) of the planner call for ``pk``."""
@@ -228,7 +232,7 @@ class StepPlanner:
         if any(t.device != self.device for t in parts):
             raise ValueError(f"index tensors must be on the pools' device {self.device}")
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
-        heads = tuple(sorted(self.launch_heads)) if self._launches(pk.key) else ()
+        heads = self.table_keys(pk.key, plans_local(pk.key) and not pk.all_steps)
         pk = dataclasses.replace(pk, wide=wide, heads=heads)
         if pk.split:  # one concat, one import
             inputs = [as_words(torch.cat([rows, lens]))]
@@ -246,8 +250,11 @@ class StepPlanner:
             return list(zip(layout, words))
         self.install(pk.key, layout, words, real_tokens, draft_steps, graph)
 
-    def _launches(self, key: PlanKey) -> bool:
-        return self.mosaic_path is not None and key.topk == 1 and bool(self.launch_heads)
+    def table_keys(self, key: PlanKey, local: bool) -> Tuple[TableKey, ...]:
+        """The launch tables a step of ``key`` brings (``local``: its plan carries md.local)."""
+        if self.mosaic_path is None or key.topk != 1:
+            return ()
+        return tuple(sorted(h for h in self.launch_heads if local or len(h) == 2))
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,
                 graph: bool = False) -> Step:
@@ -257,16 +264,17 @@ class StepPlanner:
             self.step = None  # a bad step raises here, before any layer writes the cache
             safety.check(step.plan(), "torch_bridge plan")
         self.step = step
-        if self.mosaic_path is not None and key.topk == 1 and self.launch_heads:
+        keys = self.table_keys(key, layout.local)
+        if keys:
             exported = torch.from_dlpack(words) if layout.tables else None  # one export for every table
-            for heads in self.launch_heads:
+            for heads in keys:
                 span = layout.table_range(heads)
                 flat = None if span is None else exported[span[0]:span[1]]
                 step.tables[heads] = self.mosaic_path.tables(step, heads, flat)
         return step
 
-    def tables(self, step: Step, heads: Tuple[int, int]) -> Tables:
-        """The launch tables of a layer shape first seen in this step (the next plans bring them)."""
+    def tables(self, step: Step, heads: TableKey) -> Tables:
+        """The launch tables of a table key first seen in this step (the next plans bring them)."""
         if capturing():
             raise RuntimeError(WARM_UP_MESSAGE)
         tables = step.tables[heads] = self.mosaic_path.tables(step, heads, None)

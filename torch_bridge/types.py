@@ -10,7 +10,9 @@ these. The bridge reads exactly the attributes listed here and nothing else:
   ``server_args.speculative_num_draft_tokens``, ``server_args.enable_deterministic_inference``;
   optional ``attention_impl`` (jax_attn ``impl``), ``sliding_window_size`` (>= 0: tree verify plans
   the sliding-window table), ``model_config.max_encoder_len`` (a tighter static encoder bound than
-  the request table's width) and the settings that raise (``docs/sglang_contract.md``).
+  the request table's width), ``model_config.is_local_attention_model`` with
+  ``attention_chunk_size`` (the runner's, else the model config's: Llama 4 chunked local layers) and
+  the settings that raise (``docs/sglang_contract.md``).
 ``ForwardBatch``
   ``forward_mode``, ``batch_size``, ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``
   (tree draft decode at planning time: ``[bs, topk, num_steps]`` flattened), ``extend_seq_lens``
@@ -23,7 +25,7 @@ these. The bridge reads exactly the attributes listed here and nothing else:
 ``RadixAttention`` layer
   ``tp_q_head_num``, ``tp_k_head_num``, ``tp_v_head_num``, ``head_dim``, ``v_head_dim``,
   ``scaling``, ``logit_cap``, ``sliding_window_size``, ``is_cross_attention``, ``attn_type``,
-  ``use_irope`` (raises in a local-attention model), ``layer_id``, ``k_scale_float`` /
+  ``use_irope`` (a chunked local layer in a local-attention model), ``layer_id``, ``k_scale_float`` /
   ``v_scale_float`` (or ``k_scale`` / ``v_scale``).
 ``token_to_kv_pool``
   ``get_kv_buffer(layer_id) -> (k_buffer, v_buffer)`` of ``[num_slots, Hkv, D]`` persistent
@@ -51,6 +53,8 @@ __all__ = [
 class ModelConfig:
     context_len: int
     max_encoder_len: int = 0  # static bound on encoder lengths (cross attention); 0 = none
+    is_local_attention_model: bool = False  # Llama 4: use_irope layers attend their own chunk only
+    attention_chunk_size: Optional[int] = None  # the chunk (tokens, a multiple of page_size) of those layers
 
 
 @dataclasses.dataclass
@@ -170,7 +174,7 @@ class RadixAttention:
     sliding_window_size: int = -1
     is_cross_attention: bool = False
     attn_type: str = "DECODER"  # or "ENCODER_ONLY" (bidirectional); SGLang's AttentionType by name
-    use_irope: bool = False  # Llama 4 chunked local layer (raises in a local-attention model)
+    use_irope: bool = False  # Llama 4 chunked local layer (in a local-attention model; else full attention)
     k_scale_float: Optional[float] = None
     v_scale_float: Optional[float] = None
 
