@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one go: gpu-marked tests, the 1B-class example decode, the
-# host-overhead figure and the kernel benchmark. Logs go to $OUT (default ./out).
+# Everything that needs the GPU, in one go: gpu-marked tests, the SGLang engine-contract suite on cuda,
+# the 1B-class example decode, the host-overhead figure and the kernel benchmark. Logs go to $OUT
+# (default ./out).
 # Usage (repo root, peers fetched into .peers by benchmarks/fetch_peers.sh and unpacked with
 # `eval "$(bash .peers/peer_site.sh .peers)"`):
-#   bash benchmarks/run_gpu_suite.sh [tests|compiled|example|host|timeline|bench|all]...
+#   bash benchmarks/run_gpu_suite.sh [tests|contract|compiled|example|host|timeline|bench|all]...
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -20,7 +21,13 @@ run() {  # name, command...
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
 # -n 4 when pytest-xdist is there: the Mosaic cases are bound by compile time.
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
-has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider "${xdist[@]}"
+# (tests/sglang_contract/test_gpu.py would run the whole contract suite again: that is the contract step)
+has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider "${xdist[@]}" \
+  --ignore=tests/sglang_contract/test_gpu.py
+# The SGLang engine-contract suite with every tensor on cuda (tests/sglang_contract/device.py), the bridge's
+# compiled kernels, real torch.cuda.graph capture where the bridge supports it.
+has contract && run contract env JAX_ATTN_CONTRACT_DEVICE=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests/sglang_contract "${xdist[@]}"
 # The backend / speculative suites again, kernels compiled for the GPU instead of interpreted.
 has compiled && run compiled python3 -m pytest -q -x -p no:cacheprovider tests/test_backend.py tests/test_spec.py \
   -k "triton or tree or multistep"

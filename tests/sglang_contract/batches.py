@@ -14,6 +14,9 @@ query row may see. Layouts followed:
   branch ``k`` step ``s`` at column ``seq_len + k * num_steps + s`` (``assign_draft_cache_locs``);
   page size > 1 with topk > 1: slots of pages no request owns (SGLang's per-branch pages).
 * draft extend: ``seq_lens`` include the accepted tokens; lengths are ``num_accepted_tokens``.
+
+Tensors go to ``device.DEVICE`` (``i64`` / ``i32`` / ``dev``); SGLang's host copies (``seq_lens_cpu``,
+``seq_lens_for_draft_extend_cpu``, the ``*_cpu`` lists) stay on the host (``cpu_i64``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from tests.sglang_contract.device import DEVICE
 from tests.sglang_contract.engine import CaptureHiddenMode, ForwardBatch, ForwardMode, ServerArgs
 from tests.sglang_contract.spec_inputs import EagleDraftInput, EagleVerifyInput, NgramVerifyInput
 from tests.sglang_contract.reference64 import causal_rows, full_rows, tree_rows
@@ -60,11 +64,20 @@ class Expect:
 
 
 def i64(x) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(x, np.int64))
+    return torch.as_tensor(np.asarray(x, np.int64), device=DEVICE)
 
 
 def i32(x) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(x, np.int32))
+    return torch.as_tensor(np.asarray(x, np.int32), device=DEVICE)
+
+
+def cpu_i64(x) -> torch.Tensor:
+    """A host tensor (SGLang's ``*_cpu`` tensors stay on the CPU whatever the device)."""
+    return torch.as_tensor(np.asarray(x, np.int64))
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    return t.to(DEVICE)
 
 
 def _concat(parts, dtype=np.int64) -> np.ndarray:
@@ -102,9 +115,10 @@ def _causal(world: World, reqs: Sequence[Req]):
 
 def _base(world: World, reqs: Sequence[Req], mode: ForwardMode, seq_lens, loc, **kw) -> ForwardBatch:
     seq_lens = np.asarray(seq_lens, np.int64)
-    fb = ForwardBatch(forward_mode=mode, batch_size=len(reqs), input_ids=torch.zeros(len(loc), dtype=torch.int64),
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(reqs),
+                      input_ids=torch.zeros(len(loc), dtype=torch.int64, device=DEVICE),
                       req_pool_indices=i64([r.row for r in reqs]), seq_lens=i64(seq_lens), out_cache_loc=i64(loc),
-                      seq_lens_sum=int(seq_lens.sum()), seq_lens_cpu=i64(seq_lens),
+                      seq_lens_sum=int(seq_lens.sum()), seq_lens_cpu=cpu_i64(seq_lens),
                       req_to_token_pool=world.req_pool, token_to_kv_pool=world.kv,
                       spec_algorithm=world.runner.spec_algorithm, capture_hidden_mode=CaptureHiddenMode.NULL, **kw)
     fb.num_token_non_padded_cpu = len(loc)
@@ -168,18 +182,18 @@ def verify_step(world: World, reqs: Sequence[Req], *, chain: bool, ngram: bool =
     blocks = [np.concatenate([np.ones((n, r.prefix), bool), m], axis=1) for r, (m, _) in zip(reqs, trees)]
     ex = _expect(world, reqs, [(tree_rows(r2t, r.row, r.prefix, block), r.prefix + depth)
                                for r, block, (_, depth) in zip(reqs, blocks, trees)])
-    custom = torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks]))
+    custom = dev(torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks])))
     seq_lens = np.array([r.prefix for r in reqs], np.int64)
     positions, bs = i64(ex.positions), len(reqs)
     args = world.runner.server_args
+    draft_token = torch.zeros(bs * n, dtype=torch.int64, device=DEVICE)
+    retrieve = [torch.full((bs, n), -1, device=DEVICE) for _ in range(3)]  # index, next token, next sibling
     if ngram:
-        spec = NgramVerifyInput(torch.zeros(bs * n, dtype=torch.int64), custom, positions,
-                                torch.full((bs, n), -1), torch.full((bs, n), -1), torch.full((bs, n), -1), n)
+        spec = NgramVerifyInput(draft_token, custom, positions, *retrieve, n)
     else:
-        spec = EagleVerifyInput(torch.zeros(bs * n, dtype=torch.int64), custom, positions, torch.full((bs, n), -1),
-                                torch.full((bs, n), -1), torch.full((bs, n), -1), None, args.speculative_num_steps,
+        spec = EagleVerifyInput(draft_token, custom, positions, *retrieve, None, args.speculative_num_steps,
                                 args.speculative_eagle_topk, n, CaptureHiddenMode.FULL, int(seq_lens.sum()),
-                                i64(seq_lens))
+                                cpu_i64(seq_lens))
     fb = _base(world, reqs, ForwardMode.TARGET_VERIFY, seq_lens, ex.loc, positions=positions, spec_info=spec)
     return fb, ex
 
@@ -192,12 +206,12 @@ def draft_extend_step(world: World, reqs: Sequence[Req]):
     seq_lens = np.array([r.prefix + r.new for r in reqs], np.int64)
     steps = world.runner.server_args.speculative_num_steps
     spec = EagleDraftInput(hidden_states=world.rand(int(acc.sum()), 8), capture_hidden_mode=CaptureHiddenMode.LAST,
-                           verified_id=torch.zeros(int(acc.sum()), dtype=torch.int32),
+                           verified_id=torch.zeros(int(acc.sum()), dtype=torch.int32, device=DEVICE),
                            num_accepted_drafts=i32(acc - 1), num_accepted_tokens=i32(acc),
                            num_accepted_drafts_cpu=[int(a) - 1 for a in acc],
                            num_accepted_tokens_cpu=[int(a) for a in acc], num_tokens_per_req=steps + 1,
                            num_tokens_for_logprob_per_req=1, seq_lens_for_draft_extend=i64(seq_lens),
-                           seq_lens_for_draft_extend_cpu=i64(seq_lens),
+                           seq_lens_for_draft_extend_cpu=cpu_i64(seq_lens),
                            req_pool_indices_for_draft_extend=i64([r.row for r in reqs]))
     fb = _base(world, reqs, ForwardMode.DRAFT_EXTEND, seq_lens, ex.loc, positions=i64(ex.positions),
                spec_info=spec)
@@ -243,11 +257,12 @@ def draft_round(world: World, reqs: Sequence[Req], topk: int, num_steps: int):
         pos = np.repeat([r.prefix + i for r in reqs], topk)
         expects.append(Expect(rows, rows, [np.zeros(0, np.int64)] * len(rows), seq, pos, branch[:, :, i].reshape(-1)))
     seq_lens = np.array([r.prefix for r in reqs], np.int64)
-    spec = EagleDraftInput(topk_p=torch.rand(bs, topk), topk_index=torch.zeros(bs, topk, dtype=torch.int64),
+    spec = EagleDraftInput(topk_p=dev(torch.rand(bs, topk)),
+                           topk_index=torch.zeros(bs, topk, dtype=torch.int64, device=DEVICE),
                            hidden_states=world.rand(bs, 8), capture_hidden_mode=CaptureHiddenMode.LAST)
     fb = _base(world, reqs, ForwardMode.DECODE, seq_lens, branch.reshape(-1),
                positions=i64(np.repeat(seq_lens, topk)), spec_info=spec)
-    fb.input_ids = torch.zeros(bs * topk, dtype=torch.int64)  # one query token per branch
+    fb.input_ids = torch.zeros(bs * topk, dtype=torch.int64, device=DEVICE)  # one query token per branch
     fb.capture_hidden_mode = CaptureHiddenMode.LAST
     return fb, expects
 

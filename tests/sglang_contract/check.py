@@ -11,45 +11,55 @@ float64 oracle per sequence and per row, and the KV pools to bit-identity outsid
     ``encoder_out_cache_loc``; nothing when ``save_kv_cache=False``).
 
 Graph replays pass ``pad_to`` (the bucket's token count: padding rows get activations of their own
-and write the reserved slot 0) and ``eager`` (the eager outputs the replay must reproduce).
+and write the reserved slot 0) and ``eager`` (the eager outputs the replay must reproduce); a replay
+of a real ``torch.cuda.graph`` passes ``forward`` (copy the activations into the graph's static
+buffers, replay it) instead of calling the layers.
+
+Tensors live on ``device.DEVICE``; outputs, activations and pools reach the oracle through ``host64``.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from tests.sglang_contract.batches import Expect, step_locs
+from tests.sglang_contract.device import ON_CUDA, host64
 from tests.sglang_contract.reference64 import attention64, chunk_local
-from tests.sglang_contract.world import HKV, HQ, TOL, D, LayerSpec, World, as_bits, with_writes
+from tests.sglang_contract.world import HKV, HQ, TOL, LayerSpec, World, as_bits, with_writes
 
 QKV = Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
-REPLAY_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # replay vs eager, per row
+Forward = Callable[[object, List[QKV]], List[torch.Tensor]]  # forward(graph batch, activations) -> outputs
+# replay vs eager, per row and dtype: CPU (interpret mode) and CUDA (compiled kernels)
+_REPLAY_TOL = {"cpu": {torch.float32: 1e-5, torch.bfloat16: 1e-2},
+               "cuda": {torch.float32: 1e-5, torch.bfloat16: 1e-2}}
+REPLAY_TOL = _REPLAY_TOL["cuda" if ON_CUDA else "cpu"]
 
 
 def fused_qkv(world: World, tokens: int) -> QKV:
     """``q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)`` as SGLang's models make them:
     strided views of one projection output, not contiguous tensors."""
-    return world.rand(tokens, (HQ + 2 * HKV) * D).split([HQ * D, HKV * D, HKV * D], dim=-1)
+    d = world.head_dim
+    return world.rand(tokens, (HQ + 2 * HKV) * d).split([HQ * d, HKV * d, HKV * d], dim=-1)
 
 
 def make_qkv(world: World, spec: LayerSpec, ex: Expect) -> QKV:
     """Activations of one layer: ``q [T, Hq * D]``; ``k, v [T, Hkv * D]`` (cross layers: one row per
     encoder token written this step, or None when the encoder is cached, as SGLang passes them)."""
-    t = ex.num_tokens
+    t, d = ex.num_tokens, world.head_dim
     if spec.cross:
-        q = world.rand(t, HQ * D)
+        q = world.rand(t, HQ * d)
         if ex.enc_loc is None:
             return q, None, None
-        return (q, *world.rand(len(ex.enc_loc), 2 * HKV * D).split([HKV * D, HKV * D], dim=-1))
+        return (q, *world.rand(len(ex.enc_loc), 2 * HKV * d).split([HKV * d, HKV * d], dim=-1))
     return fused_qkv(world, t)
 
 
 def random_qkv(world: World, tokens: int) -> List[QKV]:
     """Activations of a graph-capture run (cross layers: encoder cached, ``k = v = None``)."""
-    return [(world.rand(tokens, HQ * D), None, None) if spec.cross else fused_qkv(world, tokens)
+    return [(world.rand(tokens, HQ * world.head_dim), None, None) if spec.cross else fused_qkv(world, tokens)
             for spec in world.specs]
 
 
@@ -84,7 +94,8 @@ def unified_attention_with_output(layer, q, k, v, fb, save_kv_cache, **kw):
     result is copied into it when the backend returned another tensor."""
     k = None if k is None else k.view(-1, layer.tp_k_head_num, layer.qk_head_dim)
     v = None if v is None else v.view(-1, layer.tp_v_head_num, layer.v_head_dim)
-    output = torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float("nan"), dtype=q.dtype)
+    output = torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float("nan"), dtype=q.dtype,
+                        device=q.device)
     fb._attn_output = output[:q.shape[0]]  # SGLang leaves it set on the batch
     ret = fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache, **kw)
     if ret.data_ptr() != output.data_ptr():
@@ -105,11 +116,11 @@ def reference(world: World, pools, qkvs: Sequence[QKV], ex: Expect) -> List[np.n
     """Oracle outputs ``[T, Hq * D]`` per layer from the expected pools."""
     refs = []
     for spec, (k_pool, v_pool), (q, _, _), sinks in zip(world.specs, pools, qkvs, world.sinks):
-        q64 = q[:ex.num_tokens].double().numpy().reshape(ex.num_tokens, HQ, D)
-        out = attention64(q64, k_pool.double().numpy(), v_pool.double().numpy(), layer_rows(world, spec, ex),
+        q64 = host64(q[:ex.num_tokens]).reshape(ex.num_tokens, HQ, world.head_dim)
+        out = attention64(q64, host64(k_pool), host64(v_pool), layer_rows(world, spec, ex),
                           scale=spec.scaling, softcap=spec.softcap, window=-1 if spec.cross else spec.window,
-                          sinks=None if sinks is None else sinks.double().numpy())
-        refs.append(out.reshape(ex.num_tokens, HQ * D))
+                          sinks=None if sinks is None else host64(sinks))
+        refs.append(out.reshape(ex.num_tokens, HQ * world.head_dim))
     return refs
 
 
@@ -123,7 +134,7 @@ def check_rows(got: torch.Tensor, want: np.ndarray, ex: Expect, tol: float, what
     t = ex.num_tokens
     assert got.dim() == 2 and got.shape[0] >= t and got.shape[1] == want.shape[1], (
         f"{what}: output {tuple(got.shape)} must be [{t}(+padding), {want.shape[1]}] (tokens, Hq * v_head_dim)")
-    err = row_errors(got[:t].double().numpy(), want)
+    err = row_errors(host64(got[:t]), want)
     bad = np.flatnonzero(~(err < tol))
     if bad.size:
         lines = [f"seq {s}: rows {bad[ex.seq[bad] == s].tolist()} max rel err {np.max(err[ex.seq == s]):.3g}"
@@ -153,9 +164,10 @@ def pad_qkv(world: World, qkvs: Sequence[QKV], tokens: int) -> List[QKV]:
 
 def check_step(world: World, backend, fb, ex: Expect, *, what: str, plan: bool = True, save_kv_cache: bool = True,
                qkvs: Optional[Sequence[QKV]] = None, pad_to: Optional[int] = None,
-               eager: Optional[Sequence[torch.Tensor]] = None,
-               piecewise: bool = False) -> Tuple[List[torch.Tensor], List[QKV]]:
-    """Run one forward of every layer and check outputs and pools; returns ``(outputs, activations)``."""
+               eager: Optional[Sequence[torch.Tensor]] = None, piecewise: bool = False,
+               forward: Optional[Forward] = None) -> Tuple[List[torch.Tensor], List[QKV]]:
+    """Run one forward of every layer and check outputs and pools; returns ``(outputs, activations)``.
+    ``forward(fb, activations)``: a captured graph's replay in place of the layer calls."""
     qkvs = list(qkvs) if qkvs is not None else [make_qkv(world, s, ex) for s in world.specs]
     writes = writes_of(world, ex, qkvs)
     if not save_kv_cache:  # the model stored K/V itself (SGLang's fused rope + KV-store kernels)
@@ -169,7 +181,10 @@ def check_step(world: World, backend, fb, ex: Expect, *, what: str, plan: bool =
     fb.attn_backend = backend
     if plan:
         backend.init_forward_metadata(fb)
-    outs = forward_layers(world, fb, run, save_kv_cache, piecewise)
+    if forward is None:
+        outs = forward_layers(world, fb, run, save_kv_cache, piecewise)
+    else:
+        outs = forward(fb, run)
     check_untouched(run, kept, what)
     world.check_pools(expected, what, free=() if pad_to is None else (0,))
     tol = TOL[world.dtype]
@@ -177,17 +192,19 @@ def check_step(world: World, backend, fb, ex: Expect, *, what: str, plan: bool =
         assert out.dtype == world.dtype, f"{what}: layer {i} output {out.dtype}, activations {world.dtype}"
         check_rows(out, ref, ex, tol, f"{what} layer {i} ({world.specs[i]})")
         if eager is not None:
-            check_rows(out, eager[i][:ex.num_tokens].double().numpy(), ex, REPLAY_TOL[world.dtype],
+            check_rows(out, host64(eager[i][:ex.num_tokens]), ex, REPLAY_TOL[world.dtype],
                        f"{what} layer {i}: replay vs eager")
     return outs, qkvs
 
 
-def check_draft_round(world: World, multi, fb, expects: Sequence[Expect], *, what: str, replay=None):
+def check_draft_round(world: World, multi, fb, expects: Sequence[Expect], *, what: str, replay=None,
+                      forwards: Optional[Sequence[Forward]] = None):
     """``EAGLEWorker.draft_forward``: step ``i`` runs on ``multi.attn_backends[i]`` with ``out_cache_loc[i]``.
 
     Eager (``replay`` None): one ``init_forward_metadata`` with every step's slots first. Replay:
     ``fb`` is the graph's static batch, already planned by the replay hook, and ``replay`` holds the
-    eager round's per-step ``(outputs, activations)`` to reproduce. Returns per step the same pair."""
+    eager round's per-step ``(outputs, activations)`` to reproduce; ``forwards[i]`` replays step ``i``'s
+    captured graph (real ``torch.cuda.graph``). Returns per step the same pair."""
     args = world.runner.server_args
     full = fb.out_cache_loc
     if replay is None:
@@ -197,6 +214,8 @@ def check_draft_round(world: World, multi, fb, expects: Sequence[Expect], *, wha
     for i, ex in enumerate(expects):
         fb.out_cache_loc = per_step[i]
         kw = {} if replay is None else dict(qkvs=replay[i][1], eager=replay[i][0], pad_to=per_step.shape[1])
+        if forwards is not None:
+            kw["forward"] = forwards[i]
         results.append(check_step(world, multi.attn_backends[i], fb, ex, plan=False, what=f"{what} step {i}", **kw))
     fb.out_cache_loc = full
     return results

@@ -6,7 +6,7 @@ Written by reading ``sglang/srt`` 0.5.11 (``model_executor/forward_batch_info.py
 not from ``torch_bridge.types``: an attribute SGLang lacks is absent here too (``ModelConfig`` has no
 ``max_encoder_len``, ``ModelRunner`` no ``attention_impl``). The speculative inputs are in
 ``spec_inputs``. Only the attributes the FlashAttention backend, the model runner and the graph
-runners touch are modelled; everything is on the CPU.
+runners touch are modelled; devices are the caller's (``world`` passes ``device.DEVICE``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,21 @@
-"""SGLang 0.5.11's CUDA-graph runners on the CPU: their static buffers, call order and padding.
+"""SGLang 0.5.11's CUDA-graph runners: their static buffers, call order and padding.
 
 Read from ``model_executor/cuda_graph_runner.py`` (decode / target verify),
 ``speculative/eagle_draft_cuda_graph_runner.py`` (draft decode, multi-step backend) and
-``speculative/eagle_draft_extend_cuda_graph_runner.py`` (draft extend). There is no
-``torch.cuda.graph`` here: "capture" runs the model once right after the capture hook on a batch of
-static buffers, "replay" fills the buffers as SGLang's ``replay`` / ``replay_prepare`` do, calls the
-replay hook, and returns that same static batch for the caller to run the model on again.
+``speculative/eagle_draft_extend_cuda_graph_runner.py`` (draft extend). By default there is no
+``torch.cuda.graph``: "capture" runs the model right after the capture hook on a batch of static
+buffers, "replay" fills the buffers as SGLang's ``replay`` / ``replay_prepare`` do, calls the replay
+hook, and returns that same static batch for the caller to run the model on again. That is the only
+way on the CPU, and on a GPU for layers the bridge runs through JAX (a JAX computation cannot be
+captured; the bridge raises inside a capture).
+
+``real=True`` (CUDA only; layers on the bridge's Mosaic launch path, which torch can capture): capture
+warms the bucket up twice as SGLang does, then records the model in a real ``torch.cuda.graph`` per
+bucket (and per part: draft decode captures one graph per draft step, so that each step's writes can
+be checked on their own); ``launch(bs, part)`` replays it after the caller's ``replay`` and returns the
+outputs the capture allocated. The model then reads its activations from static buffers of its own.
+
+Buffers live on ``device.DEVICE`` except ``seq_lens_cpu``, which SGLang keeps on the host.
 
 Padding (read from SGLang): ``seq_lens`` filled with ``get_cuda_graph_seq_len_fill_value()``,
 ``req_pool_indices`` and ``out_cache_loc`` with 0 (the draft-decode runner zeroes
@@ -17,14 +27,25 @@ with ``num_tokens_per_bs`` and passes the whole (max_bs) buffers to the replay h
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Dict, Sequence
+import functools
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
+from tests.sglang_contract.device import DEVICE, synchronize
 from tests.sglang_contract.engine import CaptureHiddenMode, ForwardBatch, ForwardMode, ModelRunner
 from tests.sglang_contract.spec_inputs import EagleDraftInput, EagleVerifyInput, NgramVerifyInput
 
-Model = Callable[[ForwardBatch, int], object]  # model(graph batch, num query tokens)
+Model = Callable[[ForwardBatch, int], object]  # model(graph batch, num query tokens) -> outputs
+
+
+def capture_cuda_graph(fn: Callable[[], Any]) -> Tuple[Callable[[], None], Any]:
+    """Record ``fn()`` in a ``torch.cuda.graph`` (on torch's capture stream; nothing runs): returns
+    ``(replay, what fn returned)``, the latter being tensors the graph's replays overwrite."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
 
 
 def _batch(runner: ModelRunner, **kw) -> ForwardBatch:
@@ -35,29 +56,47 @@ def _batch(runner: ModelRunner, **kw) -> ForwardBatch:
 class _Runner:
     """Shared buffers of the three runners (``DecodeInputBuffers`` / ``Eagle*InputBuffers``)."""
 
-    def __init__(self, runner: ModelRunner, capture_bs: Sequence[int], num_tokens_per_bs: int, fill: int):
+    def __init__(self, runner: ModelRunner, capture_bs: Sequence[int], num_tokens_per_bs: int, fill: int,
+                 real: bool = False):
         self.runner, self.capture_bs = runner, sorted(capture_bs)
         self.num_tokens_per_bs, self.fill = num_tokens_per_bs, fill
         self.max_bs = max(self.capture_bs)
         self.max_num_token = self.max_bs * num_tokens_per_bs
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64)
-        self.seq_lens = torch.full((self.max_bs,), fill, dtype=torch.int32)
-        self.seq_lens_cpu = torch.full((self.max_bs,), fill, dtype=torch.int32)
-        self.positions = torch.zeros(self.max_num_token, dtype=torch.int64)
-        self.input_ids = torch.zeros(self.max_num_token, dtype=torch.int64)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=DEVICE)
+        self.seq_lens = torch.full((self.max_bs,), fill, dtype=torch.int32, device=DEVICE)
+        self.seq_lens_cpu = torch.full((self.max_bs,), fill, dtype=torch.int32)  # host, as in SGLang
+        self.positions = torch.zeros(self.max_num_token, dtype=torch.int64, device=DEVICE)
+        self.input_ids = torch.zeros(self.max_num_token, dtype=torch.int64, device=DEVICE)
         self.graphs: Dict[int, ForwardBatch] = {}
+        self.real = real
+        self.cuda_graphs: Dict[Tuple[int, int], Tuple[Callable[[], None], Any]] = {}  # (bs, part) -> (replay, out)
 
     def bucket(self, raw_bs: int) -> int:
         return self.capture_bs[bisect.bisect_left(self.capture_bs, raw_bs)]
 
-    def capture(self, model: Model) -> None:
-        """Largest bucket first (SGLang captures in reverse for memory sharing); per bucket the model
-        runs twice after the capture hook: a warm-up run (SGLang makes two) and the captured one."""
+    def capture(self, *parts: Model) -> None:
+        """Largest bucket first (SGLang captures in reverse for memory sharing). Per bucket, after the
+        capture hook, the model (its ``parts`` in order) runs twice: a warm-up run (SGLang makes two) and
+        the captured one; ``real``: two warm-up runs, then each part recorded in its own CUDA graph."""
         for bs in reversed(self.capture_bs):
             fb = self._capture_one(bs)
+            n = bs * self.num_tokens_per_bs
             for _ in range(2):
-                model(fb, bs * self.num_tokens_per_bs)
+                for model in parts:
+                    model(fb, n)
+            if self.real:
+                for part, model in enumerate(parts):
+                    synchronize()
+                    self.cuda_graphs[(bs, part)] = capture_cuda_graph(functools.partial(model, fb, n))
             self.graphs[bs] = fb
+
+    def launch(self, bs: int, part: int = 0):
+        """``real``: replay bucket ``bs``'s graph of ``part`` (after ``replay`` prepared the bucket) and
+        return the outputs its capture allocated, ready for reading."""
+        replay, out = self.cuda_graphs[(bs, part)]
+        replay()
+        synchronize()
+        return out
 
     def _copy_common(self, fb: ForwardBatch, raw_bs: int, bs: int) -> None:
         self.req_pool_indices[:raw_bs].copy_(fb.req_pool_indices)
@@ -72,19 +111,20 @@ class CudaGraphRunner(_Runner):
     """``cuda_graph_runner.CudaGraphRunner``: DECODE, or TARGET_VERIFY on a speculative server. IDLE
     batches (``batch_size`` 0) replay the smallest bucket with the captured mode, all rows padding."""
 
-    def __init__(self, runner: ModelRunner, attn_backend, capture_bs: Sequence[int]):
+    def __init__(self, runner: ModelRunner, attn_backend, capture_bs: Sequence[int], *, real: bool = False):
         args = runner.server_args
         self.mode, ntpb = ForwardMode.DECODE, 1
         if runner.spec_algorithm.is_speculative():
             self.mode, ntpb = ForwardMode.TARGET_VERIFY, args.speculative_num_draft_tokens
         self.attn_backend = attn_backend
         attn_backend.init_cuda_graph_state(max(capture_bs), max(capture_bs) * ntpb)
-        super().__init__(runner, capture_bs, ntpb, attn_backend.get_cuda_graph_seq_len_fill_value())
-        self.out_cache_loc = torch.zeros(self.max_num_token, dtype=torch.int64)
-        self.custom_mask = torch.ones((self.max_bs * self.fill + self.max_num_token) * ntpb, dtype=torch.bool)
+        super().__init__(runner, capture_bs, ntpb, attn_backend.get_cuda_graph_seq_len_fill_value(), real)
+        self.out_cache_loc = torch.zeros(self.max_num_token, dtype=torch.int64, device=DEVICE)
+        self.custom_mask = torch.ones((self.max_bs * self.fill + self.max_num_token) * ntpb, dtype=torch.bool,
+                                      device=DEVICE)
         config = runner.model_config
-        self.encoder_lens = (torch.full((self.max_bs,), config.hf_config.max_source_positions, dtype=torch.int32)
-                             if config.is_encoder_decoder else None)
+        self.encoder_lens = (torch.full((self.max_bs,), config.hf_config.max_source_positions, dtype=torch.int32,
+                                        device=DEVICE) if config.is_encoder_decoder else None)
 
     def _spec_info(self):
         args, algo = self.runner.server_args, self.runner.spec_algorithm
@@ -139,18 +179,18 @@ class EAGLEDraftCudaGraphRunner(_Runner):
     """``eagle_draft_cuda_graph_runner``: draft decode through ``FlashAttentionMultiStepBackend``;
     ``out_cache_loc`` holds every step's slots, ``[bs, topk, num_steps]``."""
 
-    def __init__(self, runner: ModelRunner, draft_attn_backend, capture_bs: Sequence[int]):
+    def __init__(self, runner: ModelRunner, draft_attn_backend, capture_bs: Sequence[int], *, real: bool = False):
         args = runner.server_args
         self.topk, self.num_steps = args.speculative_eagle_topk, args.speculative_num_steps
         self.draft_attn_backend = draft_attn_backend
         draft_attn_backend.init_cuda_graph_state(max(capture_bs), max(capture_bs) * self.topk)
         super().__init__(runner, capture_bs, self.topk,
-                         draft_attn_backend.attn_backends[0].get_cuda_graph_seq_len_fill_value())
-        self.out_cache_loc = torch.zeros(self.max_num_token * self.num_steps, dtype=torch.int64)
-        self.extend_seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int32)
-        self.topk_p = torch.zeros(self.max_bs, self.topk)
-        self.topk_index = torch.zeros(self.max_bs, self.topk, dtype=torch.int64)
-        self.hidden_states = torch.zeros(self.max_bs, 8)
+                         draft_attn_backend.attn_backends[0].get_cuda_graph_seq_len_fill_value(), real)
+        self.out_cache_loc = torch.zeros(self.max_num_token * self.num_steps, dtype=torch.int64, device=DEVICE)
+        self.extend_seq_lens = torch.full((self.max_bs,), self.fill, dtype=torch.int32, device=DEVICE)
+        self.topk_p = torch.zeros(self.max_bs, self.topk, device=DEVICE)
+        self.topk_index = torch.zeros(self.max_bs, self.topk, dtype=torch.int64, device=DEVICE)
+        self.hidden_states = torch.zeros(self.max_bs, 8, device=DEVICE)
 
     def _capture_one(self, bs: int) -> ForwardBatch:
         n = bs * self.num_tokens_per_bs
@@ -194,17 +234,17 @@ class EAGLEDraftExtendCudaGraphRunner(_Runner):
     ``num_tokens_per_bs = num_steps + 1``."""
 
     def __init__(self, runner: ModelRunner, attn_backend, capture_bs: Sequence[int],
-                 forward_mode: ForwardMode = ForwardMode.DRAFT_EXTEND):
+                 forward_mode: ForwardMode = ForwardMode.DRAFT_EXTEND, *, real: bool = False):
         self.attn_backend, self.forward_mode = attn_backend, forward_mode
         ntpb = runner.server_args.speculative_num_steps + 1
         attn_backend.init_cuda_graph_state(max(capture_bs), max(capture_bs) * ntpb)
-        super().__init__(runner, capture_bs, ntpb, attn_backend.get_cuda_graph_seq_len_fill_value())
+        super().__init__(runner, capture_bs, ntpb, attn_backend.get_cuda_graph_seq_len_fill_value(), real)
         self.extend_seq_lens_cpu = [ntpb] * self.max_bs
-        self.out_cache_loc = torch.ones(self.max_num_token, dtype=torch.int64)
-        self.extend_seq_lens = torch.full((self.max_bs,), ntpb, dtype=torch.int32)
-        self.num_accepted_drafts = torch.full((self.max_bs,), ntpb, dtype=torch.int32)
-        self.num_accepted_tokens = torch.full((self.max_bs,), ntpb, dtype=torch.int32)
-        self.hidden_states = torch.zeros(self.max_num_token, 8)
+        self.out_cache_loc = torch.ones(self.max_num_token, dtype=torch.int64, device=DEVICE)
+        self.extend_seq_lens = torch.full((self.max_bs,), ntpb, dtype=torch.int32, device=DEVICE)
+        self.num_accepted_drafts = torch.full((self.max_bs,), ntpb, dtype=torch.int32, device=DEVICE)
+        self.num_accepted_tokens = torch.full((self.max_bs,), ntpb, dtype=torch.int32, device=DEVICE)
+        self.hidden_states = torch.zeros(self.max_num_token, 8, device=DEVICE)
 
     def _capture_one(self, bs: int) -> ForwardBatch:
         n = bs * self.num_tokens_per_bs

@@ -1,7 +1,8 @@
 """SGLang 0.5.11's speculative-decoding inputs (``speculative/spec_info.py``, ``eagle_info.py``,
 ``ngram_info.py``), with its field names: ``EagleDraftInput`` carries ``num_accepted_drafts`` and
 ``num_accepted_tokens`` (= drafts + 1) and their host lists, no ``accept_length``;
-``NgramVerifyInput`` stores its ``tree_mask`` as ``custom_mask`` and has no ``topk``."""
+``NgramVerifyInput`` stores its ``tree_mask`` as ``custom_mask`` and has no ``topk``. Tensors made here
+are on ``device.DEVICE`` (SGLang's ``"cuda"``), ``seq_lens_cpu`` on the host."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from tests.sglang_contract.device import DEVICE
 from tests.sglang_contract.engine import CaptureHiddenMode
 
 
@@ -63,8 +65,9 @@ class EagleVerifyInput(SpecInput):
     @classmethod
     def create_idle_input(cls, topk: int, spec_steps: int, num_verify_tokens: int) -> "EagleVerifyInput":
         """The verify input of an IDLE batch (a data-parallel rank without requests)."""
-        none = torch.full((0, num_verify_tokens), -1, dtype=torch.long)
-        return cls(torch.empty(0, dtype=torch.long), torch.full((0,), True), torch.empty(0, dtype=torch.int64),
+        none = torch.full((0, num_verify_tokens), -1, dtype=torch.long, device=DEVICE)
+        return cls(torch.empty(0, dtype=torch.long, device=DEVICE), torch.full((0,), True, device=DEVICE),
+                   torch.empty(0, dtype=torch.int64, device=DEVICE),
                    none, none.clone(), none.clone(), None, spec_steps, topk, num_verify_tokens,
                    CaptureHiddenMode.FULL, 0, torch.empty(0, dtype=torch.int32))
 
