@@ -75,12 +75,15 @@ class FlashAttentionBackend:
       attention_chunk_size: Llama-4 chunked local attention (SGLang's ``attention_chunk_size``; 0 =
         none): every plan of a mode in ``jax_attn.local.LOCAL_MODES`` then carries the virtual batch
         (``md.local``) that ``use_irope`` layers run. A multiple of ``page_size``.
+      num_swa_slots, full_to_swa_index_mapping: SGLang's hybrid ``SWAKVPool``: slots of the SWA pool and
+        the full slot -> SWA slot map (``i32[num_slots + 1]``); plans then carry ``md.swa_page_table``,
+        which sliding-window layers read (pass them their SWA pool). Tree steps raise.
     """
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
                  num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None,
-                 attention_chunk_size: int = 0):
+                 attention_chunk_size: int = 0, num_swa_slots: int = 0, full_to_swa_index_mapping=None):
         if attention_chunk_size:
             local_attn.check_chunk_size(attention_chunk_size, page_size)
         self.attention_chunk_size = int(attention_chunk_size or 0)
@@ -94,6 +97,8 @@ class FlashAttentionBackend:
         self.num_heads = num_heads
         self.num_slots = int(num_slots)
         self.validate = safety.validate_default() if validate is None else bool(validate)
+        self.num_swa_slots = int(num_swa_slots)  # SGLang's hybrid SWAKVPool: slots of its SWA pool
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
 
     @property
     def req_to_token(self):
@@ -122,7 +127,9 @@ class FlashAttentionBackend:
         if bs is not None:
             batch = pad_batch(batch, bs, num_tokens if num_tokens is not None else batch.num_tokens)
             key = self.plan_static(batch)
-        md = self.attach_schedule(plan_arrays(key, self.req_to_token, *batch_arrays(batch)))
+        mapping = None if not key.swa_pool else jnp.asarray(self.full_to_swa_index_mapping, jnp.int32)
+        rows, lens, loc, ext, enc, mask = batch_arrays(batch)
+        md = self.attach_schedule(plan_arrays(key, self.req_to_token, rows, lens, loc, ext, enc, mask, mapping))
         if batch.encoder_out_cache_loc is not None and getattr(md, "encoder", None) is not None:
             md = dataclasses.replace(md, encoder=dataclasses.replace(
                 md.encoder, out_cache_loc=jnp.asarray(batch.encoder_out_cache_loc, jnp.int32)))
@@ -171,6 +178,13 @@ class FlashAttentionBackend:
         if tree and batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise NotImplementedError(f"{batch.forward_mode.name} with topk={spec.topk}: only target verify and "
                                       "draft decode have a tree (cascade) form")
+        if tree and self.num_swa_slots:
+            raise NotImplementedError(
+                f"SGLang's hybrid SWAKVPool (full_to_swa_index_mapping) in a {batch.forward_mode.name} step with "
+                f"topk={spec.topk} (tree speculative decoding) is not supported: its cascade plans have no SWA "
+                "pool page table; use topk <= 1 (chain) or one pool for every layer")
+        if self.num_swa_slots and batch.encoder_lens is not None:
+            raise NotImplementedError("SGLang's hybrid SWAKVPool with cross attention (encoder_lens) is not supported")
         if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY and spec.draft_mask is None:
             raise ValueError("tree target verify needs spec_info.draft_mask (see spec.draft_mask_from_custom_mask)")
         return PlanKey(
@@ -180,7 +194,7 @@ class FlashAttentionBackend:
             has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
             topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
             step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa), num_slots=self.num_slots,
-            attention_chunk_size=self.attention_chunk_size,
+            attention_chunk_size=self.attention_chunk_size, num_swa_slots=self.num_swa_slots,
         )
 
     # ---- per layer ------------------------------------------------------------------------
@@ -207,17 +221,26 @@ class FlashAttentionBackend:
             raise NotImplementedError("a cross-attention or non-causal (encoder-only) layer inside a tree "
                                       "(topk > 1) speculative step is not supported")
         if layer.use_irope:  # chunked local layer: checked before anything is written
+            if layer.sliding_window_size >= 0 and getattr(md, "swa_page_table", None) is not None:
+                raise NotImplementedError("a use_irope (chunked local) sliding-window layer in an SWAKVPool model "
+                                          "is not supported")
             if layer.is_cross_attention or not layer.causal:
                 raise NotImplementedError("use_irope (chunked local attention) on a cross-attention or non-causal "
                                           "layer is not supported")
             local_attn.local_plan_of(md)
         if save_kv_cache and k is not None:
+            if layer.sliding_window_size >= 0 and getattr(md, "swa_page_table", None) is not None:
+                raise NotImplementedError("an SWAKVPool sliding-window layer's K/V go to translated SWA slots "
+                                          "(full_to_swa_index_mapping[out_cache_loc]): write them yourself and "
+                                          "pass save_kv_cache=False")
             loc = _write_slots(layer, md, k)
             k = k.reshape(loc.shape[0], layer.num_kv_heads, layer.head_dim)
             v = v.reshape(loc.shape[0], layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
             pool = set_kv_buffer(pool, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
                                  layer_index=layer_index)
         view, amd = pool, md
+        if layer_index is not None and getattr(md, "swa_page_table", None) is not None:
+            raise NotImplementedError("a layer-stacked pool (layer_index) with an SWAKVPool plan is not supported")
         if layer_index is not None:  # read the stacked pool as one big pool, this layer's slots
             view, amd = pool.flat(), offset_slots(md, layer_index * pool.num_slots)
         if layer.use_irope:  # the step's virtual batch: one row per (sequence, chunk) (jax_attn.local)
@@ -266,6 +289,8 @@ class FlashAttentionBackend:
             )
             return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), enc_md, impl=self.impl,
                              causal=False, **kw)
+        if layer.sliding_window_size >= 0 and md.swa_page_table is not None:  # the SWAKVPool's SWA pool
+            md = dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
                          impl=self.impl, causal=layer.causal, window_size=layer.window_size, **kw)
 
@@ -322,6 +347,11 @@ class PlanKey:
     with_swa: bool = False
     num_slots: int = 0  # KV pool slots (0: unknown): the error flag then also covers page ids and slots
     attention_chunk_size: int = 0  # > 0: plans of jax_attn.local.LOCAL_MODES carry the local virtual batch
+    num_swa_slots: int = 0  # > 0: SGLang's hybrid SWAKVPool; plans carry md.swa_page_table into an SWA pool this big
+
+    @property
+    def swa_pool(self) -> bool:
+        return self.num_swa_slots > 0
 
 
 def _kv_offset(batch: ForwardBatch) -> int:
@@ -344,16 +374,30 @@ def batch_arrays(batch: ForwardBatch):
 
 
 def plan_arrays(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cache_loc,
-                extend_seq_lens=None, encoder_lens=None, draft_mask=None):
+                extend_seq_lens=None, encoder_lens=None, draft_mask=None, swa_mapping=None):
     """Dispatch to the planner of ``key.mode`` (traceable: capture and replay call this too).
 
     Returns ``AttentionMetadata``, or ``spec.CascadeMetadata`` for tree (topk > 1) steps, with every
-    index clamped into range and the bad-input flag set (``guard_plan``).
+    index clamped into range and the bad-input flag set (``guard_plan``). ``swa_mapping``: SGLang's
+    ``full_to_swa_index_mapping`` when ``key.swa_pool`` (``i32[S + 1]`` or int64 words ``i32[S + 1, 2]``).
     """
     md = _plan(key, req_to_token, req_pool_indices, seq_lens, out_cache_loc, extend_seq_lens, encoder_lens,
                draft_mask)
-    md = guard_plan(md, key, req_to_token, req_pool_indices, encoder_lens)
+    md = _with_swa_pool(guard_plan(md, key, req_to_token, req_pool_indices, encoder_lens), key, swa_mapping)
     return local_attn.with_local(md, chunk_size=key.attention_chunk_size)  # from the guarded (clamped) plan
+
+
+def _with_swa_pool(md, key: PlanKey, mapping):
+    """``md`` (or each plan of a tuple) with ``swa_page_table`` when ``key.swa_pool`` (traceable)."""
+    if not key.swa_pool:
+        return md
+    if mapping is None:
+        raise ValueError("a plan for SGLang's SWAKVPool needs full_to_swa_index_mapping (swa_mapping)")
+    if isinstance(md, (tuple, list)):
+        return type(md)(_with_swa_pool(m, key, mapping) for m in md)
+    if not isinstance(md, AttentionMetadata) or md.mode == ForwardMode.IDLE:
+        return md  # tree steps raise in plan_static; IDLE reads nothing
+    return planner.with_swa_pool(md, mapping, num_swa_slots=key.num_swa_slots)
 
 
 def guard_plan(md, key: PlanKey, req_to_token, req_pool_indices, encoder_lens=None):

@@ -120,6 +120,9 @@ class AttentionMetadata:
     mosaic_schedule: Optional[WorkSchedule] = None  # the Mosaic GPU kernel's tiles (rows of its row view)
     errors: Optional[jax.Array] = None  # i32[]; bad-input bitmask (jax_attn.safety.ERRORS), 0 = clean
     local: Optional["AttentionMetadata"] = None  # chunked local layers' virtual batch (jax_attn.local)
+    # i32[B, P]; SGLang's hybrid SWAKVPool: page ids in the SWA pool that sliding-window layers read
+    # (full_to_swa_index_mapping of each page's first slot, // page_size); same valid prefix as page_table
+    swa_page_table: Optional[jax.Array] = None
     mode: ForwardMode = static_field(default=ForwardMode.DECODE)
     batch_size: int = static_field(default=0)  # B (padded)
     num_tokens: int = static_field(default=0)  # T (padded)

@@ -29,6 +29,7 @@ checks it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from jax_attn.metadata import AttentionMetadata, EncoderMetadata, ForwardMode
 from jax_attn.planner_validate import validate_metadata
 
-__all__ = ["plan_uniform", "plan_extend", "plan_draft_extend", "plan_idle", "validate_metadata"]
+__all__ = ["plan_uniform", "plan_extend", "plan_draft_extend", "plan_idle", "validate_metadata", "with_swa_pool"]
 
 _UNIFORM_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
 _EXTEND_MODES = (
@@ -363,3 +364,42 @@ def plan_idle(*, page_size: int = 1, max_pages: int = 1) -> AttentionMetadata:
         max_q_len=1,
         max_pages=max_pages,
     )
+
+
+# ----------------------------------------------------------------------------- hybrid SWA pool
+_SWA_BIT = 64  # jax_attn.safety.ERRORS: a full_to_swa_index_mapping entry outside the SWA pool
+
+
+def with_swa_pool(md: AttentionMetadata, mapping: jax.Array, *, num_swa_slots: int) -> AttentionMetadata:
+    """``md`` with ``swa_page_table``: SGLang's hybrid ``SWAKVPool`` (traceable, no host sync).
+
+    As the seed: the token-level entry at each page's first position (``page_table * page_size``: the
+    plan's page table holds the strided ``req_to_token`` entries) is translated with
+    ``full_to_swa_index_mapping``, then ``// page_size``. Used entries outside the SWA pool, and real
+    ``out_cache_loc`` slots whose mapping is, set error bit 64 and are clamped (reads) into the pool.
+
+    Args:
+      md: a guarded plan (page ids already inside the full pool).
+      mapping: ``i32[S_full + 1]`` full slot -> SWA slot (SGLang appends one ``-1``), or its int64
+        words ``i32[S_full + 1, 2]`` (narrowed here, saturating).
+      num_swa_slots: slots of the SWA pool (static).
+    """
+    if mapping.ndim == 2:  # int64 seen as little-endian int32 word pairs
+        low, high = mapping[:, 0], mapping[:, 1]
+        mapping = jnp.where(high == (low >> 31), low, jnp.where(high < 0, jnp.int32(-1), jnp.int32(num_swa_slots)))
+    n, ps = mapping.shape[0], md.page_size
+    num_pages = max(num_swa_slots // ps, 1)
+
+    def translate(slots):  # full slots -> (SWA slots, in range)
+        swa = mapping[jnp.clip(slots, 0, n - 1)]
+        return swa, (slots >= 0) & (slots < n) & (swa >= 0) & (swa < num_swa_slots)
+
+    swa, ok = translate(md.page_table * ps)
+    used = jnp.arange(md.max_pages, dtype=jnp.int32)[None, :] * ps < md.cache_seqlens[:, None]
+    table = jnp.where(used, jnp.clip(swa // ps, 0, num_pages - 1), 0)
+    real = jnp.arange(md.num_tokens, dtype=jnp.int32) < md.cu_seqlens_q[-1]
+    _, loc_ok = translate(md.out_cache_loc)
+    bad = jnp.any(used & ~ok) | jnp.any(real & ~loc_ok)
+    prior = jnp.int32(0) if md.errors is None else md.errors
+    return dataclasses.replace(md, swa_page_table=table,
+                               errors=prior | jnp.where(bad, jnp.int32(_SWA_BIT), jnp.int32(0)))

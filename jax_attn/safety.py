@@ -39,6 +39,8 @@ ERRORS = {
     16: "query counts do not fit: extend_seq_lens sum past the token count, an extend longer than its seq_len, "
         "or a decode row with seq_len 0",
     32: "a negative length (seq_lens or extend_seq_lens)",
+    64: "a full_to_swa_index_mapping entry (SGLang's SWAKVPool) outside the SWA pool, for a slot the step reads "
+        "or writes: map full slots to SWA slots of the pool (0 for freed ones); the write was sent to slot 0",
 }
 
 

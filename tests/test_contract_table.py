@@ -39,7 +39,7 @@ class Arch:
 
 
 class HybridPool(MHATokenToKVPool):
-    """A pool with SGLang's SWAKVPool mapping attribute."""
+    """A pool with SGLang's SWAKVPool mapping attribute but no ``swa_layer_nums`` (not a whole SWAKVPool)."""
 
     full_to_swa_index_mapping = None
 
@@ -127,7 +127,8 @@ CASES = {
         (decode_layer({"use_irope": True, "attn_type": "ENCODER_ONLY"}, LOCAL), "use_irope"),
     ("forward call", "`q_rope`, `k_rope`"): (decode_layer(call_kw={"q_rope": "q"}), "q_rope"),
     ("model_runner", "`attn_cp_size`"): (construct(attn_cp_size=2), "attn_cp_size"),
-    ("model_runner", "`token_to_kv_pool`"): (None, "SWAKVPool"),  # filled below (needs the runner's pool)
+    ("model_runner", "`token_to_kv_pool` (`SWAKVPool` in a topk > 1 step; a stand-in without `swa_layer_nums`)"):
+        (None, "SWAKVPool"),  # filled below (needs the runner's pool); tree steps: sglang_contract/test_swa_pool.py
     ("model_runner", "`attention_chunk_size` (not a multiple of `page_size`)"):  # page size 4
         (construct(is_local_attention_model=True, attention_chunk_size=6), "attention_chunk_size"),
     ("model_config", "`attention_arch`"): (construct(attention_arch=Arch("MLA")), "attention_arch"),
@@ -155,7 +156,8 @@ def unknown_mode(rng):
     FlashAttentionBackend(runner, impl="reference").init_forward_metadata(fb)
 
 
-CASES[("model_runner", "`token_to_kv_pool`")] = (hybrid_pool, "SWAKVPool")
+CASES[("model_runner", "`token_to_kv_pool` (`SWAKVPool` in a topk > 1 step; a stand-in without `swa_layer_nums`)")] = (
+    hybrid_pool, "SWAKVPool")
 CASES[("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)")] = (unknown_mode, "forward_mode")
 
 

@@ -32,6 +32,12 @@ its K/V at ``forward_batch.encoder_out_cache_loc`` and attends non-causally over
 tokens. The static bound on encoder lengths is the constructor's ``max_encoder_len``, else the
 request table's width (no extra model-config attribute needed).
 
+SGLang's hybrid ``SWAKVPool`` (``token_to_kv_pool`` with ``full_to_swa_index_mapping`` and
+``swa_layer_nums > 0``): every plan carries ``swa_page_table`` (the page table translated through the
+mapping inside the planner call, imported once: no host sync); sliding-window layers read their SWA
+pool through it and write through the pool's ``set_kv_buffer`` (which translates the slots). Tree
+(topk > 1) steps raise ``NotImplementedError``.
+
 Llama 4 chunked local attention: in a ``model_config.is_local_attention_model`` model, every plan of
 an extend, mixed, decode or target-verify step (topk <= 1) carries the virtual batch of
 ``attention_chunk_size`` chunks (``jax_attn.local``), and ``layer.use_irope`` layers attend it.
@@ -131,14 +137,15 @@ class FlashAttentionBackend:
         self.jax_backend = JaxBackend(importer.view(r2t), page_size=self.page_size, max_context_len=max_context_len,
                                       impl=impl, deterministic=self.settings.deterministic,
                                       max_encoder_len=max_encoder_len, num_slots=num_slots, validate=validate,
-                                      attention_chunk_size=self.settings.attention_chunk_size)
+                                      attention_chunk_size=self.settings.attention_chunk_size,
+                                      num_swa_slots=self.settings.num_swa_slots)
         if mosaic_path is None:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         self.mosaic_path = mosaic_path or None
         self.planner = StepPlanner(model_runner, self.settings, self.jax_backend, importer, self.mosaic_path,
                                    speculative_step_id, speculative_num_steps)
         self.runner = LayerRunner(self.planner, self.jax_backend, importer, self.mosaic_path, num_slots,
-                                  speculative_step_id)
+                                  speculative_step_id, self.settings.num_swa_slots)
 
     def share_compiled(self, other: "FlashAttentionBackend") -> None:
         """Reuse ``other``'s compiled planners and executables (draft steps of one multi-step backend)."""

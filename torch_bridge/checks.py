@@ -39,6 +39,7 @@ class RunnerSettings:
     attention_chunk_size: int  # Llama 4 chunked local layers' chunk (0: not model_config.is_local_attention_model)
     with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify plans the SWA table)
     heads: Optional[tuple] = None  # (Hq, Hkv) per TP rank from model_config, when it says (launch tables)
+    num_swa_slots: int = 0  # > 0: token_to_kv_pool is SGLang's hybrid SWAKVPool; slots of its SWA pool
 
     @classmethod
     def of(cls, model_runner, fa_impl_ver: int, topk: int) -> "RunnerSettings":
@@ -52,10 +53,7 @@ class RunnerSettings:
         if int(getattr(model_runner, "attn_cp_size", 1) or 1) > 1:
             raise NotImplementedError("model_runner.attn_cp_size > 1 (context-parallel attention) is not supported "
                                       "by torch_bridge")
-        pool = getattr(model_runner, "token_to_kv_pool", None)
-        if type(pool).__name__ == "SWAKVPool" or hasattr(pool, "full_to_swa_index_mapping"):
-            raise NotImplementedError("token_to_kv_pool is SGLang's hybrid SWAKVPool (full_to_swa_index_mapping): "
-                                      "not supported by torch_bridge yet; use one pool for every layer")
+        num_swa_slots = swa_pool_slots(getattr(model_runner, "token_to_kv_pool", None))
         window = getattr(model_runner, "sliding_window_size", None)
         if window is not None and bool(getattr(config, "is_encoder_decoder", False)):
             raise ValueError("sliding window and cross attention are not supported together (as in SGLang)")
@@ -69,7 +67,7 @@ class RunnerSettings:
         return cls(topk=int(server_topk if server_topk is not None else topk or 0), heads=heads,
                    num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
                    deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
-                   attention_chunk_size=chunk,
+                   attention_chunk_size=chunk, num_swa_slots=num_swa_slots,
                    with_swa=window is not None and window >= 0)
 
 
@@ -123,12 +121,52 @@ def check_local(lp: LayerParams, key: PlanKey, has_local: bool) -> None:
             f"{', '.join(m.name for m in LOCAL_MODES)} steps with topk <= 1 planned by FlashAttentionBackend")
 
 
-def pool_slots(pool) -> int:
-    """Slots per layer of the engine's KV pool (0 when the pool does not say)."""
+def is_swa_pool(pool) -> bool:
+    """SGLang's hybrid ``SWAKVPool`` with sliding-window layers, as the seed detects it (the class, or a
+    stand-in with ``full_to_swa_index_mapping``, and ``swa_layer_nums > 0``)."""
+    if not (type(pool).__name__ == "SWAKVPool" or hasattr(pool, "full_to_swa_index_mapping")):
+        return False
+    nums = getattr(pool, "swa_layer_nums", None)
+    if nums is None:
+        raise NotImplementedError("token_to_kv_pool looks like SGLang's hybrid SWAKVPool (full_to_swa_index_mapping) "
+                                  "but has no swa_layer_nums: torch_bridge needs SGLang's SWAKVPool attributes")
+    return int(nums) > 0
+
+
+def swa_pool_slots(pool) -> int:
+    """Slots of an ``SWAKVPool``'s SWA pool (``swa_kv_pool``'s buffers, else ``size_swa + page_size`` as
+    SGLang allocates them); 0 when ``pool`` is not one."""
+    if not is_swa_pool(pool):
+        return 0
+    sub = getattr(pool, "swa_kv_pool", None)
     try:
+        return int(sub.get_kv_buffer(0)[0].shape[0])
+    except Exception:  # a stand-in without sub-pools: SGLang's sizes
+        pass
+    size, page = getattr(pool, "size_swa", None), getattr(pool, "page_size", None)
+    if size is None or page is None:
+        raise ValueError("token_to_kv_pool (SWAKVPool) must say how many slots its SWA pool has: swa_kv_pool, "
+                         "or size_swa and page_size")
+    return int(size) + int(page)
+
+
+def pool_slots(pool) -> int:
+    """Slots per layer of the engine's (full) KV pool (0 when the pool does not say). An ``SWAKVPool``'s
+    full pool has one slot per ``full_to_swa_index_mapping`` entry but its last (SGLang's ``-1``)."""
+    try:
+        if is_swa_pool(pool):
+            sub = getattr(pool, "full_kv_pool", None)
+            if sub is not None and int(getattr(pool, "full_layer_nums", 1)) > 0:
+                return int(sub.get_kv_buffer(0)[0].shape[0])
+            return int(pool.full_to_swa_index_mapping.shape[0]) - 1
         return int(pool.get_kv_buffer(0)[0].shape[0])
     except Exception:  # a pool without layer 0 or buffers yet: range checks then rely on the kernels' clamps
         return 0
+
+
+def is_swa_layer(lp: LayerParams, key: PlanKey) -> bool:
+    """The seed's ``is_swa_layer`` in an ``SWAKVPool`` step: the layer reads the SWA pool."""
+    return key.swa_pool and lp.sliding_window_size >= 0
 
 
 class SafeLocs:
@@ -136,20 +174,30 @@ class SafeLocs:
     tokens write), so a torch KV write never lands on another slot (``-1`` would be the last one) and
     never fails half-way. Computed once per (step, tensor version) and reused by every layer; inside a
     CUDA-graph capture it is computed again by the capture's first layer (a warm-up's result would be
-    a constant to the graph), so the graph recomputes it from the engine's static buffer on replay."""
+    a constant to the graph), so the graph recomputes it from the engine's static buffer on replay.
 
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._last: Optional[tuple] = None
+    ``SWAKVPool`` sliding-window layers (``mapping`` given): the pool's ``set_kv_buffer`` translates the
+    slots with ``full_to_swa_index_mapping``, so a slot whose SWA slot lies outside the SWA pool
+    (``num_swa_slots``) goes to slot 0 too (SGLang maps slot 0 to the SWA pool's reserved slot 0)."""
 
-    def __call__(self, loc: torch.Tensor, step) -> torch.Tensor:
+    def __init__(self, num_slots: int, num_swa_slots: int = 0):
+        self.num_slots, self.num_swa_slots = num_slots, num_swa_slots
+        self._last: dict = {}
+
+    def __call__(self, loc: torch.Tensor, step, mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.num_slots:
             return loc
-        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version, capturing())
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        safe = torch.where((loc >= 0) & (loc < self.num_slots), loc, torch.zeros_like(loc))
-        self._last = (key, safe)
+        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version, capturing(),
+               None if mapping is None else (mapping.data_ptr(), mapping._version))
+        last = self._last.get(mapping is None)
+        if last is not None and last[0] == key:
+            return last[1]
+        ok = (loc >= 0) & (loc < self.num_slots)
+        if mapping is not None:
+            swa = mapping[torch.where(ok, loc, torch.zeros_like(loc)).clamp(max=mapping.shape[0] - 1).long()]
+            ok &= (swa >= 0) & (swa < self.num_swa_slots)
+        safe = torch.where(ok, loc, torch.zeros_like(loc))
+        self._last[mapping is None] = (key, safe)
         return safe
 
 
@@ -174,6 +222,9 @@ def check_layer(lp: LayerParams, key: PlanKey, has_local: bool = False) -> None:
     """Layer kinds the step's plan cannot serve, caught before anything is written (``has_local``: the
     plan carries the local virtual batch)."""
     check_local(lp, key, has_local)
+    if lp.use_irope and is_swa_layer(lp, key):
+        raise NotImplementedError("a use_irope (chunked local) sliding-window layer in a model whose token_to_kv_pool "
+                                  "is SGLang's hybrid SWAKVPool is not supported")
     if key.topk > 1 and (lp.is_cross_attention or not lp.causal):
         raise NotImplementedError("a cross-attention or encoder-only (attn_type ENCODER_ONLY) layer inside a tree "
                                   "(topk > 1) speculative step is not supported")

@@ -104,6 +104,16 @@ class Importer:
             self._views[key] = v
         return v
 
+    def index_view(self, t: torch.Tensor) -> jax.Array:
+        """A persistent 1-D index tensor (``full_to_swa_index_mapping``) viewed once: int64 as its int32 word
+        pairs ``[n, 2]`` (narrowed, saturating, where it is read), int32 as it is; other dtypes are
+        converted per call (a copy)."""
+        if t.dtype == torch.int64 and t.is_contiguous():
+            return self.view(t.view(torch.int32).view(-1, 2))
+        if t.dtype == torch.int32 and t.is_contiguous():
+            return self.view(t)
+        return self(narrow_int32(t).contiguous())
+
     def clear(self) -> None:
         """Forget cached views (after the engine reallocates its pools)."""
         self._views.clear()

@@ -8,6 +8,10 @@ A layer call never plans: it reads the step the step planner installed. Its trip
 * otherwise: torch KV write, then one compiled JAX executable (import q, call, export out).
 
 Both write K/V only after every check passed, at slots made safe once per step (``SafeLocs``).
+SGLang's hybrid ``SWAKVPool``: a sliding-window layer (``is_swa_layer``) reads its SWA pool through the
+plan's ``md.swa_page_table`` (launch path: the ``TableKey`` ``(Hq, Hkv, 2)`` tables) and writes through
+the pool's ``set_kv_buffer``, which translates the slots; slots whose translation leaves the SWA pool
+go to slot 0 first.
 A chunked local layer (Llama 4 ``use_irope`` in a local-attention model) takes the same trip over the
 step's local virtual batch (``md.local``): the executable attends it, the launch path reads its own
 tables (``mosaic_path.TableKey`` ``(Hq, Hkv, 1)``).
@@ -25,7 +29,7 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.kv_cache import KVPool
-from torch_bridge.checks import SafeLocs, check_layer, check_shapes, write_loc
+from torch_bridge.checks import SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing, export
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
@@ -37,10 +41,10 @@ class LayerRunner:
     """Runs one layer's attention for the current step (see the module docstring)."""
 
     def __init__(self, planner: StepPlanner, jax_backend: JaxBackend, importer: Importer,
-                 mosaic_path: Optional[MosaicPath], num_slots: int, step_id: int):
+                 mosaic_path: Optional[MosaicPath], num_slots: int, step_id: int, num_swa_slots: int = 0):
         self.planner, self.jax_backend, self.importer = planner, jax_backend, importer
         self.mosaic_path, self.step_id = mosaic_path, step_id
-        self.safe_locs = SafeLocs(num_slots)
+        self.safe_locs = SafeLocs(num_slots, num_swa_slots)
         self._jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
         self.executables: Dict[tuple, Any] = {}  # (layer, plan structure, q/k/v/sinks signatures) -> compiled
         self._step_exes: Dict[tuple, Any] = {}  # this step's executables by layer identity (a fast lookup)
@@ -66,21 +70,25 @@ class LayerRunner:
         """``q [T, Hq * D]`` -> ``[T, Hq * Dv]``, writing this step's K/V first (unless told not to)."""
         hit = self.hits.get(layer.layer_id)
         if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
-            loc = self.safe_locs(forward_batch.out_cache_loc, step) if save_kv_cache else None
+            loc = None
+            if save_kv_cache:
+                loc = self.safe_locs(forward_batch.out_cache_loc, step, swa_mapping(forward_batch) if hit.swa else None)
             return hit(q, k, v, loc, sinks)
         lp = self.layer_params(layer)
         check_layer(lp, step.key, step.layout.local)
+        swa = is_swa_layer(lp, step.key)  # SWAKVPool: reads the SWA pool through md.swa_page_table
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         t = check_shapes(q, lp, step, k_buf, v_buf, self.planner.jax_backend.page_size)
-        call = self._launch_call(lp, step, q, k_buf, v_buf, sinks)
+        call = self._launch_call(lp, step, q, k_buf, v_buf, sinks, swa)
         if call is None:
             check_not_capturing()
         loc = None
-        if save_kv_cache and k is not None:
-            loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step)
+        if save_kv_cache and k is not None:  # SWA layers: slots the pool's own translation keeps in the SWA pool
+            loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step,
+                                 swa_mapping(forward_batch) if swa else None)
         if call is not None:
-            hit = self.hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None)
+            hit = self.hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
             return hit(q, k, v, loc, sinks)
         if loc is not None:
             pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
@@ -105,7 +113,7 @@ class LayerRunner:
         out = export(exe(jq, *views, step.words))
         return out if t == step.key.num_tokens else out[:t]
 
-    def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
+    def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks, swa: bool = False):
         """This layer's bound Mosaic launch when the launch path covers the call, else None."""
         path = self.mosaic_path
         if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
@@ -120,7 +128,7 @@ class LayerRunner:
                     has_sinks=sinks is not None)
         if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
             return None  # decided before any table is made: layers off the path cost the plan nothing
-        heads = table_key(lp)  # local layers: the tables of the step's local virtual batch
+        heads = table_key(lp, swa)  # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
@@ -143,3 +151,11 @@ class LayerRunner:
         lp = layer_params(layer, local_model=self.planner.settings.attention_chunk_size > 0)
         self._layers[layer.layer_id] = (layer, lp)
         return lp
+
+
+def swa_mapping(forward_batch):
+    """The pool's ``full_to_swa_index_mapping`` (an ``SWAKVPool`` sliding-window layer's write)."""
+    mapping = getattr(forward_batch.token_to_kv_pool, "full_to_swa_index_mapping", None)
+    if mapping is None:
+        raise ValueError("token_to_kv_pool (SWAKVPool) has no full_to_swa_index_mapping: register_mapping first")
+    return mapping

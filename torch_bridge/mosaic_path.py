@@ -7,8 +7,9 @@ stream with raw pointers, reading ``q`` and writing a new output tensor in the e
 layer is therefore a KV write, one allocation and one raw launch: it costs a few microseconds of
 host time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
 
-Tables are kept per ``TableKey``: a layer shape ``(Hq, Hkv)`` over the step's plan, or
-``(Hq, Hkv, 1)`` over its chunked local virtual batch (``md.local``: Llama 4 ``use_irope`` layers).
+Tables are kept per ``TableKey``: a layer shape ``(Hq, Hkv)`` over the step's plan, ``(Hq, Hkv, 1)``
+over its chunked local virtual batch (``md.local``: Llama 4 ``use_irope`` layers), or ``(Hq, Hkv, 2)``
+over its SWA pool page table (``md.swa_page_table``: sliding-window layers of SGLang's ``SWAKVPool``).
 
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
 that every replay hook overwrites, so a captured graph reads the current step's tables.
@@ -40,7 +41,8 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
                    "capture. Run the bucket's forward once outside the capture first (a warm-up, as SGLang's "
                    "graph runner does): it compiles the kernel and learns the layer shapes the replay hooks "
                    "must prepare.")
-TableKey = Tuple[int, ...]  # (Hq, Hkv): the step's plan; (Hq, Hkv, 1): its local virtual batch (md.local)
+TableKey = Tuple[int, ...]  # (Hq, Hkv): the step's plan; (Hq, Hkv, 1): md.local; (Hq, Hkv, 2): md.swa_page_table
+LOCAL_TABLES, SWA_TABLES = 1, 2  # a TableKey's third entry
 
 
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
@@ -67,15 +69,25 @@ def _padded(n: int) -> int:
     return -(-n // _WORDS) * _WORDS
 
 
-def table_key(lp: LayerParams) -> TableKey:
-    """Which tables a layer reads: its head counts, and whether it runs on the local virtual batch."""
+def table_key(lp: LayerParams, swa: bool = False) -> TableKey:
+    """Which tables a layer reads: its head counts, and whether it runs on the local virtual batch or
+    (``swa``: a sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table."""
     heads = (lp.num_q_heads, lp.num_kv_heads)
-    return heads + (1,) if lp.use_irope else heads
+    if lp.use_irope:
+        return heads + (LOCAL_TABLES,)
+    return heads + (SWA_TABLES,) if swa else heads
 
 
 def table_plan(md, key: TableKey):
-    """The plan the tables of ``key`` describe: the step's, or its local virtual batch."""
-    return md.local if len(key) > 2 else md
+    """The plan the tables of ``key`` describe: the step's, its local virtual batch, or the step's over
+    the SWA pool's page table."""
+    if len(key) == 2:
+        return md
+    if key[2] == LOCAL_TABLES:
+        return md.local
+    if md.swa_page_table is None:
+        raise ValueError("SWA pool tables of a plan without md.swa_page_table (not an SWAKVPool step)")
+    return dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
 
 
 def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None):
@@ -254,9 +266,10 @@ class LayerHit:
     buffers, token count and plan tables (so the same plan key) skips the checks: KV write, then
     the bound launch."""
 
-    def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool):
+    def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool, swa: bool = False):
         self.layer, self.lp, self.call, self.pool, self.buffers, self.no_sinks = layer, lp, call, pool, buffers, no_sinks
-        self.heads = table_key(lp)
+        self.swa = swa  # an SWAKVPool sliding-window layer: its locs are made safe for the SWA pool too
+        self.heads = table_key(lp, swa)
         self.numel = (call.t * lp.num_q_heads * lp.head_dim, call.t * lp.num_kv_heads * lp.head_dim)  # q, k
 
     def matches(self, layer, step_tables: Dict[TableKey, Tables], q, forward_batch, sinks) -> bool:
@@ -266,7 +279,7 @@ class LayerHit:
                 and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
 
     def __call__(self, q, k, v, loc, sinks):
-        """Torch KV write at ``loc`` (None: no write), then the bound Mosaic launch."""
+        """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), then the launch."""
         if loc is not None and k is not None:
             t = self.call.t
             if k.numel() != self.numel[1] or v.shape[0] != t or loc.shape[0] != t:

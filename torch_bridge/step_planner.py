@@ -28,24 +28,29 @@ from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import PlanKey, guard_plan, plan_arrays
+from jax_attn.planner import with_swa_pool
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask
 from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
-from torch_bridge.mosaic_path import WARM_UP_MESSAGE, MosaicPath, TableKey, Tables, flatten_tables
-from torch_bridge.translate import UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, plan_locs
+from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
+                                      flatten_tables)
+from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
+                                   replay_extend_lens)
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanLayout:
-    """Where a plan's int32 arrays (md.local's too) and launch tables sit in its one ``words`` buffer."""
+    """Where a plan's int32 arrays (md.local's and md.swa_page_table too) and launch tables sit in its one
+    ``words`` buffer."""
 
     treedef: Any  # the plan's pytree structure (carries the static fields)
     shapes: Tuple[Tuple[int, ...], ...]  # each leaf's shape, in tree order
     tables: Tuple[Tuple[TableKey, int], ...] = ()  # (table key, words) of each launch table
     spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) of each leaf, then of each table, in words
     local: bool = False  # the plan carries md.local (chunked local layers' virtual batch)
+    swa: bool = False  # the plan carries md.swa_page_table (SWAKVPool sliding-window layers)
 
     @staticmethod
     def of(plan, tables=()) -> "PlanLayout":
@@ -57,7 +62,7 @@ class PlanLayout:
         sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
         ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
         return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())),
-                          getattr(plan, "local", None) is not None)
+                          getattr(plan, "local", None) is not None, getattr(plan, "swa_page_table", None) is not None)
 
     @staticmethod
     def pack(plan, tables=()) -> jax.Array:
@@ -151,7 +156,9 @@ class StepPlanner:
             # SGLang's model config names the layer shapes: their tables come with every plan
             self.launch_heads.add(settings.heads)
             if settings.attention_chunk_size:  # a local-attention model's use_irope layers read md.local
-                self.launch_heads.add(settings.heads + (1,))
+                self.launch_heads.add(settings.heads + (LOCAL_TABLES,))
+            if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
+                self.launch_heads.add(settings.heads + (SWA_TABLES,))
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.step: Optional[Step] = None
@@ -162,15 +169,16 @@ class StepPlanner:
         self.executables, self.launch_heads = other.executables, other.launch_heads
 
     # ---- the traced planner -----------------------------------------------------------------
-    def _plan_fn(self, pk: Packing, req_to_token, *inputs):
-        """The planner call: the plan (and launch tables) as one int32 buffer (per draft step)."""
+    def _plan_fn(self, pk: Packing, req_to_token, mapping, *inputs):
+        """The planner call: the plan (and launch tables) as one int32 buffer (per draft step).
+        ``mapping``: the SWAKVPool's ``full_to_swa_index_mapping`` (its int64 words) or None."""
         self.trace_count += 1
-        plans, tables = self._plan_tree(pk, req_to_token, *inputs)
+        plans, tables = self._plan_tree(pk, req_to_token, mapping, *inputs)
         if pk.all_steps:
             return tuple(PlanLayout.pack(md) for md in plans)
         return PlanLayout.pack(plans, tables)
 
-    def _plan_tree(self, pk: Packing, req_to_token, *inputs):
+    def _plan_tree(self, pk: Packing, req_to_token, mapping, *inputs):
         """(plan, launch tables per ``pk.heads``); for ``pk.all_steps`` (plans of every draft step, ())."""
         if pk.split:  # rows then seq_lens, one bucket each
             rows, lens = narrow(inputs[0]).reshape(2, -1)
@@ -184,13 +192,16 @@ class StepPlanner:
         if pk.all_steps:
             plans = plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
                                      page_size=key.page_size, max_pages=key.max_pages)
-            return guard_plan(plans, key, req_to_token, rows), ()
+            plans = guard_plan(plans, key, req_to_token, rows)
+            if key.swa_pool:  # chain draft steps of an SWAKVPool model: each plan's SWA table
+                plans = tuple(with_swa_pool(md, mapping, num_swa_slots=key.num_swa_slots) for md in plans)
+            return plans, ()
         mask = None
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
             mask = draft_mask_from_custom_mask(flat, lens, num_draft=key.q_len_per_req)
         md = plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
-                         enc if pk.has_enc else None, mask)
+                         enc if pk.has_enc else None, mask, swa_mapping=mapping)
         if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
             md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
         config = None if self.mosaic_path is None else self.mosaic_path.config
@@ -199,18 +210,30 @@ class StepPlanner:
     def _run(self, pk: Packing, inputs):
         """(layout or layouts, words or tuple of words) of the planner call for ``pk``."""
         r2t = self.importer.view(self.model_runner.req_to_token_pool.req_to_token)
-        ck = (pk, r2t.shape)
+        mapping = self.swa_mapping() if pk.key.swa_pool else None
+        ck = (pk, r2t.shape, None if mapping is None else mapping.shape)
         hit = self.executables.get(ck)
         if hit is None:
             specs = [jax.ShapeDtypeStruct(tuple(x.shape), np.int32) for x in inputs]
-            layout = self._layouts(pk, r2t, specs)
-            hit = self.executables[ck] = (self._jit.lower(pk, r2t, *specs).compile(), layout)
+            layout = self._layouts(pk, r2t, mapping, specs)
+            hit = self.executables[ck] = (self._jit.lower(pk, r2t, mapping, *specs).compile(), layout)
         exe, layout = hit
-        return layout, exe(r2t, *(self.importer(x) for x in inputs))
+        return layout, exe(r2t, mapping, *(self.importer(x) for x in inputs))
 
-    def _layouts(self, pk: Packing, r2t, specs):
+    def swa_mapping(self) -> jax.Array:
+        """The SWAKVPool's ``full_to_swa_index_mapping`` as the planner takes it (``Importer.index_view``)."""
+        mapping = getattr(self.model_runner.token_to_kv_pool, "full_to_swa_index_mapping", None)
+        if mapping is None:
+            raise ValueError("token_to_kv_pool (SWAKVPool) has no full_to_swa_index_mapping: register_mapping "
+                             "(SGLang's SWATokenToKVPoolAllocator does) before planning a step")
+        if mapping.device != self.device or mapping.dim() != 1:
+            raise ValueError(f"full_to_swa_index_mapping {mapping.shape=} on {mapping.device} must be 1-D on the "
+                             f"pools' device {self.device}")
+        return self.importer.index_view(mapping)
+
+    def _layouts(self, pk: Packing, r2t, mapping, specs):
         """The static layout(s) of the planner's output words (an abstract evaluation, no compile)."""
-        plans, tables = jax.eval_shape(lambda *a: self._plan_tree(pk, *a), r2t, *specs)
+        plans, tables = jax.eval_shape(lambda *a: self._plan_tree(pk, *a), r2t, mapping, *specs)
         if pk.all_steps:
             return tuple(PlanLayout.of(md) for md in plans)
         return PlanLayout.of(plans, tuple(zip(pk.heads, tables)))
@@ -254,7 +277,8 @@ class StepPlanner:
         """The launch tables a step of ``key`` brings (``local``: its plan carries md.local)."""
         if self.mosaic_path is None or key.topk != 1:
             return ()
-        return tuple(sorted(h for h in self.launch_heads if local or len(h) == 2))
+        wanted = {LOCAL_TABLES: local, SWA_TABLES: key.swa_pool}
+        return tuple(sorted(h for h in self.launch_heads if len(h) == 2 or wanted.get(h[2], False)))
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,
                 graph: bool = False) -> Step:
@@ -420,33 +444,6 @@ class StepPlanner:
         key = self.draft_key(bs, spec_info)
         return self.plan(packing(key, loc, None, None, None, all_steps=num_steps), rows, seq_lens, loc,
                          real_tokens=0)
-
-
-def replay_extend_lens(mode: ForwardMode, spec_info, per_req: int, rows: int, device):
-    """New tokens per request at a draft-extend graph replay, as SGLang 0.5.11 takes them: DRAFT_EXTEND
-    from ``num_accepted_tokens``; DRAFT_EXTEND_V2 from ``spec_info.extend_seq_lens_tensor``, else
-    ``extend_seq_lens_cpu``, else ``num_tokens_per_req`` (default: the bucket's tokens per request)."""
-    if mode != ForwardMode.DRAFT_EXTEND_V2:
-        return jbatch.accepted_tokens(spec_info)
-    lens = getattr(spec_info, "extend_seq_lens_tensor", None)
-    if lens is None and getattr(spec_info, "extend_seq_lens_cpu", None) is not None:
-        lens = torch.as_tensor(spec_info.extend_seq_lens_cpu, dtype=torch.int64, device=device)
-    if lens is None and spec_info is not None:
-        each = getattr(spec_info, "num_tokens_per_req", None)
-        lens = torch.full((rows,), per_req if each is None or each < 1 else each, dtype=torch.int64, device=device)
-    return lens
-
-
-def pad_wide(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i64[size]
-    """As int64 padded with ``fill`` to ``size`` entries; a full int64 buffer passes untouched."""
-    x = x.reshape(-1)
-    if x.dtype != torch.int64:
-        x = x.to(torch.int64)
-    if x.shape[0] > size:
-        raise ValueError(f"{x.shape[0]} entries do not fit the bucket of {size}; capture a larger bucket")
-    if x.shape[0] == size:
-        return x
-    return torch.cat([x, torch.full((size - x.shape[0],), fill, dtype=torch.int64, device=x.device)])
 
 
 def packing(key: PlanKey, loc, ext, enc, words, all_steps: int = 0, exact: bool = False) -> Packing:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from jax_attn import batch as jbatch
 from jax_attn.backend import LayerParams
 from jax_attn.batch import accepted_tokens
 from jax_attn.metadata import ForwardMode
@@ -109,3 +110,30 @@ def custom_mask(spec_info) -> torch.Tensor:
         raise ValueError("target verify with topk > 1 needs spec_info.custom_mask (SGLang's flat bool tree "
                          "mask: per request, num_draft rows of seq_len + num_draft columns)")
     return mask
+
+
+def replay_extend_lens(mode: ForwardMode, spec_info, per_req: int, rows: int, device):
+    """New tokens per request at a draft-extend graph replay, as SGLang 0.5.11 takes them: DRAFT_EXTEND
+    from ``num_accepted_tokens``; DRAFT_EXTEND_V2 from ``spec_info.extend_seq_lens_tensor``, else
+    ``extend_seq_lens_cpu``, else ``num_tokens_per_req`` (default: the bucket's tokens per request)."""
+    if mode != ForwardMode.DRAFT_EXTEND_V2:
+        return jbatch.accepted_tokens(spec_info)
+    lens = getattr(spec_info, "extend_seq_lens_tensor", None)
+    if lens is None and getattr(spec_info, "extend_seq_lens_cpu", None) is not None:
+        lens = torch.as_tensor(spec_info.extend_seq_lens_cpu, dtype=torch.int64, device=device)
+    if lens is None and spec_info is not None:
+        each = getattr(spec_info, "num_tokens_per_req", None)
+        lens = torch.full((rows,), per_req if each is None or each < 1 else each, dtype=torch.int64, device=device)
+    return lens
+
+
+def pad_wide(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i64[size]
+    """As int64 padded with ``fill`` to ``size`` entries; a full int64 buffer passes untouched."""
+    x = x.reshape(-1)
+    if x.dtype != torch.int64:
+        x = x.to(torch.int64)
+    if x.shape[0] > size:
+        raise ValueError(f"{x.shape[0]} entries do not fit the bucket of {size}; capture a larger bucket")
+    if x.shape[0] == size:
+        return x
+    return torch.cat([x, torch.full((size - x.shape[0],), fill, dtype=torch.int64, device=x.device)])

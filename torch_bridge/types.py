@@ -29,7 +29,10 @@ these. The bridge reads exactly the attributes listed here and nothing else:
   ``v_scale_float`` (or ``k_scale`` / ``v_scale``).
 ``token_to_kv_pool``
   ``get_kv_buffer(layer_id) -> (k_buffer, v_buffer)`` of ``[num_slots, Hkv, D]`` persistent
-  tensors, and ``set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)``.
+  tensors, and ``set_kv_buffer(layer, loc, cache_k, cache_v, k_scale, v_scale)``; SGLang's hybrid
+  ``SWAKVPool`` also ``full_to_swa_index_mapping`` (full slot -> SWA slot, persistent), ``swa_layer_nums``
+  and ``swa_kv_pool`` (or ``size_swa``): its ``get_kv_buffer`` / ``set_kv_buffer`` route by layer and
+  translate sliding-window layers' slots.
 
 Index tensors may be int64 (as SGLang keeps them); the bridge converts them once per step.
 """
