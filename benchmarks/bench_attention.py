@@ -9,6 +9,11 @@ Cases (32 query heads, 8 kv heads, head dim 128, bf16, random data):
   verify   B=32, 4 draft tokens per sequence, ctx 2048 (drafts included), chain (causal) mask;
            TB/s over the KV bytes.
 
+Peers (benchmarks/peers.py), besides ours (Triton; Mosaic GPU at page sizes divisible by 8): torch
+SDPA (the reference), SGLang's Triton decode / extend kernels, FA3 (flash_attn3_jax's
+flash_mha_with_kvcache on the same paged cache, every case), JAX Pallas paged attention (decode),
+and on prefill the dense JAX Pallas mha / Mosaic GPU attention.
+
 Every peer's output is compared with torch SDPA on each case (and all of them, SDPA included, with
 a float32 reference on small cases first); a peer off by more than the tolerance is marked WRONG.
 The last thing printed is one table; results go to $OUT (or ./out) as JSON, CSV and a PNG plot
@@ -86,6 +91,9 @@ def peer_builders(kind: str, page_size: int, with_dense: bool):
         out += [("jax_pallas_paged", peers.jax_paged)]
     else:
         out += [("sglang_triton_extend", peers.sglang_extend)]
+    # FA3, paged at every page size; decode and verify try several kv splits (the fastest is kept)
+    splits = peers.FA3_SPLITS if kind in ("decode", "verify") else (1,)
+    out += [(f"fa3/{s}", lambda p, s=s: peers.fa3(p, s)) for s in splits]
     if kind == "prefill" and with_dense:
         out += [("jax_pallas_mha", peers.jax_mha), ("jax_mosaic_mha", peers.jax_mosaic)]
     return out
@@ -187,12 +195,16 @@ def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, r
     except Exception as e:
         print(f"  no SDPA reference for this case ({type(e).__name__}: {e}); errors not checked")
     rows = [_run_peer("sdpa", peers.sdpa, p, None, new_row("sdpa"), amount, reps, flagged)]
-    sglang = []
+    swept: dict[str, list] = {}  # peers run at several split settings: the fastest is kept
     for name, build in peer_builders(kind, ps, with_dense):
         row = _run_peer(name, build, p, ref, new_row(name), amount, reps, flagged)
-        (sglang if name.startswith("sglang_triton/") else rows).append(row)
-    if sglang:  # keep the fastest kv-split setting only
-        rows.insert(2, _fastest(sglang))
+        if "/" in name:
+            swept.setdefault(name.split("/")[0], []).append(row)
+        else:
+            rows.append(row)
+    for i, group in enumerate(swept.values()):
+        rows.insert(2 + i, _fastest(group))
+    sglang = [r for group in swept.values() for r in group]
     if rounds > 1:
         interleaved_rounds(rows, amount, rounds)
     for row in rows + sglang:

@@ -6,8 +6,13 @@ P pages per sequence, S kv splits.
 All peers read the same random bf16 data. The paged cache is built once in torch
 (``k_cache [num_pages, page_size, Hkv, D]``, page 0 reserved, the other pages handed out in a
 shuffled order) and shared zero-copy with JAX through DLPack; SGLang's kernels read the same
-memory as a token pool ``[num_slots, Hkv, D]``. Layout copies a peer needs (contiguous KV for
-SDPA, head-major pages for JAX's paged kernel) are made once, outside the timed call.
+memory as a token pool ``[num_slots, Hkv, D]``; FA3 (``flash_attn3_jax``) reads the paged cache
+and page table as they are, through the same JAX views as ours. Layout copies a peer needs
+(contiguous KV for SDPA, head-major pages for JAX's paged kernel) are made once, outside the timed
+call.
+
+Peers: ours (Triton, Mosaic GPU), torch SDPA, SGLang's Triton decode / extend kernels, FA3 through
+its JAX binding, and JAX's Pallas paged attention / mha / Mosaic GPU attention.
 
 Every adapter returns a ``PeerRun`` or raises ``Unavailable`` with the reason.
 """
@@ -398,3 +403,46 @@ def jax_mosaic(p: Problem) -> PeerRun:
     call = functools.partial(fn, q, k, v)
     call.keep_alive = keep  # torch memory behind k, v
     return PeerRun("jax_mosaic_mha", call, _jax_to_tokens(p), "jax", "dense, native GQA, f16 inputs")
+
+
+# ----------------------------------------------------------------------------- FA3 (JAX binding)
+
+
+FA3_SPLITS = (1, 4, 16)  # num_splits tried per case; the fastest is kept
+
+
+def fa3(p: Problem, num_splits: int = 1) -> PeerRun:
+    """FlashAttention-3 through ``flash_attn3_jax.flash_mha_with_kvcache`` (the kernel SGLang's FA3
+    backend calls) on the shared paged cache: q ``[B, q_len, Hq, D]``, k/v cache
+    ``[num_pages, page_size, Hkv, D]``, ``page_table`` i32[B, P], ``cache_seqlens`` = kv_len (the new
+    tokens are already in the cache), bottom-right causal. Hopper (sm90), bf16 / f16; any page size
+    (page sizes that are not a multiple of 128 take FA3's non-TMA paged path, as all cases here).
+    This binding takes no ``num_splits=0`` (FA3's own choice), so the benchmark runs several
+    ``num_splits`` and keeps the fastest, as it does for SGLang's kv splits."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        from flash_attn3_jax import flash_mha_with_kvcache
+    except Exception as e:
+        raise Unavailable(f"import failed ({type(e).__name__}: {e}); run benchmarks/fetch_peers.sh, carry "
+                          '.peers, and eval "$(bash .peers/peer_site.sh .peers)"') from e
+    if jax.default_backend() != "gpu":
+        raise Unavailable(f"FA3 needs a CUDA GPU (jax backend {jax.default_backend()})")
+    cap = torch.cuda.get_device_capability(p.q.device)
+    if cap[0] != 9:
+        raise Unavailable(f"this flash_attn3_jax wheel has sm90 (Hopper) kernels only; device is sm{cap[0]}{cap[1]}")
+    if p.q.dtype not in (torch.bfloat16, torch.float16):
+        raise Unavailable(f"FA3 takes bf16 / f16, not {p.q.dtype}")
+    q, k, v, pt = p.jax_views()
+    q4 = q.reshape(p.batch, p.q_len, p.num_q_heads, p.head_dim)  # free: [T, Hq, D] is batch-major
+    lengths = jnp.full((p.batch,), p.kv_len, jnp.int32)
+    splits = int(num_splits)
+
+    def attend(q4, k, v, lengths, pt):
+        return flash_mha_with_kvcache(q4, k, v, cache_seqlens=lengths, page_table=pt,
+                                      softmax_scale=float(p.softmax_scale), is_causal=True, num_splits=splits)
+
+    fn = jax.jit(attend)
+    jax.block_until_ready((q4, lengths))
+    note = f"paged ps={p.page_size}, num_splits={splits} (fastest of {FA3_SPLITS})"
+    return PeerRun("fa3", lambda: fn(q4, k, v, lengths, pt), _jax_to_tokens(p), "jax", note)
