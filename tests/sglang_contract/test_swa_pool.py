@@ -28,7 +28,7 @@ from tests.sglang_contract.batches import (Expect, Req, draft_extend_step, plain
                                           verify_step)
 from tests.sglang_contract.check import (REPLAY_TOL, check_rows, check_untouched, forward_layers, make_qkv,
                                          pad_qkv, random_qkv)
-from tests.sglang_contract.device import DEVICE, host, host64
+from tests.sglang_contract.device import DEVICE, ON_CUDA, hopper, host, host64
 from tests.sglang_contract.engine import ForwardMode, MHATokenToKVPool
 from tests.sglang_contract.graph_runner import CudaGraphRunner
 from tests.sglang_contract.reference64 import attention64
@@ -253,6 +253,28 @@ def test_swa_pool_extend_then_decode():
     for step in range(2):
         fb, ex = plain_step(world, [Req(rows[0], 18 + step, 1), Req(rows[1], 5 + step, 1)], DECODE, commit=False)
         check_swa_step(world, backend, fb, ex, what=f"decode {step}")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the Mosaic launch path runs on a CUDA device (JAX_ATTN_CONTRACT_DEVICE=cuda)")
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_swa_pool_launch_path(mode):
+    """Catches: launch-path sliding-window layers reading the full page table or tables of the full plan
+    (the SWA tables, ``TableKey`` variant 2), or their KV writes landing at full slots in the SWA pool."""
+    if not hopper():
+        pytest.skip("the bridge's Mosaic launch path needs a Hopper GPU")
+    world = SWAWorld((SWA, PLAIN, SWA, CAP), page_size=16, sliding_window=5, dtype=torch.bfloat16, head_dim=64)
+    backend = torch_bridge.FlashAttentionBackend(world.runner)
+    assert backend.mosaic_path is not None, "expected the launch path on a Hopper GPU"
+    rows = [world.new_request() for _ in range(3)]
+    fb, ex = plain_step(world, [Req(rows[0], 0, 40), Req(rows[1], 0, 7), Req(rows[2], 0, 23)])
+    check_swa_step(world, backend, fb, ex, what="launch path prefill")
+    if mode == "decode":
+        fb, ex = plain_step(world, [Req(rows[0], 40, 1), Req(rows[1], 7, 1), Req(rows[2], 23, 1)], DECODE,
+                            commit=False)
+        check_swa_step(world, backend, fb, ex, what="launch path decode")
+    hits = backend.runner.hits
+    assert any(h.swa for h in hits.values()) and any(not h.swa for h in hits.values()), \
+        f"both SWA and full layers must run on the launch path, got {sorted(hits)}"
 
 
 @pytest.mark.parametrize("page_size,committed", [(1, (9, 30, 2)), (16, (14, 45, 16))], ids=["p1", "p16"])
