@@ -21,7 +21,7 @@ of the decode matrix.
 
 Run on the GPU machine from the repository root (peers from ``bash benchmarks/fetch_peers.sh .peers``,
 found in ./.peers when present; FA3 after ``eval "$(bash .peers/peer_site.sh .peers)"``):
-  PYTHONPATH=.:.peers python3 benchmarks/bench_attention.py [--only decode] [--quick]
+  PYTHONPATH=.:.peers:$PYTHONPATH python3 benchmarks/bench_attention.py [--only decode] [--quick]
 """
 
 from __future__ import annotations
