@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-from jax_attn.kernels.kv_write_mosaic import write_kv  # noqa: E402
+from tests.kv_write_kernel import write_kv  # noqa: E402  (the launcher's test kernel)
 from torch_bridge.launcher import compile_for_torch  # noqa: E402
 
 import bench_bridge  # noqa: E402  (the shared host/wall timers; benchmarks/ is on sys.path as a script)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.kv_write_mosaic import write_kv, write_kv_reference
+from tests.kv_write_kernel import write_kv, write_kv_reference
 from torch_bridge import launcher
 from torch_bridge.launcher import Compiled, MosaicLauncher, Slot, compile_for_torch, plan_kernel
 
