@@ -121,6 +121,24 @@ def plan_time(backend, batch, reps: int) -> float:
     return statistics.median(per)
 
 
+def compare(s: Shapes, table, pool, batches, *, chunk: int, seed: int, warmup: int, reps: int, **backend_kw) -> dict:
+    """Plan and time one local layer (``batches[0]``, chunk ``chunk``) against a plain layer
+    (``batches[1]``) over the same keys: times (s), their relative difference and plan times (s)."""
+    local_be = FlashAttentionBackend(table, attention_chunk_size=chunk, **backend_kw)
+    plain_be = FlashAttentionBackend(table, **backend_kw)
+    local_batch, plain_batch = batches
+    q = jax.random.normal(jax.random.key(seed), (local_batch.num_tokens, s.hq * s.d),
+                          jnp.float32).astype(jnp.bfloat16)
+    lay = LayerParams(num_q_heads=s.hq, num_kv_heads=s.hkv, head_dim=s.d)
+    local_md, plain_md = local_be.plan(local_batch), plain_be.plan(plain_batch)
+    local_fn = attend_fn(local_be, dataclasses.replace(lay, use_irope=True))
+    plain_fn = attend_fn(plain_be, lay)
+    return dict(err=rel_err(local_fn(q, pool, local_md), plain_fn(q, pool, plain_md)),
+                local=time_call(lambda: local_fn(q, pool, local_md), warmup, reps),
+                plain=time_call(lambda: plain_fn(q, pool, plain_md), warmup, reps),
+                plan_local=plan_time(local_be, local_batch, reps), plan_plain=plan_time(plain_be, plain_batch, reps))
+
+
 def bench_decode(s: Shapes, impl: str, page_size: int, reps: int) -> dict:
     """Local decode (B x ctx, chunk) vs plain decode (B x chunk) over the same keys."""
     b, ctx, c = s.decode_batch, s.decode_ctx, s.chunk
@@ -132,26 +150,16 @@ def bench_decode(s: Shapes, impl: str, page_size: int, reps: int) -> dict:
     table = np.concatenate([table, plain_rows])
     before_last = table[1:b + 1, :ctx - c].reshape(-1)  # never visible to the decode query
     pool = make_pool(num_slots, s.hkv, s.d, before_last, seed=0)
-    common = dict(page_size=page_size, max_context_len=ctx, impl=impl, num_heads=(s.hq, s.hkv), num_slots=num_slots)
-    local_be = FlashAttentionBackend(table, attention_chunk_size=c, **common)
-    plain_be = FlashAttentionBackend(table, **common)
     rows = np.arange(1, b + 1, dtype=np.int32)
     local_batch = ForwardBatch(ForwardMode.DECODE, rows, np.full(b, ctx, np.int32), table[rows, ctx - 1])
     plain_batch = ForwardBatch(ForwardMode.DECODE, rows + b, np.full(b, c, np.int32), table[rows + b, c - 1])
-    q = jax.random.normal(jax.random.key(1), (b, s.hq * s.d), jnp.float32).astype(jnp.bfloat16)
-    lay = LayerParams(num_q_heads=s.hq, num_kv_heads=s.hkv, head_dim=s.d)
-    local_md, plain_md = local_be.plan(local_batch), plain_be.plan(plain_batch)
-    local_fn = attend_fn(local_be, dataclasses.replace(lay, use_irope=True))
-    plain_fn = attend_fn(plain_be, lay)
-    err = rel_err(local_fn(q, pool, local_md), plain_fn(q, pool, plain_md))
-    t_local = time_call(lambda: local_fn(q, pool, local_md), 20, reps)
-    t_plain = time_call(lambda: plain_fn(q, pool, plain_md), 20, reps)
+    r = compare(s, table, pool, (local_batch, plain_batch), chunk=c, seed=1, warmup=20, reps=reps,
+                page_size=page_size, max_context_len=ctx, impl=impl, num_heads=(s.hq, s.hkv), num_slots=num_slots)
     nbytes = 2 * b * c * s.hkv * s.d * 2
     return dict(kind="decode", case=f"decode B={b} ctx={ctx} chunk={c}", impl=impl, page_size=page_size,
-                local_us=t_local * 1e6, plain_us=t_plain * 1e6, local_val=nbytes / t_local / 1e12,
-                plain_val=nbytes / t_plain / 1e12, unit="TB/s", err=err,
-                plan_local_us=plan_time(local_be, local_batch, reps) * 1e6,
-                plan_plain_us=plan_time(plain_be, plain_batch, reps) * 1e6)
+                local_us=r["local"] * 1e6, plain_us=r["plain"] * 1e6, local_val=nbytes / r["local"] / 1e12,
+                plain_val=nbytes / r["plain"] / 1e12, unit="TB/s", err=r["err"],
+                plan_local_us=r["plan_local"] * 1e6, plan_plain_us=r["plan_plain"] * 1e6)
 
 
 def bench_prefill(s: Shapes, impl: str, page_size: int, reps: int) -> dict:
@@ -166,29 +174,19 @@ def bench_prefill(s: Shapes, impl: str, page_size: int, reps: int) -> dict:
     table = np.concatenate([table, extra])
     num_slots = page_size + n
     pool = make_pool(num_slots, s.hkv, s.d, np.zeros(0, np.int64), seed=2)
-    common = dict(page_size=page_size, max_context_len=n, impl=impl, num_heads=(s.hq, s.hkv), num_slots=num_slots)
-    local_be = FlashAttentionBackend(table, attention_chunk_size=c, **common)
-    plain_be = FlashAttentionBackend(table, **common)
     loc = table[1, :n]
     local_batch = ForwardBatch(ForwardMode.EXTEND, np.array([1], np.int32), np.array([n], np.int32), loc,
                                extend_seq_lens=np.array([n], np.int32))
     plain_rows = np.arange(2, parts + 2, dtype=np.int32)
     plain_batch = ForwardBatch(ForwardMode.EXTEND, plain_rows, np.full(parts, c, np.int32), loc,
                                extend_seq_lens=np.full(parts, c, np.int32))
-    q = jax.random.normal(jax.random.key(3), (n, s.hq * s.d), jnp.float32).astype(jnp.bfloat16)
-    lay = LayerParams(num_q_heads=s.hq, num_kv_heads=s.hkv, head_dim=s.d)
-    local_md, plain_md = local_be.plan(local_batch), plain_be.plan(plain_batch)
-    local_fn = attend_fn(local_be, dataclasses.replace(lay, use_irope=True))
-    plain_fn = attend_fn(plain_be, lay)
-    err = rel_err(local_fn(q, pool, local_md), plain_fn(q, pool, plain_md))
-    t_local = time_call(lambda: local_fn(q, pool, local_md), 3, reps)
-    t_plain = time_call(lambda: plain_fn(q, pool, plain_md), 3, reps)
+    r = compare(s, table, pool, (local_batch, plain_batch), chunk=c, seed=3, warmup=3, reps=reps,
+                page_size=page_size, max_context_len=n, impl=impl, num_heads=(s.hq, s.hkv), num_slots=num_slots)
     flops = 4 * s.hq * s.d * parts * c * (c + 1) / 2  # visible (query, key) pairs, causal within chunks
     return dict(kind="prefill", case=f"prefill S={n} chunk={c}", impl=impl, page_size=page_size,
-                local_us=t_local * 1e6, plain_us=t_plain * 1e6, local_val=flops / t_local / 1e12,
-                plain_val=flops / t_plain / 1e12, unit="TFLOP/s", err=err,
-                plan_local_us=plan_time(local_be, local_batch, reps) * 1e6,
-                plan_plain_us=plan_time(plain_be, plain_batch, reps) * 1e6)
+                local_us=r["local"] * 1e6, plain_us=r["plain"] * 1e6, local_val=flops / r["local"] / 1e12,
+                plain_val=flops / r["plain"] / 1e12, unit="TFLOP/s", err=r["err"],
+                plan_local_us=r["plan_local"] * 1e6, plan_plain_us=r["plan_plain"] * 1e6)
 
 
 def table(results) -> str:
