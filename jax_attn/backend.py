@@ -77,7 +77,7 @@ class FlashAttentionBackend:
         (``md.local``) that ``use_irope`` layers run. A multiple of ``page_size``.
       num_swa_slots, full_to_swa_index_mapping: SGLang's hybrid ``SWAKVPool``: slots of the SWA pool and
         the full slot -> SWA slot map (``i32[num_slots + 1]``); plans then carry ``md.swa_page_table``,
-        which sliding-window layers read (pass them their SWA pool). Tree steps raise.
+        which sliding-window layers read (pass them their SWA pool); tree steps carry it on ``md.swa``.
     """
 
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
@@ -178,11 +178,6 @@ class FlashAttentionBackend:
         if tree and batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise NotImplementedError(f"{batch.forward_mode.name} with topk={spec.topk}: only target verify and "
                                       "draft decode have a tree (cascade) form")
-        if tree and self.num_swa_slots:
-            raise NotImplementedError(
-                f"SGLang's hybrid SWAKVPool (full_to_swa_index_mapping) in a {batch.forward_mode.name} step with "
-                f"topk={spec.topk} (tree speculative decoding) is not supported: its cascade plans have no SWA "
-                "pool page table; use topk <= 1 (chain) or one pool for every layer")
         if self.num_swa_slots and batch.encoder_lens is not None:
             raise NotImplementedError("SGLang's hybrid SWAKVPool with cross attention (encoder_lens) is not supported")
         if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY and spec.draft_mask is None:
@@ -193,7 +188,8 @@ class FlashAttentionBackend:
             page_size=self.page_size, max_pages=self.max_pages,
             has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
             topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
-            step_id=spec.step_id if tree else 0, with_swa=bool(tree and spec.with_swa), num_slots=self.num_slots,
+            step_id=spec.step_id if tree else 0, num_slots=self.num_slots,
+            with_swa=bool(tree and (spec.with_swa or self.num_swa_slots)),  # an SWAKVPool has SWA layers
             attention_chunk_size=self.attention_chunk_size, num_swa_slots=self.num_swa_slots,
         )
 
@@ -220,8 +216,9 @@ class FlashAttentionBackend:
         if tree and (layer.is_cross_attention or not layer.causal):
             raise NotImplementedError("a cross-attention or non-causal (encoder-only) layer inside a tree "
                                       "(topk > 1) speculative step is not supported")
+        swa_pool = getattr(spec_plan.swa_plan_of(md), "swa_page_table", None) is not None  # SGLang's SWAKVPool
         if layer.use_irope:  # chunked local layer: checked before anything is written
-            if layer.sliding_window_size >= 0 and getattr(md, "swa_page_table", None) is not None:
+            if layer.sliding_window_size >= 0 and swa_pool:
                 raise NotImplementedError("a use_irope (chunked local) sliding-window layer in an SWAKVPool model "
                                           "is not supported")
             if layer.is_cross_attention or not layer.causal:
@@ -229,7 +226,7 @@ class FlashAttentionBackend:
                                           "layer is not supported")
             local_attn.local_plan_of(md)
         if save_kv_cache and k is not None:
-            if layer.sliding_window_size >= 0 and getattr(md, "swa_page_table", None) is not None:
+            if layer.sliding_window_size >= 0 and swa_pool:
                 raise NotImplementedError("an SWAKVPool sliding-window layer's K/V go to translated SWA slots "
                                           "(full_to_swa_index_mapping[out_cache_loc]): write them yourself and "
                                           "pass save_kv_cache=False")
@@ -239,7 +236,7 @@ class FlashAttentionBackend:
             pool = set_kv_buffer(pool, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
                                  layer_index=layer_index)
         view, amd = pool, md
-        if layer_index is not None and getattr(md, "swa_page_table", None) is not None:
+        if layer_index is not None and swa_pool:
             raise NotImplementedError("a layer-stacked pool (layer_index) with an SWAKVPool plan is not supported")
         if layer_index is not None:  # read the stacked pool as one big pool, this layer's slots
             view, amd = pool.flat(), offset_slots(md, layer_index * pool.num_slots)
@@ -395,9 +392,7 @@ def _with_swa_pool(md, key: PlanKey, mapping):
         raise ValueError("a plan for SGLang's SWAKVPool needs full_to_swa_index_mapping (swa_mapping)")
     if isinstance(md, (tuple, list)):
         return type(md)(_with_swa_pool(m, key, mapping) for m in md)
-    if not isinstance(md, AttentionMetadata) or md.mode == ForwardMode.IDLE:
-        return md  # tree steps raise in plan_static; IDLE reads nothing
-    return planner.with_swa_pool(md, mapping, num_swa_slots=key.num_swa_slots)
+    return spec_plan.with_swa_pool_step(md, mapping, num_swa_slots=key.num_swa_slots)  # tree plans: md.swa
 
 
 def guard_plan(md, key: PlanKey, req_to_token, req_pool_indices, encoder_lens=None):
@@ -430,7 +425,7 @@ def _plan(key: PlanKey, req_to_token, req_pool_indices, seq_lens, out_cache_loc,
                 page_size=key.page_size, max_pages=key.max_pages, with_swa=key.with_swa)
         return spec_plan.plan_draft_decode_tree(
             req_to_token, req_pool_indices, seq_lens, out_cache_loc, topk=key.topk, step_id=key.step_id,
-            num_steps=key.num_steps, page_size=key.page_size, max_pages=key.max_pages)
+            num_steps=key.num_steps, page_size=key.page_size, max_pages=key.max_pages, with_swa=key.with_swa)
     enc = dict(encoder_lens=encoder_lens, max_encoder_len=key.max_encoder_len) if key.has_encoder else {}
     common = dict(page_size=key.page_size, max_pages=key.max_pages, **enc)
     if key.mode == ForwardMode.IDLE:

@@ -30,7 +30,7 @@ class SpecInfo:
     accept_length: Optional[np.ndarray] = None  # i32[bs], draft extend, older name: accepted drafts
     num_steps: int = 1  # draft steps; tree draft decode's out_cache_loc is [bs, topk, num_steps]
     draft_mask: Optional[np.ndarray] = None  # bool[bs, N, N]; tree verify (see spec.draft_mask_from_custom_mask)
-    with_swa: bool = False  # tree verify: also build the sliding-window table
+    with_swa: bool = False  # tree (topk > 1) verify and draft decode: also build the sliding-window table
 
     def is_tree(self) -> bool:
         return self.topk > 1

@@ -11,13 +11,17 @@ branch over that branch's own draft slots of steps ``0..step_id``.
 
 Sliding-window layers cannot use the cascade (window positions span both parts); for them the
 planner builds one page-size-1 table per draft row: the committed slots followed by its expand
-slots (SGLang's SWA spec page table, lifted to any pool page size).
+slots (SGLang's SWA spec page table, lifted to any pool page size), in tree verify and tree draft
+decode alike. With SGLang's hybrid ``SWAKVPool`` that table is translated slot by slot through
+``full_to_swa_index_mapping`` (``with_swa_pool_step``): both its committed part and its draft-token
+part then address the SWA pool that sliding-window layers read.
 
 Dimension legend: B requests (padded), N draft tokens per request, S draft steps, K topk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -25,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_attn.metadata import AttentionMetadata, ForwardMode, _pytree_dataclass, static_field
-from jax_attn.planner import exclusive_cumsum, plan_uniform
+from jax_attn.planner import exclusive_cumsum, plan_uniform, with_swa_pool
 
 
 @_pytree_dataclass
@@ -116,7 +120,7 @@ def draft_mask_from_custom_mask(custom_mask, seq_lens, *, num_draft: int):
     return (ok & vals.astype(bool)).reshape(bsz, num_draft, num_draft)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "step_id", "num_steps", "page_size", "max_pages"))
+@functools.partial(jax.jit, static_argnames=("topk", "step_id", "num_steps", "page_size", "max_pages", "with_swa"))
 def plan_draft_decode_tree(
     req_to_token,  # i32[R, W]
     req_pool_indices,  # i32[B]
@@ -128,8 +132,10 @@ def plan_draft_decode_tree(
     num_steps: int,
     page_size: int = 1,
     max_pages: int,
+    with_swa: bool = False,
 ) -> CascadeMetadata:
-    """Plan draft decode step ``step_id`` with topk > 1: prefix over committed KV + own branch."""
+    """Plan draft decode step ``step_id`` with topk > 1: prefix over committed KV + own branch
+    (``with_swa``: plus the per-branch SWA table of sliding-window layers)."""
     if not 0 <= step_id < num_steps:
         raise ValueError(f"{step_id=} must be in [0, {num_steps=})")
     loc = draft_cache_loc.reshape(-1, num_steps)  # [B*K, S]
@@ -139,21 +145,51 @@ def plan_draft_decode_tree(
                           page_size=page_size, max_pages=max_pages, mode=mode)
     counts = jnp.full((loc.shape[0],), step_id + 1, jnp.int32)
     expand = _rows_md(counts, loc[:, : step_id + 1], cur, mode)
-    return CascadeMetadata(prefix=prefix, expand=expand, swa=None, mode=mode)
+    md = CascadeMetadata(prefix=prefix, expand=expand, swa=None, mode=mode)
+    return with_swa_table(md, req_to_token, req_pool_indices, seq_lens, width=max_pages * page_size) if with_swa else md
+
+
+def with_swa_table(md: CascadeMetadata, req_to_token, req_pool_indices, seq_lens, *, width: int) -> CascadeMetadata:
+    """``md`` with its SWA table: per expand row, the committed slots ``[:seq_len]`` of its request then
+    its expand slots (``width``: the committed part's static bound, ``max_pages * page_size``)."""
+    rows = jnp.clip(req_pool_indices, 0, req_to_token.shape[0] - 1)
+    group = md.expand.batch_size // seq_lens.shape[0]  # draft rows per request: N (verify) or topk (draft)
+    return dataclasses.replace(md, swa=_swa_md(req_to_token, rows, seq_lens, md.expand, group, width, md.mode))
+
+
+def swa_plan_of(md):
+    """The plan a sliding-window layer reads: a tree step's SWA table, else ``md`` itself."""
+    return md.swa if isinstance(md, CascadeMetadata) else md
+
+
+def with_swa_pool_step(md, mapping, *, num_swa_slots: int):
+    """SGLang's hybrid ``SWAKVPool``: any step's plan with the SWA pool table (traceable). A tree plan's
+    ``md.swa`` gets ``swa_page_table``: its committed and draft-token slots translated into the SWA pool
+    (``jax_attn.planner.with_swa_pool`` at page size 1: error bit 64 for entries outside it); full layers'
+    prefix and expand passes keep reading the full pool. Other plans: ``planner.with_swa_pool``."""
+    if not isinstance(md, CascadeMetadata):
+        return md if md.mode == ForwardMode.IDLE else with_swa_pool(md, mapping, num_swa_slots=num_swa_slots)
+    if md.swa is None:
+        raise ValueError("a tree plan for SGLang's SWAKVPool needs its SWA table (plan it with with_swa=True)")
+    return dataclasses.replace(md, swa=with_swa_pool(md.swa, mapping, num_swa_slots=num_swa_slots))
 
 
 def cascade_attention(q, k_pages, v_pages, k_slots, v_slots, md: CascadeMetadata, *, attend, merge,
                       window_size=(-1, -1), sinks=None, return_lse=False, **kw):
-    """Run a tree step: prefix (non-causal) + expand, merged; SWA layers use the single SWA table.
+    """Run a tree step: prefix (non-causal) + expand, merged; SWA layers use the single SWA table
+    (its SWA-pool translation when the plan has one: SGLang's hybrid ``SWAKVPool``).
 
     ``k_pages`` is the pool's paged view (prefix pass), ``k_slots`` its page-size-1 view (expand
     and SWA passes); ``attend`` is ``jax_attn.attention.attention`` bound to an implementation and
     ``merge`` the matching ``merge_state``. Sinks count once (in the prefix pass).
     """
     if window_size != (-1, -1):
-        if md.swa is None:
+        swa = md.swa
+        if swa is None:
             raise ValueError("a sliding-window layer in a tree step needs a plan built with with_swa=True")
-        return attend(q, k_slots, v_slots, md.swa, causal=True, window_size=window_size, sinks=sinks,
+        if swa.swa_page_table is not None:  # SWAKVPool: k_slots / v_slots are the layer's SWA pool
+            swa = dataclasses.replace(swa, page_table=swa.swa_page_table, swa_page_table=None)
+        return attend(q, k_slots, v_slots, swa, causal=True, window_size=window_size, sinks=sinks,
                       return_lse=return_lse, **kw)
     o_p, lse_p = attend(q, k_pages, v_pages, md.prefix, causal=False, sinks=sinks, return_lse=True, **kw)
     o_e, lse_e = attend(q, k_slots, v_slots, md.expand, causal=True, return_lse=True, **kw)

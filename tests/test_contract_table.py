@@ -17,7 +17,7 @@ import torch
 
 from tests.test_spec import star, two_branches
 from tests.test_torch_bridge import HKV, HQ, D, layer, make_runner, rand_qkv
-from tests.test_torch_bridge_spec import N, TOPK, draft_case, pool_np, verify_case
+from tests.test_torch_bridge_spec import N, TOPK, pool_np, verify_case
 from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool
 
 TABLE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sglang_contract.md"
@@ -98,17 +98,6 @@ def tree_verify_layer(runner_kw=None, **layer_kw):
     return case
 
 
-def tree_draft_decode_window(rng):
-    runner, table = make_runner(8, 4, seed=5)
-    fb, _ = draft_case(runner, table, np.array([2, 6]), np.array([7, 12]), 1, rng)
-    backend = FlashAttentionBackend(runner, speculative_step_id=1, topk=TOPK, speculative_num_steps=3,
-                                    impl="reference")
-    backend.init_forward_metadata(fb)
-    q, k, v = rand_qkv(rng, 2 * TOPK)
-    backend.forward(q, k, v, layer(sliding_window_size=3), fb)
-    return runner
-
-
 class UnknownMode:
     name = "PREBUILT"
 
@@ -117,18 +106,17 @@ LOCAL = {"is_local_attention_model": True, "attention_chunk_size": 8}  # a Llama
 
 # (object, attribute cell) -> (case, words the message must contain)
 CASES = {
-    ("layer", "`sliding_window_size` (tree draft decode)"): (tree_draft_decode_window, "sliding-window"),
     ("layer", "`is_cross_attention` (tree step)"): (tree_verify_layer(is_cross_attention=True), "cross-attention"),
     ("layer", "`attn_type` (other values)"): (decode_layer({"attn_type": "ENCODER_DECODER"}), "attn_type"),
     ("layer", "`attn_type` (tree step)"): (tree_verify_layer(attn_type="ENCODER_ONLY"), "ENCODER_ONLY"),
-    ("layer", "`use_irope` (tree step, draft extend, multi-step draft decode)"):
+    ("layer", "`use_irope` (tree step, draft extend)"):
         (tree_verify_layer(LOCAL, use_irope=True), "use_irope"),
     ("layer", "`use_irope` (cross attention, `ENCODER_ONLY`)"):
         (decode_layer({"use_irope": True, "attn_type": "ENCODER_ONLY"}, LOCAL), "use_irope"),
     ("forward call", "`q_rope`, `k_rope`"): (decode_layer(call_kw={"q_rope": "q"}), "q_rope"),
     ("model_runner", "`attn_cp_size`"): (construct(attn_cp_size=2), "attn_cp_size"),
-    ("model_runner", "`token_to_kv_pool` (`SWAKVPool` in a topk > 1 step; a stand-in without `swa_layer_nums`)"):
-        (None, "SWAKVPool"),  # filled below (needs the runner's pool); tree steps: sglang_contract/test_swa_pool.py
+    ("model_runner", "`token_to_kv_pool` (a stand-in without `swa_layer_nums`; `SWAKVPool` with `encoder_lens`)"):
+        (None, "SWAKVPool"),  # filled below (needs the runner's pool)
     ("model_runner", "`attention_chunk_size` (not a multiple of `page_size`)"):  # page size 4
         (construct(is_local_attention_model=True, attention_chunk_size=6), "attention_chunk_size"),
     ("model_config", "`attention_arch`"): (construct(attention_arch=Arch("MLA")), "attention_arch"),
@@ -156,7 +144,7 @@ def unknown_mode(rng):
     FlashAttentionBackend(runner, impl="reference").init_forward_metadata(fb)
 
 
-CASES[("model_runner", "`token_to_kv_pool` (`SWAKVPool` in a topk > 1 step; a stand-in without `swa_layer_nums`)")] = (
+CASES[("model_runner", "`token_to_kv_pool` (a stand-in without `swa_layer_nums`; `SWAKVPool` with `encoder_lens`)")] = (
     hybrid_pool, "SWAKVPool")
 CASES[("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)")] = (unknown_mode, "forward_mode")
 

@@ -19,7 +19,8 @@ Tree speculative decoding (topk > 1) runs jax_attn's cascade (prefix pass + expa
   int32 words, zero-padded to a static length (eager: the next power of two of its length;
   capture/replay: ``bucket * N * (max_context_len + N)``), and the planner extracts the draft
   columns on device (``jax_attn.spec.draft_mask_from_custom_mask``): no host sync. Sliding-window
-  layers need ``model_runner.sliding_window_size >= 0`` so the plan carries the SWA table.
+  layers (here and in tree draft decode) need ``model_runner.sliding_window_size >= 0`` (or an
+  ``SWAKVPool``) so the plan carries the SWA table.
 * draft decode: ``init_forward_metadata`` (and the replay hook) takes SGLang's full
   ``out_cache_loc`` of every draft step, ``[bs, topk, num_steps]`` flattened (branch ``k`` of
   request ``b`` writes step ``s`` at ``[b, k, s]``); ``forward`` accepts that same tensor or just
@@ -35,12 +36,14 @@ request table's width (no extra model-config attribute needed).
 SGLang's hybrid ``SWAKVPool`` (``token_to_kv_pool`` with ``full_to_swa_index_mapping`` and
 ``swa_layer_nums > 0``): every plan carries ``swa_page_table`` (the page table translated through the
 mapping inside the planner call, imported once: no host sync); sliding-window layers read their SWA
-pool through it and write through the pool's ``set_kv_buffer`` (which translates the slots). Tree
-(topk > 1) steps raise ``NotImplementedError``.
+pool through it and write through the pool's ``set_kv_buffer`` (which translates the slots). In tree
+(topk > 1) steps full layers run the cascade over the full pool and sliding-window layers their SWA table
+(``md.swa``: committed then draft-token slots), translated slot by slot (``md.swa.swa_page_table``).
 
 Llama 4 chunked local attention: in a ``model_config.is_local_attention_model`` model, every plan of
 an extend, mixed, decode or target-verify step (topk <= 1) carries the virtual batch of
-``attention_chunk_size`` chunks (``jax_attn.local``), and ``layer.use_irope`` layers attend it.
+``attention_chunk_size`` chunks (``jax_attn.local``), and ``layer.use_irope`` layers attend it; so do the
+chain draft steps of ``FlashAttentionMultiStepBackend`` (step ``i``: KV length ``seq_len + i + 1``).
 
 The SGLang 0.5.11 attributes read, and those that raise ``NotImplementedError``, are listed in
 ``docs/sglang_contract.md``; ``torch_bridge.checks.RunnerSettings`` reads the model runner's.

@@ -37,7 +37,7 @@ class RunnerSettings:
     num_draft_tokens: int  # server_args.speculative_num_draft_tokens (0: none)
     deterministic: bool  # server_args.enable_deterministic_inference
     attention_chunk_size: int  # Llama 4 chunked local layers' chunk (0: not model_config.is_local_attention_model)
-    with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify plans the SWA table)
+    with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify / draft decode plan the SWA table)
     heads: Optional[tuple] = None  # (Hq, Hkv) per TP rank from model_config, when it says (launch tables)
     num_swa_slots: int = 0  # > 0: token_to_kv_pool is SGLang's hybrid SWAKVPool; slots of its SWA pool
 
@@ -231,11 +231,8 @@ def check_layer(lp: LayerParams, key: PlanKey, has_local: bool = False) -> None:
     if lp.is_cross_attention and not key.has_encoder:
         raise ValueError("a cross-attention layer needs a step planned with forward_batch.encoder_lens")
     if key.topk > 1 and lp.sliding_window_size >= 0 and not key.with_swa:
-        if key.mode != ForwardMode.TARGET_VERIFY:
-            raise NotImplementedError("sliding-window layers in tree (topk > 1) draft decode are not supported "
-                                      "by the cascade; use topk=1 for the draft model")
-        raise ValueError("a sliding-window layer in tree target verify needs the SWA table: set "
-                         "model_runner.sliding_window_size >= 0 before creating the backend")
+        raise ValueError(f"a sliding-window layer in a tree (topk > 1) {key.mode.name} step needs the SWA table: "
+                         "set model_runner.sliding_window_size >= 0 before creating the backend")
 
 def check_shapes(q, lp: LayerParams, step, k_buf, v_buf, page_size: int) -> int:
     """Trace-free shape checks before anything is written: a bad call leaves the cache unchanged."""

@@ -12,7 +12,9 @@ step's plan from it, and each step's backend receives its plan (no per-step plan
 packed import per draft round). The step backends share imported views and compiled
 executables. ``forward_batch.out_cache_loc`` at planning time holds every draft step's slots,
 ``[bs, topk, num_steps]`` flattened (``topk`` = 1 for chain drafts), as SGLang's EAGLE worker
-allocates them.
+allocates them. In a Llama 4 model every chain (topk 1) step's plan carries its chunked local virtual batch
+(step ``i``: query at position ``seq_len + i``); tree steps carry the per-branch SWA table of sliding-window
+layers (translated into the SWA pool of an ``SWAKVPool``).
 """
 
 from __future__ import annotations

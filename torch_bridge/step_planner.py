@@ -28,10 +28,10 @@ from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import PlanKey, guard_plan, plan_arrays
-from jax_attn.planner import with_swa_pool
+from jax_attn.local import with_local
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
-from jax_attn.spec import draft_mask_from_custom_mask
+from jax_attn.spec import draft_mask_from_custom_mask, swa_plan_of, with_swa_pool_step, with_swa_table
 from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
@@ -50,7 +50,7 @@ class PlanLayout:
     tables: Tuple[Tuple[TableKey, int], ...] = ()  # (table key, words) of each launch table
     spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) of each leaf, then of each table, in words
     local: bool = False  # the plan carries md.local (chunked local layers' virtual batch)
-    swa: bool = False  # the plan carries md.swa_page_table (SWAKVPool sliding-window layers)
+    swa: bool = False  # the plan carries md.swa_page_table (tree steps: md.swa.swa_page_table; SWAKVPool)
 
     @staticmethod
     def of(plan, tables=()) -> "PlanLayout":
@@ -61,8 +61,8 @@ class PlanLayout:
         shapes = tuple(tuple(x.shape) for x in leaves)
         sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
         ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
-        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())),
-                          getattr(plan, "local", None) is not None, getattr(plan, "swa_page_table", None) is not None)
+        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())), getattr(
+            plan, "local", None) is not None, getattr(swa_plan_of(plan), "swa_page_table", None) is not None)
 
     @staticmethod
     def pack(plan, tables=()) -> jax.Array:
@@ -192,10 +192,13 @@ class StepPlanner:
         if pk.all_steps:
             plans = plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
                                      page_size=key.page_size, max_pages=key.max_pages)
+            if key.with_swa:  # tree draft steps: sliding-window layers' per-branch tables
+                plans = tuple(with_swa_table(md, req_to_token, rows, lens, width=key.max_pages * key.page_size)
+                              for md in plans)
             plans = guard_plan(plans, key, req_to_token, rows)
-            if key.swa_pool:  # chain draft steps of an SWAKVPool model: each plan's SWA table
-                plans = tuple(with_swa_pool(md, mapping, num_swa_slots=key.num_swa_slots) for md in plans)
-            return plans, ()
+            if key.swa_pool:  # SWAKVPool: each step's SWA table (tree steps: md.swa's slots) translated
+                plans = tuple(with_swa_pool_step(md, mapping, num_swa_slots=key.num_swa_slots) for md in plans)
+            return tuple(with_local(md, chunk_size=key.attention_chunk_size) for md in plans), ()  # chain: md.local
         mask = None
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
@@ -323,7 +326,7 @@ class StepPlanner:
         placeholder = np.zeros((1, draft, draft), bool) if topk > 1 else None  # the mask itself is planned on device
         return jbatch.SpecInfo(topk=topk, num_draft_tokens=draft, step_id=self.step_id, num_steps=steps,
                                draft_mask=placeholder,
-                               with_swa=self.settings.with_swa and mode == ForwardMode.TARGET_VERIFY)
+                               with_swa=self.settings.with_swa and topk > 1)  # tree verify / draft decode
 
     def topk(self, spec_info) -> int:
         """SGLang's ``server_args.speculative_eagle_topk`` (or the constructor's ``topk``); without

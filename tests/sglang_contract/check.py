@@ -198,13 +198,15 @@ def check_step(world: World, backend, fb, ex: Expect, *, what: str, plan: bool =
 
 
 def check_draft_round(world: World, multi, fb, expects: Sequence[Expect], *, what: str, replay=None,
-                      forwards: Optional[Sequence[Forward]] = None):
+                      forwards: Optional[Sequence[Forward]] = None, check=None):
     """``EAGLEWorker.draft_forward``: step ``i`` runs on ``multi.attn_backends[i]`` with ``out_cache_loc[i]``.
 
     Eager (``replay`` None): one ``init_forward_metadata`` with every step's slots first. Replay:
     ``fb`` is the graph's static batch, already planned by the replay hook, and ``replay`` holds the
     eager round's per-step ``(outputs, activations)`` to reproduce; ``forwards[i]`` replays step ``i``'s
-    captured graph (real ``torch.cuda.graph``). Returns per step the same pair."""
+    captured graph (real ``torch.cuda.graph``). ``check`` replaces ``check_step`` (same signature), e.g.
+    for another pool layout. Returns per step the same pair."""
+    check = check_step if check is None else check
     args = world.runner.server_args
     full = fb.out_cache_loc
     if replay is None:
@@ -216,6 +218,6 @@ def check_draft_round(world: World, multi, fb, expects: Sequence[Expect], *, wha
         kw = {} if replay is None else dict(qkvs=replay[i][1], eager=replay[i][0], pad_to=per_step.shape[1])
         if forwards is not None:
             kw["forward"] = forwards[i]
-        results.append(check_step(world, multi.attn_backends[i], fb, ex, plan=False, what=f"{what} step {i}", **kw))
+        results.append(check(world, multi.attn_backends[i], fb, ex, plan=False, what=f"{what} step {i}", **kw))
     fb.out_cache_loc = full
     return results

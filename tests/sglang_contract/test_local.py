@@ -21,12 +21,12 @@ import torch
 
 import torch_bridge
 from tests.sglang_contract.batches import (Req, draft_extend_step, draft_round, plain_step, server_args_for,
-                                          verify_step)
-from tests.sglang_contract.check import check_step, forward_layers, random_qkv
+                                          step_locs, verify_step)
+from tests.sglang_contract.check import check_draft_round, check_step, forward_layers, random_qkv
 from tests.sglang_contract.engine import ForwardMode, ModelRunner
-from tests.sglang_contract.graph_runner import CudaGraphRunner
+from tests.sglang_contract.graph_runner import CudaGraphRunner, EAGLEDraftCudaGraphRunner
 from tests.sglang_contract.reference64 import attention64, chunk_local
-from tests.sglang_contract.test_graphs import check_idle_replay, traces
+from tests.sglang_contract.test_graphs import GraphModel, check_idle_replay, traces
 from tests.sglang_contract.test_spec import EAGLE_CHAIN, EAGLE_TREE
 from tests.sglang_contract.world import PLAIN, SWA, LayerSpec, World, as_bits
 
@@ -174,15 +174,50 @@ def test_draft_extend_with_a_local_layer_is_refused():
     _refused(world, backend, fb, ex, "use_irope .* DRAFT_EXTEND step")
 
 
-def test_multistep_draft_decode_with_a_local_layer_is_refused():
-    """Catches: the multi-step draft backend's plans (no virtual batch) used by a local layer after its K/V
-    write: the JAX trace would fail half-way or attend the whole history."""
-    world = World((IROPE,), chunk=8, server_args=server_args_for(**EAGLE_CHAIN))
-    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, 1, EAGLE_CHAIN["steps"])
-    fb, expects = draft_round(world, [Req(world.new_request(), c, 0) for c in (9, 21)], 1, EAGLE_CHAIN["steps"])
+@pytest.mark.parametrize("page_size,chunk,committed", [(1, 8, (7, 15, 3, 22)), (16, 16, (15, 31, 40))],
+                         ids=["p1_c8", "p16_c16"])
+def test_local_multistep_draft_decode(page_size, chunk, committed):
+    """Catches: chain (topk 1) multi-step draft decode (``FlashAttentionMultiStepBackend``) running a local
+    layer with full attention or refusing it, or a step's virtual batch built from another step's KV length:
+    step ``i``'s query sits at position ``seq_len + i`` (KV length ``seq_len + i + 1``) and sees its own chunk
+    only; committed lengths 7 / 15 / 31 put step 0 and step 1 on either side of a chunk boundary."""
+    world = World((IROPE, IROPE_SWA_SINK, PLAIN), page_size=page_size, chunk=chunk,
+                  server_args=server_args_for(**EAGLE_CHAIN))
+    steps = EAGLE_CHAIN["steps"]
+    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, 1, steps)
+    fb, expects = draft_round(world, [Req(world.new_request(), c, 0) for c in committed], 1, steps)
+    check_draft_round(world, multi, fb, expects, what=f"local chain draft p{page_size} c{chunk}")
+    assert all(b.step.layout.local for b in multi.attn_backends), "every draft step's plan must carry md.local"
+
+
+def test_local_multistep_draft_decode_replay_equals_eager():
+    """Catches: the draft steps' local virtual batches missing from the captured buckets' packed plans (a
+    replay attending the capture batch's chunks, or everything), replays differing from eager, retraces."""
+    world = World((IROPE, PLAIN), page_size=1, chunk=8, server_args=server_args_for(**EAGLE_CHAIN))
+    steps = EAGLE_CHAIN["steps"]
+    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, 1, steps)
+    graph = EAGLEDraftCudaGraphRunner(world.runner, multi, (2, 4))
+    model = GraphModel(world, multi, graph)
+    graph.capture(*model.parts)
+    for b, committed in enumerate(((7, 30, 15), (23,))):
+        fb, expects = draft_round(world, [Req(world.new_request(), c, 0) for c in committed], 1, steps)
+        eager = check_draft_round(world, multi, fb, expects, what=f"eager batch {b}")
+        before = traces(*multi.attn_backends)
+        check_draft_round(world, multi, graph.replay(fb), expects, what=f"replay batch {b}", replay=eager)
+        assert all(s.step.layout.local and s.step.graph for s in multi.attn_backends)
+        assert traces(*multi.attn_backends) == before, f"batch {b}: replay of a captured bucket traced again"
+
+
+def test_multistep_tree_draft_decode_with_a_local_layer_is_refused():
+    """Catches: tree (topk > 1) draft decode (no local metadata for the cascade, none in the seed either)
+    running a local layer with full attention, or failing after its K/V write."""
+    world = World((IROPE,), chunk=8, server_args=server_args_for(**EAGLE_TREE))
+    topk, steps = EAGLE_TREE["topk"], EAGLE_TREE["steps"]
+    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps)
+    fb, expects = draft_round(world, [Req(world.new_request(), c, 0) for c in (9, 21)], topk, steps)
     multi.init_forward_metadata(fb)
-    fb.out_cache_loc = fb.out_cache_loc.reshape(-1, EAGLE_CHAIN["steps"])[:, 0].contiguous()
-    _refused(world, multi.attn_backends[0], fb, expects[0], "use_irope .* multi-step draft decode", plan=False)
+    fb.out_cache_loc = step_locs(fb, topk, steps)[0].contiguous()
+    _refused(world, multi.attn_backends[0], fb, expects[0], "use_irope .* DECODE step with topk=2", plan=False)
 
 
 @pytest.mark.parametrize("spec", [LayerSpec(cross=True, irope=True), LayerSpec(encoder_only=True, irope=True)],

@@ -76,6 +76,9 @@ DRAFT_DECODE = [
          (SINK,)),
     Case("topk2_p16", EAGLE_TREE, (17, 33), "tree draft at page size 16: branch slots only in out_cache_loc",
          (CAP,), page_size=16),
+    Case("topk2_swa_p16", EAGLE_TREE, (17, 3, 33), "tree draft of sliding-window layers: the per-branch SWA table "
+         "(committed slots then the branch's own draft slots), window counted over both, sinks once",
+         (SWA_SINK, SWA, PLAIN), page_size=16, sliding_window=5),
 ]
 
 

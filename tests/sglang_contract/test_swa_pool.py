@@ -24,13 +24,14 @@ import pytest
 import torch
 
 import torch_bridge
-from tests.sglang_contract.batches import (Expect, Req, draft_extend_step, plain_step, server_args_for,
+from tests.sglang_contract.batches import (Expect, Req, draft_extend_step, draft_round, plain_step, server_args_for,
                                           verify_step)
-from tests.sglang_contract.check import (REPLAY_TOL, check_rows, check_untouched, forward_layers, make_qkv,
-                                         pad_qkv, random_qkv)
+from tests.sglang_contract.check import (REPLAY_TOL, check_draft_round, check_rows, check_untouched, forward_layers,
+                                         make_qkv, pad_qkv, random_qkv)
 from tests.sglang_contract.device import DEVICE, ON_CUDA, hopper, host, host64
 from tests.sglang_contract.engine import ForwardMode, MHATokenToKVPool
-from tests.sglang_contract.graph_runner import CudaGraphRunner
+from tests.sglang_contract.graph_runner import CudaGraphRunner, EAGLEDraftCudaGraphRunner
+from tests.sglang_contract.test_graphs import _capture, traces
 from tests.sglang_contract.reference64 import attention64
 from tests.sglang_contract.test_spec import EAGLE_CHAIN, EAGLE_TREE
 from tests.sglang_contract.world import CAP, HKV, HQ, PLAIN, SINK, SWA, SWA_SINK, TOL, World, as_bits
@@ -137,6 +138,12 @@ class SWAWorld(World):
         row = super().new_request()
         self._map_slots(self.r2t[row])
         return row
+
+    def spare_slots(self, n: int) -> np.ndarray:
+        """Per-branch draft pages (tree drafts, page size > 1) get SWA pages too, as every page SGLang hands out."""
+        slots = super().spare_slots(n)
+        self._map_slots(slots)
+        return slots
 
     @property
     def mapping(self) -> np.ndarray:
@@ -363,17 +370,71 @@ def test_swa_pool_bad_mapping_entry(where):
         world.check_pools(expected, "written: lenient mode", free=(0,))
 
 
-def test_swa_pool_tree_steps_raise_before_writing():
-    """Catches: a tree (topk > 1) verify with an SWAKVPool silently reading the full pool's page ids in
-    the cascade (it has no SWA pool table): it must raise naming SWAKVPool and the mode, writing nothing."""
-    world = SWAWorld(GPT_OSS, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
+def check_swa_round(world: SWAWorld, multi, fb, expects: Sequence[Expect], *, what: str, replay=None):
+    """``check.check_draft_round`` for an ``SWAKVPool``: each step checked by ``check_swa_step``, and each
+    step's plan must carry the SWA table (``replay``: the eager round's results)."""
+    def check(world, backend, fb, ex, **kw):
+        result = check_swa_step(world, backend, fb, ex, **kw)
+        assert backend.step.layout.swa, f"{kw['what']}: the plan must carry the SWA table"
+        return result
+    return check_draft_round(world, multi, fb, expects, what=what, replay=replay, check=check)
+
+
+@pytest.mark.parametrize("page_size,committed", [(1, (9, 30, 2)), (16, (14, 45))], ids=["p1", "p16"])
+def test_swa_pool_tree_verify(page_size, committed):
+    """Catches: tree (topk > 1) target verify of sliding-window layers reading the SWA spec table's full
+    slots in the SWA pool (NaN or another request's K/V): its committed part and its draft-token part must
+    both go through ``full_to_swa_index_mapping``; full layers keep the cascade over the full pool."""
+    world = SWAWorld(GPT_OSS, page_size=page_size, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
     backend = torch_bridge.FlashAttentionBackend(world.runner)
-    fb, ex = verify_step(world, [Req(world.new_request(), 9, EAGLE_TREE["draft"])], chain=False)
-    before = world.snapshot()
-    fb.attn_backend = backend
-    with pytest.raises(NotImplementedError, match="SWAKVPool.*TARGET_VERIFY"):
-        backend.init_forward_metadata(fb)
-    world.check_pools(before, "tree verify")
+    fb, ex = verify_step(world, [Req(world.new_request(), c, EAGLE_TREE["draft"]) for c in committed], chain=False)
+    check_swa_step(world, backend, fb, ex, what=f"tree verify p{page_size}")
+    assert backend.step.layout.swa, "the tree plan must carry md.swa.swa_page_table"
+
+
+@pytest.mark.parametrize("page_size,committed", [(1, (9, 30, 2)), (16, (17, 33))], ids=["p1", "p16"])
+def test_swa_pool_tree_draft_decode(page_size, committed):
+    """Catches: tree draft decode (``FlashAttentionMultiStepBackend``, topk 2) with sliding-window layers
+    reading their branch's draft slots or the committed slots untranslated (a full slot in the SWA pool),
+    their K/V written at full slots, or a step's SWA table covering another step's or branch's slots."""
+    world = SWAWorld(GPT_OSS, page_size=page_size, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
+    topk, steps = EAGLE_TREE["topk"], EAGLE_TREE["steps"]
+    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps)
+    fb, expects = draft_round(world, [Req(world.new_request(), c, 0) for c in committed], topk, steps)
+    check_swa_round(world, multi, fb, expects, what=f"tree draft p{page_size}")
+
+
+@pytest.mark.parametrize("kind", ["verify", "draft_decode"])
+def test_swa_pool_tree_graph_replay_equals_eager(kind):
+    """Catches: a captured tree bucket whose packed plan lacks md.swa.swa_page_table (a replay reading the
+    capture's SWA table or full slots), replays differing from eager, writes outside the real slots and
+    slot 0, or a retrace inside a bucket."""
+    world = SWAWorld(GPT_OSS, page_size=1, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
+    topk, steps = EAGLE_TREE["topk"], EAGLE_TREE["steps"]
+    if kind == "verify":
+        backend = torch_bridge.FlashAttentionBackend(world.runner, skip_prefill=True)
+        graph, backends = CudaGraphRunner(world.runner, backend, (2, 4)), [backend]
+    else:
+        backend = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps)
+        graph, backends = EAGLEDraftCudaGraphRunner(world.runner, backend, (2, 4)), backend.attn_backends
+    _capture(world, backend, graph)
+    for b, committed in enumerate(((9, 30, 3), (21,))):
+        reqs = [Req(world.new_request(), c, EAGLE_TREE["draft"] if kind == "verify" else 0) for c in committed]
+        what = f"tree {kind} batch {b}"
+        if kind == "verify":
+            fb, ex = verify_step(world, reqs, chain=False)
+            outs, qkvs = check_swa_step(world, backend, fb, ex, what=f"eager {what}")
+            count = traces(*backends)
+            graph_fb = graph.replay(fb)
+            assert backend.step.layout.swa
+            check_swa_step(world, backend, graph_fb, ex, plan=False, qkvs=qkvs, eager=outs,
+                           pad_to=int(graph_fb.out_cache_loc.shape[0]), what=f"replay {what}")
+        else:
+            fb, expects = draft_round(world, reqs, topk, steps)
+            eager = check_swa_round(world, backend, fb, expects, what=f"eager {what}")
+            count = traces(*backends)
+            check_swa_round(world, backend, graph.replay(fb), expects, what=f"replay {what}", replay=eager)
+        assert traces(*backends) == count, f"{what}: replay of a captured bucket traced again"
 
 
 def test_swa_pool_detected_as_the_seed_does():
