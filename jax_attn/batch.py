@@ -108,6 +108,15 @@ def bucket_for(n: int, buckets: Sequence[int]) -> Optional[int]:
     return buckets[i] if i < len(buckets) else None
 
 
+def batch_class(bs: int) -> int:
+    """The compiled batch size that serves a padded batch of ``bs`` rows: the smallest of
+    ``DEFAULT_BATCH_BUCKETS`` that holds it, past the last one the next multiple of 64. Graph buckets of
+    one class share their compiled plan and kernels (the torch bridge's capture hook)."""
+    if bs < 1:
+        raise ValueError(f"{bs=} must be >= 1")
+    return bucket_for(bs, DEFAULT_BATCH_BUCKETS) or -(-bs // 64) * 64
+
+
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:
     if x is None or x.shape[0] == size:
         return x

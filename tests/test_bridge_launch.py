@@ -6,6 +6,7 @@ arguments, same tables, same torch-side packing); the compiled launch, the strea
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,40 @@ def test_eager_table_buffers_are_bounded(monkeypatch):
     assert len(path._persistent) == 1
     live = next(iter(path._persistent.values()))
     assert path._calls and all(c.tables is live for c in path._calls.values())
+
+
+class CountingKernel(InterpretedKernel):
+    built = 0
+
+    def __init__(self, *args):
+        CountingKernel.built += 1
+        super().__init__(*args)
+
+
+def test_graph_buckets_share_batch_classes_and_prebuild():
+    """SGLang's capture order (largest first, a warm-up forward after each hook). Catches: buckets of one
+    batch class compiling their own planner or kernel; the second hook not building the remaining classes'
+    kernels ahead (a kernel built while a later bucket warms up); a bucket padded to its class returning
+    wrong rows or reading the padding (``step`` compares each replay with the reference)."""
+    rng = np.random.default_rng(12)
+    runner, table, _ = setup(8)
+    runner.server_args = types.SimpleNamespace(cuda_graph_bs=[3, 4, 5, 6])  # classes 4 (3, 4) and 8 (5, 6)
+    backend = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=CountingKernel))
+    backend.init_cuda_graph_state(6, 6)
+    z = torch.zeros(6, dtype=torch.long)
+    built, exes = CountingKernel.built, len(backend.planner.executables)
+    hooks = []
+    for bs in (6, 5, 4, 3):
+        backend.init_forward_metadata_capture_cuda_graph(bs, bs, z[:bs], z[:bs] + 1, None, ForwardMode.DECODE, None)
+        hooks.append((CountingKernel.built - built, len(backend.planner.executables) - exes))
+        rows = list(range(1, bs))  # one padding row of SGLang's bucket, then the class's
+        step(runner, table, backend, rows, [9 + 11 * r for r in rows], [1] * len(rows), rng, replay_bs=bs)
+    assert backend.planner.graph_keys[(ForwardMode.DECODE, 6)].batch_size == 8
+    assert backend.planner.graph_keys[(ForwardMode.DECODE, 3)].batch_size == 4
+    # Hook 6: class 8's planner; its step then learns the layer shape (a planner with its tables) and builds
+    # the kernel. Hook 5: plans class 4 and builds its kernel ahead. Hooks 4 and 3: nothing new.
+    assert hooks == [(0, 1), (2, 3), (2, 3), (2, 3)], hooks
+    assert backend.planner.prebuilt_kernels == 1
 
 
 @pytest.mark.gpu

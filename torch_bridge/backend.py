@@ -107,12 +107,16 @@ class FlashAttentionBackend:
         compiled plans, executables and kernels.
       verbose: the graph capture reports each bucket on stderr (``jax_attn.progress``: bucket i of n,
         elapsed time; n from ``server_args.cuda_graph_bs`` when set).
+      share_graph_kernels: decode and chain-verify graph buckets plan at their batch class and share
+        its planner and kernels, which are built ahead for the remaining buckets at the second capture
+        hook (``torch_bridge.warmup``); False: one plan and kernel set per bucket, built as captured.
     """
 
     def __init__(self, model_runner, skip_prefill: bool = False, speculative_step_id: int = 0,
                  topk: int = 0, speculative_num_steps: int = 0, fa_impl_ver: int = 3, *,
                  impl: Optional[str] = None, max_encoder_len: Optional[int] = None, mosaic_path=None,
-                 validate: Optional[bool] = None, compile_cache: bool = True, verbose: bool = True):
+                 validate: Optional[bool] = None, compile_cache: bool = True, verbose: bool = True,
+                 share_graph_kernels: bool = True):
         if compile_cache:
             jax_compile_cache.enable()  # warns and runs without it when the directory is unsafe
         self.verbose = verbose
@@ -147,6 +151,7 @@ class FlashAttentionBackend:
         self.mosaic_path = mosaic_path or None
         self.planner = StepPlanner(model_runner, self.settings, self.jax_backend, importer, self.mosaic_path,
                                    speculative_step_id, speculative_num_steps)
+        self.planner.share_graph_kernels = share_graph_kernels
         self.runner = LayerRunner(self.planner, self.jax_backend, importer, self.mosaic_path, num_slots,
                                   speculative_step_id, self.settings.num_swa_slots)
 
@@ -185,9 +190,12 @@ class FlashAttentionBackend:
                                                  seq_lens, encoder_lens, forward_mode, spec_info) -> None:
         """Compile the plan of bucket ``bs`` ahead of time and plan the capture run with it."""
         mode = to_mode(forward_mode)
+        built = self.planner.prebuilt_kernels
         self.planner.capture(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode, spec_info)
         if self._capture_progress is not None:  # the elapsed time includes the earlier buckets' warm-up runs
-            self._capture_progress.step(f"{mode.name} bs={bs}", "plan compiled")
+            built = self.planner.prebuilt_kernels - built
+            self._capture_progress.step(f"{mode.name} bs={bs}", "plan compiled" + (
+                f", {built} kernels prebuilt for the later buckets" if built else ""))
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, seq_lens_sum,
                                                 encoder_lens, forward_mode, spec_info, seq_lens_cpu,

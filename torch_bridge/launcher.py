@@ -272,13 +272,35 @@ def _plugin_library():
     return lib
 
 
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _bind_primary_context(device) -> None:
+    """Make ``device``'s primary context (torch's) current on this thread. A thread that has made no
+    CUDA runtime call has no current context, and the plugin's compile and module load use the driver."""
+    import torch
+
+    lib, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    for what, rc in (("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), index)),
+                     ("cuDevicePrimaryCtxRetain", lambda: lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+                     ("cuCtxSetCurrent", lambda: lib.cuCtxSetCurrent(ctx))):
+        err = rc()
+        if err:
+            raise RuntimeError(f"{what} failed with CUDA error {err} (device {index})")
+    lib.cuDevicePrimaryCtxRelease(dev)  # torch keeps it retained
+
+
 def cuda_loader(module: bytes, device) -> Compiled:
     """Compile a serialized Mosaic GPU module for ``device`` with the CUDA plugin."""
     import torch
 
     lib = _plugin_library()
     with torch.cuda.device(device):
-        torch.empty(1, device=device)  # the primary context exists and is current on this thread
+        torch.empty(1, device=device)  # the primary context exists
+        _bind_primary_context(torch.device(device))  # current on this thread too (a new thread has none)
         res = lib.MosaicGpuCompile(module, len(module))
     if not res:
         raise RuntimeError("MosaicGpuCompile failed "

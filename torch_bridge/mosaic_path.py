@@ -20,7 +20,9 @@ P page-table width, N work tiles.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
@@ -33,7 +35,8 @@ from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)
 from torch_bridge.dlpack import capturing
-from torch_bridge.launcher import compile_for_torch, jax_dtype
+from jax_attn.kernels import kernel_cache
+from torch_bridge.launcher import TorchKernel, compile_for_torch, jax_dtype, plan_kernel
 
 MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
 _WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
@@ -45,13 +48,16 @@ TableKey = Tuple[int, ...]  # (Hq, Hkv): the step's plan; (Hq, Hkv, 1): md.local
 LOCAL_TABLES, SWA_TABLES = 1, 2  # a TableKey's third entry
 
 
+def first_output(st: KernelStatics, num_tiles: int) -> Callable:
+    """The compiled kernel as a function of arrays returning its output (the per-tile LSE becomes
+    scratch the compiled kernel owns)."""
+    call = kernel_call(st, num_tiles)
+    return lambda *args: call(*args)[0]
+
+
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
     """The kernel of ``st`` compiled for torch launches: ``kernel(*tensors, out=None, check=True) -> out``."""
-    call = kernel_call(st, num_tiles)
-
-    def first_output(*args):  # the per-tile LSE becomes scratch the compiled kernel owns
-        return call(*args)[0]
-    return compile_for_torch(first_output, *example)
+    return compile_for_torch(first_output(st, num_tiles), *example)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +126,7 @@ class MosaicPath:
         self._persistent: Dict[tuple, Tables] = {}  # insertion order = least recently planned first
         self._pinned: set = set()
         self._calls: Dict[tuple, LayerCall] = {}
+        self.recipes: Dict[Recipe, Recipe] = {}  # layers seen on the launch path (``prebuild``), first seen first
 
     @staticmethod
     def for_device(device: torch.device, impl: str) -> Optional["MosaicPath"]:
@@ -192,23 +199,117 @@ class MosaicPath:
 
     # ---- per layer ---------------------------------------------------------------------------
     def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
-                   v_buf: torch.Tensor, has_sinks: bool) -> "LayerCall":
-        """The bound launch of one layer for this plan key (built on first use, then reused)."""
+                   v_buf: torch.Tensor, has_sinks: bool, heads: Optional[TableKey] = None) -> "LayerCall":
+        """The bound launch of one layer for this plan key (built on first use, then reused). ``heads``:
+        the layer's ``TableKey``; the layer is then remembered for ``prebuild``."""
         ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), has_sinks)
         call = self._calls.get(ck)
         if call is None:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
             call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
+            if heads is not None:
+                recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, k_buf, v_buf, has_sinks)
+                self.recipes.setdefault(dataclasses.replace(recipe, k_buf=None, v_buf=None), recipe)
         return call
+
+    @staticmethod
+    def _kernel_key(st: KernelStatics, num_tiles: int, args) -> tuple:
+        return (st, num_tiles, tuple(tuple(a.shape) for a in args), args[0].device)
 
     def kernel(self, st: KernelStatics, num_tiles: int, args: Tuple[torch.Tensor, ...]):
         """The compiled kernel for ``st`` and these argument shapes (shared by layers alike)."""
-        ck = (st, num_tiles, tuple(tuple(a.shape) for a in args), args[0].device)
+        ck = self._kernel_key(st, num_tiles, args)
         kernel = self._kernels.get(ck)
         if kernel is None:
             kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
         return kernel
+
+    def recipes_for(self, mode, q_len_per_req: int) -> list:
+        """The layers seen on the launch path in steps of this mode and queries per request."""
+        return [r for r in self.recipes.values() if r.mode == mode and r.q_len_per_req == q_len_per_req]
+
+    def prebuild(self, specs) -> int:
+        """Build the kernels of these ``LaunchSpec`` s that are not built yet, all at once: the Python
+        lowerings in parallel processes (``kernel_cache.prebuild``), the GPU code in threads (the CUDA
+        plugin's compile runs outside the GIL). Returns how many were built. A test's ``make_kernel``
+        builds them one by one."""
+        todo: Dict[tuple, LaunchSpec] = {}
+        for spec in specs:
+            ck = self._kernel_key(spec.statics, spec.num_tiles, spec.args)
+            if ck not in self._kernels:
+                todo.setdefault(ck, spec)
+        if self._make_kernel is not launcher_kernel:
+            for ck, spec in todo.items():
+                self._kernels[ck] = self._make_kernel(spec.statics, spec.num_tiles, spec.args)
+            return len(todo)
+        fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in todo.items()}
+        structs = {ck: [jax.ShapeDtypeStruct(tuple(a.shape), jax_dtype(a.dtype)) for a in spec.args]
+                   for ck, spec in todo.items()}
+        kernel_cache.prebuild([k for ck in todo for k in kernel_cache.kernels_in(
+            jax.make_jaxpr(fns[ck])(*structs[ck]).jaxpr)])
+        plans = {ck: plan_kernel(fns[ck], *structs[ck]) for ck in todo}  # the lowering reuses the builds
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), 8, os.cpu_count() or 1))) as pool:
+            built = {ck: pool.submit(TorchKernel, plans[ck], todo[ck].args[0].device) for ck in todo}
+            for ck, future in built.items():
+                try:
+                    self._kernels[ck] = future.result()
+                except RuntimeError:  # a compile that failed in a thread gets one more try here, alone
+                    self._kernels[ck] = TorchKernel(plans[ck], todo[ck].args[0].device)
+        return len(todo)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What one layer's launch for one plan key compiles and binds."""
+
+    statics: KernelStatics
+    num_tiles: int
+    q_shape: Tuple[int, ...]  # the kernel's q: [R, Hq, D], or [R, Hkv, G, D] with packed rows (R: the key's tokens)
+    out_shape: Tuple[int, ...]
+    args: Tuple[torch.Tensor, ...]  # examples: q, k / v pages, the tables, sinks (the call's own sinks buffer)
+    out: torch.Tensor  # example output
+
+
+def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tables, dtype: torch.dtype,
+                device: torch.device, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool) -> LaunchSpec:
+    """The kernel statics and example arguments of ``lp`` launched over ``tables`` (a step of ``key``)."""
+    hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
+    dv, g, rows = lp.v_head_dim or d, tables.pack, key.num_tokens
+    q_shape = (rows, hkv, g, d) if g > 1 else (rows, hq, d)
+    out_shape = (rows, hkv, g, dv) if g > 1 else (rows, hq, dv)
+    with torch.inference_mode(False):
+        sinks = torch.zeros(hq if g == 1 else hkv, dtype=torch.float32, device=device)
+    st = kernel_statics(
+        num_tokens=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+        page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),
+        causal=lp.causal, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
+        has_sinks=has_sinks, config=config, max_q_len=tables.max_q_len)
+    args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
+            v_buf.view(-1, key.page_size, hkv, dv), *tables.args, sinks)
+    return LaunchSpec(st, tables.num_tiles, q_shape, out_shape, args,
+                      torch.empty(out_shape, dtype=dtype, device=device))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A layer seen on the launch path, enough to build its kernel for another plan key ahead of time."""
+
+    lp: LayerParams
+    heads: TableKey
+    mode: Any  # the plan key's mode and queries per request: kernels are prebuilt for keys alike
+    q_len_per_req: int
+    dtype: torch.dtype
+    device: torch.device
+    k_buf: Optional[torch.Tensor]  # one layer's pool buffers (None in the dedup key: kernels depend on shapes)
+    v_buf: Optional[torch.Tensor]
+    has_sinks: bool
+
+    def spec(self, config: MosaicConfig, key: PlanKey, tables: Tables) -> LaunchSpec:
+        """The launch of this layer over ``tables`` (a step of ``key``)."""
+        assert self.k_buf is not None and self.v_buf is not None
+        return launch_spec(config, self.lp, key, tables, self.dtype, self.device, self.k_buf, self.v_buf,
+                           self.has_sinks)
 
 
 class LayerCall:
@@ -222,27 +323,12 @@ class LayerCall:
 
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
-        hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
-        dv = lp.v_head_dim or d
+        spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks)
         self.tables, self.t, self.rows = tables, int(q.shape[0]), key.num_tokens
-        g = tables.pack
-        self.q_shape = (self.rows, hkv, g, d) if g > 1 else (self.rows, hq, d)
-        self.out_shape = (self.rows, hkv, g, dv) if g > 1 else (self.rows, hq, dv)
-        self.flat_out = (self.rows, hq * dv)
-        self.dtype, self.device = q.dtype, q.device
-        with torch.inference_mode(False):
-            self.sinks = torch.zeros(hq if g == 1 else hkv, dtype=torch.float32, device=q.device)
-        st = kernel_statics(
-            num_tokens=key.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
-            page_size=key.page_size, pack=g, dtype=jax_dtype(q.dtype),
-            causal=lp.causal, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
-            has_sinks=has_sinks, config=path.config,
-            max_q_len=tables.max_q_len)
-        q_example = torch.empty(self.q_shape, dtype=q.dtype, device=q.device)
-        out_example = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        args = (q_example, k_buf.view(-1, key.page_size, hkv, d), v_buf.view(-1, key.page_size, hkv, dv),
-                *tables.args, self.sinks)
-        self.launch = path.kernel(st, tables.num_tiles, args).bind(*args, out=out_example)
+        self.q_shape, self.out_shape = spec.q_shape, spec.out_shape
+        self.flat_out = (self.rows, lp.num_q_heads * (lp.v_head_dim or lp.head_dim))
+        self.dtype, self.device, self.sinks = q.dtype, q.device, spec.args[-1]
+        self.launch = path.kernel(spec.statics, spec.num_tiles, spec.args).bind(*spec.args, out=spec.out)
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""

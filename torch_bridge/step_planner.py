@@ -36,6 +36,7 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
                                       flatten_tables)
+from torch_bridge.warmup import prebuild_classes, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
                                    replay_extend_lens)
 
@@ -161,6 +162,9 @@ class StepPlanner:
                 self.launch_heads.add(settings.heads + (SWA_TABLES,))
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
+        self.share_graph_kernels = True  # graph buckets of one batch class share plans and kernels
+        self.prebuilt: set = set()  # (mode, queries per request) whose later classes' kernels were prebuilt
+        self.prebuilt_kernels = 0
         self.step: Optional[Step] = None
         self.trace_count = 0
 
@@ -366,7 +370,12 @@ class StepPlanner:
 
     def capture(self, bs: int, num_tokens: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode,
                 spec_info) -> None:
-        """The capture hook: compile bucket ``bs``'s planner and plan the capture run with it."""
+        """The capture hook: compile bucket ``bs``'s planner and plan the capture run with it.
+
+        Decode and chain (topk 1) verify buckets plan at their batch class (``jax_attn.batch.batch_class``):
+        the buckets of a class share one planner and one kernel per layer shape. Once layers have run on
+        the launch path, the first capture hook of a mode plans the classes the later buckets will use and
+        builds their kernels at once (``torch_bridge.warmup``)."""
         if self.graph_max is None:
             raise RuntimeError("call init_cuda_graph_state(max_bs, max_num_tokens) before capturing")
         if bs > self.graph_max[0] or num_tokens > self.graph_max[1]:
@@ -376,12 +385,17 @@ class StepPlanner:
         if num_tokens != bs * per_req:
             raise ValueError(f"{mode.name}: {num_tokens=} must be bs * {per_req} = {bs * per_req}")
         key = self.key(mode, bs, num_tokens, spec, mode not in UNIFORM, encoder_lens is not None)
+        if self.share_graph_kernels and shares_class(key, encoder_lens):  # plan (and compile) at the batch class
+            cls = jbatch.batch_class(bs)
+            key = self.key(mode, cls, cls * per_req, spec, False, False)
+            self.prebuilt_kernels += prebuild_classes(self, mode, spec, key)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
 
     def replay(self, bs: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info,
                out_cache_loc=None) -> None:
-        """The replay hook: pad to bucket ``bs`` (seq_len 1, row 0, slot 0) and run its planner."""
+        """The replay hook: pad to bucket ``bs``'s plan (its batch class: seq_len 1, row 0, slot 0) and
+        run its planner."""
         key = self.graph_keys.get((mode, bs))
         if key is None:
             raise ValueError(f"no captured plan for {mode.name} bs={bs}; call "

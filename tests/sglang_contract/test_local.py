@@ -22,6 +22,7 @@ import torch
 import torch_bridge
 from tests.sglang_contract.batches import (Req, draft_extend_step, draft_round, plain_step, server_args_for,
                                           step_locs, verify_step)
+from tests.sglang_contract.device import DEVICE, ON_CUDA, hopper
 from tests.sglang_contract.check import check_draft_round, check_step, forward_layers, random_qkv
 from tests.sglang_contract.engine import ForwardMode, ModelRunner
 from tests.sglang_contract.graph_runner import CudaGraphRunner, EAGLEDraftCudaGraphRunner
@@ -276,43 +277,69 @@ def test_local_replay_equals_eager(name, server, page_size, chunk, layers, batch
 LHQ, LHKV, LD, LPAGE, LCTX, LCHUNK = 4, 2, 64, 16, 96, 32  # shapes the Mosaic kernel covers (bf16, head dim 64)
 
 
+class _CountedKernel:
+    """The compiled kernel for torch launches (``mosaic_path.launcher_kernel``), counting its launches."""
+
+    calls = 0
+
+    def __init__(self, st, num_tiles, example):
+        from torch_bridge.mosaic_path import launcher_kernel
+        self.kernel = launcher_kernel(st, num_tiles, example)
+
+    def bind(self, *tensors, out):
+        launch = self.kernel.bind(*tensors, out=out)
+
+        class Counted:
+            set_arg, set_out = launch.set_arg, launch.set_out
+
+            def __call__(self):
+                _CountedKernel.calls += 1
+                launch()
+        return Counted()
+
+
 def _launch_world(seed: int):
+    """Two layers (local, global) on the launch path: the compiled kernel on a Hopper GPU
+    (``JAX_ATTN_CONTRACT_DEVICE=cuda``), else the same kernel through the Mosaic GPU interpreter."""
     from tests.paging import shuffled_table
     from tests.test_bridge_launch import InterpretedKernel
     from torch_bridge.mosaic_path import MosaicPath
 
+    if ON_CUDA and not hopper():
+        pytest.skip("the bridge's Mosaic launch path needs a Hopper GPU")
+    kernel = _CountedKernel if ON_CUDA else InterpretedKernel
     table, num_slots = shuffled_table(6, LCTX, LPAGE, seed)
-    pool = torch_bridge.MHATokenToKVPool.create(num_slots, 2, LHKV, LD, torch.bfloat16)
+    pool = torch_bridge.MHATokenToKVPool.create(num_slots, 2, LHKV, LD, torch.bfloat16, DEVICE)
     for buf in pool.k_buffer + pool.v_buffer:
         buf.fill_(float("nan"))
         buf[0] = 0.0
     config = types.SimpleNamespace(  # SGLang's names: the layer shapes seed both table keys
         context_len=LCTX, is_local_attention_model=True, attention_chunk_size=LCHUNK,
         hf_text_config=types.SimpleNamespace(num_attention_heads=LHQ), get_num_kv_heads=lambda tp: LHKV)
-    runner = torch_bridge.ModelRunner(torch_bridge.ReqToTokenPool(torch.from_numpy(table).clone()), pool, config,
+    runner = torch_bridge.ModelRunner(torch_bridge.ReqToTokenPool(torch.from_numpy(table).clone().to(DEVICE)), pool, config,
                                       page_size=LPAGE)
-    backend = torch_bridge.FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel))
+    backend = torch_bridge.FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=kernel))
     layers = [torch_bridge.RadixAttention(LHQ, LD, 0.37, LHKV, 0, use_irope=True),
               torch_bridge.RadixAttention(LHQ, LD, 0.29, LHKV, 1)]
-    return table, runner, backend, layers, InterpretedKernel
+    return table, runner, backend, layers, kernel
 
 
 def _launch_step(table, runner, backend, layers, rng, rows, kv_lens, q_lens, replay_bs: Optional[int] = None):
     """Plan (eager, or the replay hook of bucket ``replay_bs``), run both layers, check each against
     float64 and its pools bit for bit (only the step's slots written)."""
     def rand(*shape):
-        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16).to(DEVICE)
     pool, t = runner.token_to_kv_pool, int(sum(q_lens))
     seen, pos = [], []  # causal keys and position of every query row
     for r, n, m in zip(rows, kv_lens, q_lens):
-        cols = torch.from_numpy(table[r, :n].astype(np.int64))
+        cols = torch.from_numpy(table[r, :n].astype(np.int64)).to(DEVICE)
         for b in pool.k_buffer + pool.v_buffer:  # committed K/V
             b[cols[:n - m]] = rand(n - m, LHKV, LD)
-        seen += [cols[:n - m + j + 1].numpy() for j in range(m)]
+        seen += [cols[:n - m + j + 1].cpu().numpy() for j in range(m)]
         pos += list(range(n - m, n))
     loc = torch.from_numpy(np.concatenate([table[r, n - m:n] for r, n, m in zip(rows, kv_lens, q_lens)]).astype(
-        np.int64))
-    i64 = [torch.from_numpy(np.asarray(x, np.int64)) for x in (rows, kv_lens, q_lens)]
+        np.int64)).to(DEVICE)
+    i64 = [torch.from_numpy(np.asarray(x, np.int64)).to(DEVICE) for x in (rows, kv_lens, q_lens)]
     decode = all(m == 1 for m in q_lens)
     fb = torch_bridge.ForwardBatch(DECODE if decode else EXTEND, len(rows), i64[0], i64[1], loc,
                                    extend_seq_lens=None if decode else i64[2], token_to_kv_pool=pool)
@@ -328,10 +355,10 @@ def _launch_step(table, runner, backend, layers, rng, rows, kv_lens, q_lens, rep
         for name, buf, want, new in zip("KV", pool.get_kv_buffer(layer.layer_id), expected, (k, v)):
             want[loc] = new.reshape(t, LHKV, LD)
             assert torch.equal(as_bits(buf), as_bits(want)), f"layer {layer.layer_id} {name} pool: other slots written"
-        kp, vp = (x.double().numpy() for x in pool.get_kv_buffer(layer.layer_id))
-        ref = attention64(q.double().numpy().reshape(t, LHQ, LD), kp, vp,
+        kp, vp = (x.double().cpu().numpy() for x in pool.get_kv_buffer(layer.layer_id))
+        ref = attention64(q.double().cpu().numpy().reshape(t, LHQ, LD), kp, vp,
                           chunk_local(seen, pos, LCHUNK) if layer.use_irope else seen, scale=layer.scaling)
-        np.testing.assert_allclose(out.double().numpy(), ref.reshape(t, -1), atol=3e-2, rtol=3e-2,
+        np.testing.assert_allclose(out.double().cpu().numpy(), ref.reshape(t, -1), atol=3e-2, rtol=3e-2,
                                    err_msg=f"layer {layer.layer_id} (use_irope={layer.use_irope})")
 
 
@@ -348,7 +375,7 @@ def test_local_layers_on_the_launch_path():
     _launch_step(table, runner, backend, layers, rng, [2, 5, 1], [51, 64, 33], [1, 1, 1])
     assert kernel.calls == calls + 4
     backend.init_cuda_graph_state(4, 4)
-    z = torch.zeros(4, dtype=torch.long)
+    z = torch.zeros(4, dtype=torch.long, device=DEVICE)
     backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, DECODE, None)
     _launch_step(table, runner, backend, layers, rng, [1, 3, 4], [32, 5, 95], [1, 1, 1], replay_bs=4)
     local = backend.step.tables[(LHQ, LHKV, 1)].flat.data_ptr()
