@@ -19,6 +19,7 @@ from jax_attn import local as local_attn
 from jax_attn import planner, safety
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention
+from jax_attn.kernels.config import cdiv
 from jax_attn.kernel_policy import Call, mosaic_wanted, resolve_impl
 from jax_attn.batch import ForwardBatch, accepted_tokens, check_batch, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
@@ -90,7 +91,7 @@ class FlashAttentionBackend:
         self._req_to_token = jnp.asarray(req_to_token, jnp.int32)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
-        self.max_pages = -(-ctx // page_size)
+        self.max_pages = cdiv(ctx, page_size)
         self.impl = resolve_impl(impl)
         self.deterministic = deterministic
         self.max_encoder_len = max_encoder_len

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jax_attn.kernels.config import cdiv
 from jax_attn.metadata import ForwardMode
 from jax_attn.safety import check_int32
 
@@ -114,7 +115,7 @@ def batch_class(bs: int) -> int:
     one class share their compiled plan and kernels (the torch bridge's capture hook)."""
     if bs < 1:
         raise ValueError(f"{bs=} must be >= 1")
-    return bucket_for(bs, DEFAULT_BATCH_BUCKETS) or -(-bs // 64) * 64
+    return bucket_for(bs, DEFAULT_BATCH_BUCKETS) or cdiv(bs, 64) * 64
 
 
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:

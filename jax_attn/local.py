@@ -40,6 +40,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jax_attn.kernels.config import cdiv
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.planner import exclusive_cumsum
 
@@ -50,10 +51,6 @@ __all__ = ["LOCAL_MODES", "check_chunk_size", "local_pages", "max_virtual_rows",
 LOCAL_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 _UNIFORM = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)  # plan_uniform: q_len_per_req = max_q_len
 _OVERFLOW_BIT = 16  # jax_attn.safety.ERRORS: "query counts do not fit"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_chunk_size(chunk_size: int, page_size: int) -> None:
@@ -86,9 +83,9 @@ def max_virtual_rows(*, chunk_size: int, batch_size: int, num_tokens: int, max_k
     fixed C, so one end is the maximum).
     """
     c, b, t = chunk_size, batch_size, num_tokens
-    per_seq_cap = max(1, _cdiv(max_kv_len, c))
+    per_seq_cap = max(1, cdiv(max_kv_len, c))
     if q_len_per_req is not None:
-        return b * min(1 + _cdiv(max(q_len_per_req - 1, 0), c), per_seq_cap)
+        return b * min(1 + cdiv(max(q_len_per_req - 1, 0), c), per_seq_cap)
     n2 = min(b, t // 2)
     extra = max(n2 + (t - 2 * n2) // c, t // c)
     return max(1, min(b * per_seq_cap, b + extra))

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jax_attn.kernels.config import cdiv
 from jax_attn.metadata import AttentionMetadata, EncoderMetadata
 
 
@@ -70,7 +71,7 @@ def _check_keys(md: AttentionMetadata, cs, cu_k, pt, num_pages: int) -> None:
     bad = _first_bad(cs < 0)
     if bad is not None:
         _fail("cache_seqlens", bad, f"negative length {cs[bad]}", "pass seq_lens >= 0 (padded rows 1)")
-    used_pages = -(-cs // md.page_size)
+    used_pages = cdiv(cs, md.page_size)
     bad = _first_bad(used_pages > md.max_pages)
     if bad is not None:
         _fail("cache_seqlens", bad, f"{cs[bad]} tokens need {used_pages[bad]} pages but the page "

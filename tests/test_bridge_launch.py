@@ -223,6 +223,40 @@ def test_graph_buckets_share_batch_classes_and_prebuild():
     assert backend.planner.prebuilt_kernels == 1
 
 
+def test_prebuild_compiles_in_threads_and_retries_a_failed_one_alone(monkeypatch):
+    """``MosaicPath.prebuild`` with the launcher: one lowering per kernel in this process (after the
+    parallel builds), the GPU compiles in threads; a compile that fails in a thread (the CUDA plugin
+    returns no kernel) is retried on the calling thread. Catches: a failed thread compile raising out of
+    the warm-up, or kernels of the same statics compiled twice."""
+    import threading
+
+    import torch_bridge.mosaic_path as mp
+
+    rng = np.random.default_rng(13)
+    runner, table, backend = setup(9)
+    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng)  # the layer shape, on the launch path
+    path, st = backend.mosaic_path, backend.step
+    (recipe,) = path.recipes_for(ForwardMode.DECODE, 1)
+    spec = recipe.spec(path.config, st.key, st.tables[recipe.heads])
+    main, loads, lowered = threading.current_thread(), [], []
+
+    class Loaded:
+        def __init__(self, plan, device):
+            loads.append(threading.current_thread() is main)
+            if len(loads) == 1:  # the first compile fails wherever it runs
+                raise RuntimeError("MosaicGpuCompile failed")
+
+    monkeypatch.setattr(mp, "TorchKernel", Loaded)
+    monkeypatch.setattr(mp, "plan_kernel", lambda fn, *structs: lowered.append(structs) or object())
+    monkeypatch.setattr(mp.kernel_cache, "prebuild", lambda kernels: len(list(kernels)))
+    path._make_kernel, path._kernels = mp.launcher_kernel, {}
+    other = dataclasses.replace(spec, statics=dataclasses.replace(spec.statics, scale=0.5))
+    assert path.prebuild([spec, other, spec]) == 2
+    assert len(lowered) == 2 and loads.count(True) == 1 and len(loads) == 3  # 2 in threads, 1 retry here
+    assert all(isinstance(k, Loaded) for k in path._kernels.values()) and len(path._kernels) == 2
+    assert path.prebuild([spec]) == 0  # built: nothing to do
+
+
 @pytest.mark.gpu
 def test_launch_path_gpu_graph_capture():
     """On a Hopper GPU: eager launch == reference, then a captured 1-layer decode step replays correctly

@@ -22,6 +22,7 @@ from typing import Dict, Optional, Tuple
 import jax
 import torch
 
+from jax_attn.kernels.config import cdiv
 from jax_attn.safety import INT32_MAX, INT32_MIN
 
 try:  # the fast path skips jax.dlpack.from_dlpack's Python checks (~10 us instead of ~80 us)
@@ -156,7 +157,7 @@ def pack_mask_words(mask: Optional[torch.Tensor], num_bytes: int, device) -> tor
     Four mask bytes travel in one int32 word so the mask joins the step's single packed import;
     the planner bit-casts the words back to bytes (both sides little-endian). ``None`` packs zeros.
     """
-    words = -(-num_bytes // 4)
+    words = cdiv(num_bytes, 4)
     buf = torch.zeros(words * 4, dtype=torch.uint8, device=device)
     if mask is not None:
         m = mask.reshape(-1)

@@ -36,6 +36,7 @@ from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORD
                                            kernel_statics, plan_mosaic_schedule)
 from torch_bridge.dlpack import capturing
 from jax_attn.kernels import kernel_cache
+from jax_attn.kernels.config import cdiv
 from torch_bridge.launcher import TorchKernel, compile_for_torch, jax_dtype, plan_kernel
 
 MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
@@ -72,7 +73,7 @@ class Tables:
 
 
 def _padded(n: int) -> int:
-    return -(-n // _WORDS) * _WORDS
+    return cdiv(n, _WORDS) * _WORDS
 
 
 def table_key(lp: LayerParams, swa: bool = False) -> TableKey:

@@ -16,6 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax_attn.kernels.config import cdiv
+
 COMPUTE_WGS = 2  # compute warpgroups per CTA; the producer is warpgroup COMPUTE_WGS
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -84,7 +86,7 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         if warp is None:
             ids = [page_id(j) for j in range(ppb)]
         else:  # a warp reads only the page ids of its own copies j = warp + 4 i
-            mine = [page_id(warp + WARPS_PER_WG * i) for i in range(-(-ppb // WARPS_PER_WG))]
+            mine = [page_id(warp + WARPS_PER_WG * i) for i in range(cdiv(ppb, WARPS_PER_WG))]
             ids = [mine[j // WARPS_PER_WG] for j in range(ppb)]
         return [(ids[j], pl.ds(0, st.page_size), pl.ds(j * st.page_size, st.page_size)) for j in range(ppb)]
 

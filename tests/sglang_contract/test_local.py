@@ -316,8 +316,8 @@ def _launch_world(seed: int):
     config = types.SimpleNamespace(  # SGLang's names: the layer shapes seed both table keys
         context_len=LCTX, is_local_attention_model=True, attention_chunk_size=LCHUNK,
         hf_text_config=types.SimpleNamespace(num_attention_heads=LHQ), get_num_kv_heads=lambda tp: LHKV)
-    runner = torch_bridge.ModelRunner(torch_bridge.ReqToTokenPool(torch.from_numpy(table).clone().to(DEVICE)), pool, config,
-                                      page_size=LPAGE)
+    r2t = torch_bridge.ReqToTokenPool(torch.from_numpy(table).clone().to(DEVICE))
+    runner = torch_bridge.ModelRunner(r2t, pool, config, page_size=LPAGE)
     backend = torch_bridge.FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=kernel))
     layers = [torch_bridge.RadixAttention(LHQ, LD, 0.37, LHKV, 0, use_irope=True),
               torch_bridge.RadixAttention(LHQ, LD, 0.29, LHKV, 1)]
