@@ -133,14 +133,6 @@ def narrow_int32(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(INT32_MIN, INT32_MAX).to(torch.int32)
 
 
-def to_int32(*tensors: Optional[torch.Tensor]) -> torch.Tensor:
-    """Concatenate index tensors (any int dtype) into one flat int32 tensor: one import per step."""
-    parts = [t.reshape(-1) for t in tensors if t is not None]
-    if len({p.dtype for p in parts}) == 1:  # SGLang's int64 indices: one concat, one saturating cast
-        return narrow_int32(torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
-    return torch.cat([narrow_int32(p) for p in parts])
-
-
 def pad_int32(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i32[size]
     """Flatten to int32 and pad with ``fill`` up to ``size`` entries (bucket padding, in torch)."""
     x = narrow_int32(x.reshape(-1))
