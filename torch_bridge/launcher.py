@@ -290,7 +290,8 @@ def _bind_primary_context(device) -> None:
         err = rc()
         if err:
             raise RuntimeError(f"{what} failed with CUDA error {err} (device {index})")
-    lib.cuDevicePrimaryCtxRelease(dev)  # torch keeps it retained
+    release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
+    release(dev)  # the CUDA runtime (torch, JAX) keeps its own reference
 
 
 def cuda_loader(module: bytes, device) -> Compiled:
