@@ -1,24 +1,49 @@
-"""torch_bridge on the GPU: per-layer host overhead, and a 32-layer decode step vs native torch.
+"""torch_bridge on the GPU: per-layer host overhead, a 32-layer decode step vs native torch, the host
+path under cProfile, and the torch launcher of compiled Mosaic kernels.
+
+Parts (``--parts``, comma-separated; default ``host,decode``):
+
+host: host overhead of one bridge call (decode, batch 1, short context: the GPU work is negligible),
+  measured as back-to-back host time per call, and split into its parts (import q, compiled call,
+  export), and the same on the Mosaic launch path (page 16, Hopper). Calls are enqueued without
+  synchronising, so this is what a layer costs the CPU.
+decode: decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/8 heads, d=128, bf16,
+  ``--layers`` layers), batch ``--batch`` at context ``--ctx``: through the bridge (paged pool, plan
+  replayed per step) vs the same model with SDPA on a contiguous KV cache, each eager and captured
+  whole in a ``torch.cuda.graph`` (the bridge's launch path is capturable); also every bridge layer
+  through a JAX executable, and attention alone (the per-layer calls of one step). Every row is
+  measured in this process; ratios are bridge / native (lower is better).
+profile: cProfile of the bridge's host path: the replay hook, the eager plan and one layer call, at
+  page 1 (JAX path) and 16, each repeated ``--profile-iters`` times.
+launcher: host cost of launching the Mosaic GPU KV-write kernel (``tests/kv_write_kernel.py``) from
+  torch, and of a CUDA graph of launches. Peers, all in this process on the same tensors (bf16 pools,
+  one layer unless said): ``torch_bridge.launcher`` (torch's current stream: checked call,
+  ``check=False``, and a bound launch), ``plgpu.as_torch_kernel`` (JAX's own torch interop, torch's
+  default stream), ``jax.jit`` of the same function on JAX arrays (pools donated), ``torch
+  index_copy_`` (two ops), and a ``torch.cuda.graph`` of ``--layers`` bound launches (one pool pair
+  per layer), replayed: host time and GPU time (CUDA events) per replay. ``host us`` is the enqueue
+  time per call without synchronising; ``wall us`` is back-to-back time per call synchronised at the
+  ends. Ratios are peer / ours (``check=False``): > 1 means the peer costs more host time.
 
     PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 16]
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts profile [--profile-iters 300]
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts launcher [--tokens 64 --slots 4096 --heads 8 \
+        --head-dim 128 --layers 32 --host-iters 2000]
+    JAX_PLATFORMS=cpu PYTHONPATH=. python3 benchmarks/bench_bridge.py --smoke   # CPU: tiny model, no graphs
 
-1. Host overhead of one bridge call (decode, batch 1, short context: the GPU work is negligible),
-   measured as back-to-back host time per call, and split into its parts (import q, compiled call,
-   export), and the same on the Mosaic launch path (page 16, Hopper). Calls are enqueued without
-   synchronising, so this is what a layer costs the CPU.
-2. Decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/8 heads, d=128, bf16,
-   ``--layers`` layers), batch ``--batch`` at context ``--ctx``: through the bridge (paged pool,
-   plan replayed per step) vs the same model with SDPA on a contiguous KV cache, each eager and
-   captured whole in a ``torch.cuda.graph`` (the bridge's launch path is capturable); also every
-   bridge layer through a JAX executable, and attention alone (the per-layer calls of one step).
-   Every row is measured in this process; ratios are bridge / native (lower is better).
+Flags: ``--iters`` (decode timing, 10), ``--host-iters`` (host and launcher timing, 2000), ``--layers``
+(decode model layers, launcher graph launches), ``--tokens``, ``--slots``, ``--heads``, ``--head-dim``
+(launcher), ``--profile-iters`` (profile), ``--smoke`` (every part at toy sizes; what needs CUDA is
+skipped and said in one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -26,48 +51,59 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, "examples")):  # the repository (tests.kv_write_kernel), the examples
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 import llama_torch as lt  # noqa: E402
 
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool,  # noqa: E402
                           ModelConfig, ModelRunner, RadixAttention, ReqToTokenPool)
+
+DEVICE = "cuda"  # "cpu" for a smoke run on a machine without CUDA
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def wall(fn, iters: int, warmup: int = 3) -> float:
     """Seconds per call, back to back, synchronised at the ends only."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / iters
 
 
 def host(fn, iters: int) -> float:
     """Host seconds per call (no synchronisation inside the loop)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     dt = (time.perf_counter() - t0) / iters
-    torch.cuda.synchronize()
+    sync()
     return dt
 
 
 def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int):
     """Contiguous slots per request (page order does not change the work); row 0 / page 0 reserved."""
-    r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device="cuda")
-    r2t[1:] = (page_size + torch.arange(batch * ctx, dtype=torch.int32, device="cuda")).view(batch, ctx)
+    r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device=DEVICE)
+    r2t[1:] = (page_size + torch.arange(batch * ctx, dtype=torch.int32, device=DEVICE)).view(batch, ctx)
     pool = MHATokenToKVPool.create(page_size + batch * ctx, num_layers, cfg.n_kv_heads, cfg.head_dim,
-                                   torch.bfloat16, "cuda")
+                                   torch.bfloat16, DEVICE)
     for b in pool.k_buffer + pool.v_buffer:
         b.normal_()
-    return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device="cuda")
+    return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device=DEVICE)
 
 
 class StaticBatch:
@@ -76,8 +112,8 @@ class StaticBatch:
 
     def __init__(self, runner, backend, batch: int, ctx: int):
         self.backend, self.batch = backend, batch
-        self.rows = torch.arange(1, batch + 1, device="cuda")
-        self.lens = torch.full((batch,), ctx, device="cuda")
+        self.rows = torch.arange(1, batch + 1, device=DEVICE)
+        self.lens = torch.full((batch,), ctx, device=DEVICE)
         loc = runner.req_to_token_pool.req_to_token[self.rows, ctx - 1].long()
         self.fb = ForwardBatch(ForwardMode.DECODE, batch, self.rows, self.lens, loc, positions=self.lens - 1,
                                token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
@@ -95,7 +131,7 @@ def decode_batch(runner, backend, batch: int, ctx: int):
 
 def capture(backend, batch: int):
     backend.init_cuda_graph_state(batch, batch)
-    z = torch.zeros(batch, dtype=torch.long, device="cuda")
+    z = torch.zeros(batch, dtype=torch.long, device=DEVICE)
     backend.init_forward_metadata_capture_cuda_graph(batch, batch, z, z + 1, None, ForwardMode.DECODE, None)
 
 
@@ -106,8 +142,8 @@ def one_layer(cfg, page_size: int):
     capture(backend, 1)
     fb = decode_batch(runner, backend, 1, 256)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
-    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
     backend.forward(q, k, k, layer, fb)
     return runner, backend, fb, layer, q, k
 
@@ -117,8 +153,8 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
     runner, backend, fb, layer, q, k = one_layer(cfg, 16)
     if backend.mosaic_path is None:
         return {}
-    kv = lt.ContiguousKV(dataclasses.replace(cfg, n_layers=1), 1, 256, torch.bfloat16, "cuda")
-    kv.lens = torch.full((1,), 255, device="cuda")
+    kv = lt.ContiguousKV(dataclasses.replace(cfg, n_layers=1), 1, 256, torch.bfloat16, DEVICE)
+    kv.lens = torch.full((1,), 255, device=DEVICE)
     native = kv.decode_attend(uniform_len=256)
     q3, k3 = q.view(1, cfg.n_heads, cfg.head_dim), k.view(1, cfg.n_kv_heads, cfg.head_dim)
     return {
@@ -131,7 +167,7 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
     }
 
 
-def bench_host_overhead(cfg, iters: int):
+def bench_host(cfg, iters: int):
     launch_rows = bench_launch_overhead(cfg, iters)
     runner, backend, fb, layer, q, k = one_layer(cfg, 1)
     rows = {
@@ -168,7 +204,7 @@ def bench_host_overhead(cfg, iters: int):
 def graph_step(run, refresh=None):
     """``run`` captured once in a CUDA graph; the returned step calls ``refresh`` then replays it."""
     run()  # warm-up outside the capture (compiles, learns layer shapes)
-    torch.cuda.synchronize()
+    sync()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         run()
@@ -193,21 +229,24 @@ def interleaved(steps: dict, iters: int, rounds: int = 5) -> dict:
 
 
 def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
-    model = lt.TorchLlama(cfg, 0, "cuda")
-    tokens = torch.randint(0, cfg.vocab, (batch,), device="cuda")
+    model = lt.TorchLlama(cfg, 0, DEVICE)
+    tokens = torch.randint(0, cfg.vocab, (batch,), device=DEVICE)
     # Native: SDPA over a contiguous cache, every request at ctx keys.
-    kv = lt.ContiguousKV(cfg, batch, ctx, torch.bfloat16, "cuda")
+    kv = lt.ContiguousKV(cfg, batch, ctx, torch.bfloat16, DEVICE)
     kv.k.normal_(), kv.v.normal_()
-    kv.lens = torch.full((batch,), ctx - 1, device="cuda")
+    kv.lens = torch.full((batch,), ctx - 1, device=DEVICE)
     attend = kv.decode_attend(uniform_len=ctx)
     steps = {"native step": lambda: model.forward(tokens, kv.lens, attend)}
-    qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
            for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
     results = {"native attention x layers": wall(lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)}
-    try:
-        results["native step, CUDA graph"] = wall(graph_step(steps["native step"]), iters)
-    except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
-        print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
+    if DEVICE != "cuda":
+        print("smoke: CUDA graph rows skipped on the CPU")
+    else:
+        try:
+            results["native step, CUDA graph"] = wall(graph_step(steps["native step"]), iters)
+        except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
+            print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
     # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
@@ -227,7 +266,7 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
         q, k, v = (x.reshape(batch, -1) for x in qkv)
         results[f"{name} attention x layers"] = wall(
             lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
-        if path is None:
+        if path is None and DEVICE == "cuda":
             results[f"{name} step, CUDA graph"] = wall(graph_step(
                 lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay), iters)
     results.update(interleaved(steps, iters))
@@ -243,21 +282,224 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
               f"{results['bridge step, CUDA graph'] / results['native step, CUDA graph']:8.2f}")
 
 
-def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000):
-    assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU"
-    print(f"device: {torch.cuda.get_device_name()}  jax {jax.__version__}  torch {torch.__version__}")
-    cfg = dataclasses.replace(lt.CONFIGS["1b"], n_layers=layers)
-    bench_host_overhead(cfg, host_iters)
-    bench_decode(cfg, batch, ctx, page_size, iters)
+# ---- --parts profile: cProfile of the host path ----------------------------------------------------
+def profile(name, fn, iters):
+    """cProfile of ``iters`` calls of ``fn`` (after one), the 18 largest by own time."""
+    fn()
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        fn()
+    pr.disable()
+    sync()
+    print(f"\n######## {name} ({iters} calls)")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+
+
+def bench_profile(iters: int = 300, config: str = "1b"):
+    """cProfile of the host path: replay hook, eager plan, one layer call; page 1 and 16."""
+    cfg = dataclasses.replace(lt.CONFIGS[config], n_layers=1, dtype="bfloat16")  # 1b: bf16 already
+    for page in (1, 16):
+        runner, backend, fb, layer, q, k = one_layer(cfg, page)
+        static = StaticBatch(runner, backend, 1, 256)
+        profile(f"replay hook, page {page}", static.replay, iters)
+        profile(f"eager plan, page {page}", lambda: backend.init_forward_metadata(static.fb), iters)
+        static.replay()
+        profile(f"layer call, page {page}", lambda: backend.forward(q, k, k, layer, static.fb), iters)
+
+
+# ---- --parts launcher: the torch launcher of compiled Mosaic kernels --------------------------------
+def host_us(fn, iters: int) -> float:
+    """Host microseconds per call (no synchronisation inside the loop)."""
+    return host(fn, iters) * 1e6
+
+
+def wall_us(fn, iters: int) -> float:
+    """Microseconds per call, back to back, synchronised at the ends only."""
+    return wall(fn, iters) * 1e6
+
+
+def make_tensors(tokens: int, slots: int, heads: int, dim: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(tokens, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(tokens, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    loc = torch.randperm(slots - 1, device="cuda", generator=g)[:tokens].to(torch.int32) + 1
+    kp = torch.zeros(slots, heads, dim, device="cuda", dtype=torch.bfloat16)
+    vp = torch.zeros_like(kp)
+    return [k, v, loc, kp, vp]
+
+
+def written(args) -> bool:
+    k, v, loc, kp, vp = args
+    return torch.equal(kp[loc.long()], k) and torch.equal(vp[loc.long()], v)
+
+
+def peer_rows(args, iters: int):
+    """(peer, host us, wall us, status) for one layer's write."""
+    from tests.kv_write_kernel import write_kv
+    from torch_bridge.launcher import compile_for_torch
+
+    rows = []
+    kern = compile_for_torch(write_kv, *args)
+    bound = kern.bind(*args)
+    for name, fn in (("launcher (checked)", lambda: kern(*args)),
+                     ("launcher check=False", lambda: kern(*args, check=False)),
+                     ("launcher bound", bound)):
+        args[3].zero_()
+        args[4].zero_()
+        fn()
+        torch.cuda.synchronize()
+        rows.append((name, host_us(fn, iters), wall_us(fn, iters), "ok" if written(args) else "WRONG"))
+    rows.append(_as_torch_kernel_row(args, iters))
+    rows.append(_jax_row(args, iters))
+    k, v, loc, kp, vp = args
+    idx = loc.long()
+
+    def native():
+        kp.index_copy_(0, idx, k)
+        vp.index_copy_(0, idx, v)
+
+    rows.append(("torch index_copy_ x2", host_us(native, iters), wall_us(native, iters), "ok"))
+    return rows
+
+
+def _as_torch_kernel_row(args, iters: int):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from tests.kv_write_kernel import write_kv
+
+    try:
+        fn = plgpu.as_torch_kernel(write_kv)
+        args[3].zero_()
+        args[4].zero_()
+        fn(*args)
+        torch.cuda.synchronize()
+        status = "ok" if written(args) else "WRONG"
+        call = lambda: fn(*args)  # noqa: E731
+        return ("plgpu.as_torch_kernel", host_us(call, iters), wall_us(call, iters), status)
+    except Exception as e:  # report, keep the other rows
+        return ("plgpu.as_torch_kernel", float("nan"), float("nan"), f"error: {type(e).__name__}: {str(e)[:60]}")
+
+
+def _jax_row(args, iters: int):
+    from tests.kv_write_kernel import write_kv
+
+    jargs = [jnp.asarray(a.float().cpu().numpy(), jnp.bfloat16) if a.is_floating_point()
+             else jnp.asarray(a.cpu().numpy()) for a in args]
+    step = jax.jit(write_kv, donate_argnums=(3, 4))
+    state = {"pools": tuple(jargs[3:])}
+
+    def call():
+        state["pools"] = step(*jargs[:3], *state["pools"])
+
+    call()
+    jax.block_until_ready(state["pools"])
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    jax.block_until_ready(state["pools"])
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    jax.block_until_ready(state["pools"])
+    wall = (time.perf_counter() - t0) / iters * 1e6
+    return ("jax.jit (pools donated)", host, wall, "ok")
+
+
+def graph_rows(tokens, slots, heads, dim, layers: int, iters: int):
+    """A CUDA graph of one bound launch per layer: host and GPU time per replay."""
+    from tests.kv_write_kernel import write_kv
+    from torch_bridge.launcher import compile_for_torch
+
+    per_layer = [make_tensors(tokens, slots, heads, dim, seed=i) for i in range(layers)]
+    kern = compile_for_torch(write_kv, *per_layer[0])
+    bound = [kern.bind(*a) for a in per_layer]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for b in bound:
+            b()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for b in bound:
+            b()
+    for a in per_layer:
+        a[3].zero_()
+        a[4].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    status = "ok" if all(written(a) for a in per_layer) else "WRONG"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    gpu = start.elapsed_time(end) * 1e3 / iters
+    return [(f"graph of {layers} launches: replay", host_us(graph.replay, iters), gpu, status),
+            (f"  eager {layers} bound launches", host_us(lambda: [b() for b in bound], iters),
+             wall_us(lambda: [b() for b in bound], iters), "ok")]
+
+
+def bench_kv_launcher(tokens: int = 64, slots: int = 4096, heads: int = 8, head_dim: int = 128, layers: int = 32,
+                   iters: int = 2000):
+    """The launcher's KV-write rows and the graph of launches: one markdown table."""
+    args = make_tensors(tokens, slots, heads, head_dim)
+    rows = peer_rows(args, iters)
+    rows += graph_rows(tokens, slots, heads, head_dim, layers, max(iters // 10, 50))
+    ours = rows[1][1]
+    print(f"\n{torch.cuda.get_device_name()} | jax {jax.__version__} | torch {torch.__version__} | "
+          f"KV write: {tokens} tokens, pool {slots} x {heads} x {head_dim} bf16")
+    print("| peer | host us | wall/GPU us | host / ours | status |")
+    print("|---|---|---|---|---|")
+    for name, host, wall, status in rows:
+        print(f"| {name} | {host:.1f} | {wall:.1f} | {host / ours:.2f} | {status} |")
+
+
+def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000, parts="host,decode",
+         profile_iters=300, tokens=64, slots=4096, heads=8, head_dim=128, smoke=False):
+    global DEVICE
+    config = "1b"
+    if smoke:
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+        config, parts, batch, ctx, layers, iters, host_iters, profile_iters = (
+            "tiny", "profile,launcher,host,decode", 2, 64, 2, 2, 20, 3)
+    else:
+        assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU (or --smoke)"
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run: numbers meaningless)"
+    print(f"device: {name}  jax {jax.__version__}  torch {torch.__version__}")
+    cfg = dataclasses.replace(lt.CONFIGS[config], n_layers=layers, dtype="bfloat16")  # 1b: bf16 already
+    todo = [p for p in parts.split(",") if p]
+    if "profile" in todo:
+        bench_profile(profile_iters, config)
+    if "launcher" in todo:
+        if DEVICE == "cuda":
+            bench_kv_launcher(tokens, slots, heads, head_dim, layers, host_iters)
+        else:
+            print("smoke: launcher part skipped on the CPU (a Mosaic GPU kernel launched on a CUDA stream)")
+    if "host" in todo:
+        bench_host(cfg, host_iters)
+    if "decode" in todo:
+        bench_decode(cfg, batch, ctx, page_size, iters)
     return 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, profile, launcher")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=32, help="decode: model layers; launcher: launches in the graph")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--host-iters", type=int, default=2000)
+    ap.add_argument("--host-iters", type=int, default=2000, help="host and launcher: calls per timing")
+    ap.add_argument("--profile-iters", type=int, default=300, help="profile: calls per cProfile run")
+    ap.add_argument("--tokens", type=int, default=64, help="launcher: tokens written")
+    ap.add_argument("--slots", type=int, default=4096, help="launcher: pool slots")
+    ap.add_argument("--heads", type=int, default=8, help="launcher: kv heads")
+    ap.add_argument("--head-dim", type=int, default=128, help="launcher: head dim")
+    ap.add_argument("--smoke", action="store_true", help="every part at toy sizes on the CPU (or GPU)")
     sys.exit(main(**vars(ap.parse_args())))

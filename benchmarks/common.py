@@ -157,6 +157,16 @@ def time_host(fn, reps: int, warmup: int, sync, flag_host_bound: bool = False) -
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def trace_events(prof) -> list:
+    """The Chrome-trace events of a finished ``torch.profiler`` run."""
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            return json.load(f).get("traceEvents", [])
+
+
 def device_activities(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> list:
     """Sorted ``(start, duration us, name)`` of the GPU activities of ``calls`` back-to-back calls
     (one CUPTI trace)."""
@@ -170,12 +180,7 @@ def device_activities(fn: Callable[[], object], sync: Callable[[object], None], 
             out = fn()
         sync(out)
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trace = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = json.load(f).get("traceEvents", [])
+    events = trace_events(prof)
     return sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
                   if e.get("cat") in _DEVICE_CATEGORIES and "dur" in e)
 
@@ -198,6 +203,84 @@ def time_device(fn: Callable[[], object], sync: Callable[[object], None], calls:
     sums = [sum(a[1] for a in acts[i * per:(i + 1) * per]) for i in range(calls)]
     timing = _summary(sums)
     return Timing(timing.time_us, timing.spread, f"{per} kernels/call")
+
+
+def wall_seconds(fn: Callable[[], object], iters: int = 20, reps: int = 9) -> float:
+    """Median seconds per call of a JAX call over ``reps`` runs of ``iters`` back-to-back calls (two
+    warm-up calls first; the host clock, so a call that dispatches slower than the GPU runs is
+    bound by dispatch)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    per_call = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) / iters)
+    return statistics.median(per_call)
+
+
+# ---- the Triton kernel at fixed points (JAX arrays, no torch) ----------------------------------
+HQ, HKV, D = 32, 8, 128
+
+
+def triton_problem(batch: int, ctx: int, q_len: int, page_size: int, seed: int = 0):
+    """Random bf16 q / paged cache with shuffled pages; every sequence has ``ctx`` keys.
+    Returns ``(q, k, v, md)`` for ``jax_attn.kernels.triton_paged.paged_attention``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_attn.metadata import AttentionMetadata, ForwardMode
+
+    rng = np.random.default_rng(seed)
+    pages_per_seq = -(-ctx // page_size)
+    num_pages = batch * pages_per_seq + 1
+    table = (rng.permutation(num_pages - 1)[: batch * pages_per_seq] + 1).reshape(batch, pages_per_seq)
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (num_pages, page_size, HKV, D)
+    k = jax.random.normal(k1, shape, jnp.bfloat16)
+    v = jax.random.normal(k2, shape, jnp.bfloat16)
+    t = batch * q_len
+    q = jax.random.normal(k3, (t, HQ, D), jnp.bfloat16)
+    md = AttentionMetadata(
+        cache_seqlens=jnp.full((batch,), ctx, jnp.int32),
+        cu_seqlens_q=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
+        cu_seqlens_k=jnp.arange(batch + 1, dtype=jnp.int32) * ctx,
+        page_table=jnp.asarray(table, jnp.int32),
+        out_cache_loc=jnp.zeros((t,), jnp.int32),
+        max_seqlen_q=jnp.int32(q_len), max_seqlen_k=jnp.int32(ctx),
+        mode=ForwardMode.DECODE if q_len == 1 else ForwardMode.EXTEND,
+        batch_size=batch, num_tokens=t, page_size=page_size, max_q_len=q_len, max_pages=pages_per_seq,
+    )
+    return q, k, v, md
+
+
+def triton_point(kind: str, page_size: int, cfg, batch: int = 64, ctx: int = 4096, prefill=(4, 4096)):
+    """(us per call, value, unit) of the Triton kernel with ``KernelConfig`` ``cfg`` at one point, its
+    schedule planned once beforehand: decode ``batch`` x ``ctx`` (TB/s of KV bytes
+    ``2 * B * ctx * Hkv * D * 2``) or causal prefill ``prefill = (B, S)`` (TFLOP/s,
+    ``4 * B * Hq * S^2 * D / 2``); ``wall_seconds`` of back-to-back calls."""
+    from jax_attn.kernels.schedule import plan_schedule
+    from jax_attn.kernels.triton_paged import paged_attention
+
+    if kind == "decode":
+        q_len = 1
+    else:
+        (batch, ctx), q_len = prefill, prefill[1]
+    q, k, v, md = triton_problem(batch, ctx, q_len, page_size)
+    md = dataclasses.replace(md, schedule=plan_schedule(md, num_q_heads=HQ, num_kv_heads=HKV, config=cfg))
+    fn = lambda: paged_attention(q, k, v, md, causal=True, config=cfg)
+    sec = wall_seconds(fn, iters=20 if kind == "decode" else 5)
+    if kind == "decode":
+        value, unit = 2 * batch * ctx * HKV * D * 2 / sec / 1e12, "TB/s"
+    else:
+        value, unit = 4 * batch * HQ * ctx * ctx * D / 2 / sec / 1e12, "TFLOP/s"
+    return sec * 1e6, value, unit
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -33,9 +33,9 @@ has compiled && run compiled python3 -m pytest -q -x -p no:cacheprovider tests/t
   -k "triton or tree or multistep"
 has example && run example python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16
 has example && run example_overlap python3 examples/decode_llama.py --config 1b --batch 8 --max-prompt 256 --min-prompt 64 --new-tokens 32 --page-size 16 --overlap
-has host && run host python3 benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20 \
+has host && run host python3 benchmarks/bench_jax_step.py --config 1b --batch 64 --ctx 4096 --page-size 16 --steps 20 \
   --variant fused,fused-static,fused-nocb,fused-static-nocb
-has timeline && run timeline python3 benchmarks/profile_step.py --config 1b --batch 64 --ctx 4096 --variant fused,fused-nocb
+has timeline && run timeline python3 benchmarks/bench_jax_step.py --mode timeline --config 1b --batch 64 --ctx 4096 --variant fused,fused-nocb
 has bench && run bench python3 benchmarks/bench_attention.py --rounds 3
 nvidia-smi --query-gpu=name --format=csv,noheader
 printf '%s\n' "| step | result | time |" "|---|---|---|" "${status[@]}"

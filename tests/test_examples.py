@@ -1,6 +1,6 @@
 """The README's main command (examples/decode_llama.py) runs, and its self-check can fail; its overlap
 loop (with and without static replay buffers) decodes the same tokens as the blocking loop; every
-weight/pool layout of the example model computes the same step; the host-overhead benchmark's HLO
+weight/pool layout of the example model computes the same step; the JAX-step benchmark's HLO
 counts see what a step copies."""
 
 import functools
@@ -15,9 +15,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import bench_host_overhead  # noqa: E402
+import bench_jax_step  # noqa: E402
 import decode_llama  # noqa: E402
 import llama  # noqa: E402
+import step_analysis  # noqa: E402
 
 from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch  # noqa: E402
@@ -109,17 +110,17 @@ def test_every_layout_computes_the_list_layout_step(layout):
 
 def test_hlo_counts_see_a_materialised_slice():
     w, x = jnp.ones((8, 16, 32)), jnp.ones((4, 16))
-    sliced = bench_host_overhead.hlo_counts(jax.jit(lambda w, x: x @ w[3]).lower(w, x).compile().as_text())
-    whole = bench_host_overhead.hlo_counts(jax.jit(lambda w, x: x @ w).lower(w[3], x).compile().as_text())
+    sliced = step_analysis.hlo_counts(jax.jit(lambda w, x: x @ w[3]).lower(w, x).compile().as_text())
+    whole = step_analysis.hlo_counts(jax.jit(lambda w, x: x @ w).lower(w[3], x).compile().as_text())
     assert sliced["slice"] >= 1 and sliced["slice_fusions"] == 1
     assert sliced["largest_mb"] == pytest.approx(16 * 32 * 4 / 1e6)
     assert whole["slice"] == whole["slice_fusions"] == 0 and whole["moved_mb"] == 0.0
 
 
 def test_fused_step_reads_the_stacked_pool_in_place():
-    env = bench_host_overhead.setup("tiny", batch=4, ctx=1024, page_size=4, steps=2, layers=None, impl="auto",
+    env = bench_jax_step.setup("tiny", batch=4, ctx=1024, page_size=4, steps=2, layers=None, impl="auto",
                                     layout="fused")
-    counts = bench_host_overhead.hlo_counts(env["exe"].as_text())
+    counts = step_analysis.hlo_counts(env["exe"].as_text())
     layer_pool_mb = env["pools"].k[0].nbytes / 1e6
     assert 0 < counts["largest_mb"] < layer_pool_mb / 4, (counts, layer_pool_mb)
 
@@ -131,8 +132,7 @@ def test_torch_engine_example_passes_its_check():
 
 
 def test_step_timeline_splits_a_step_into_its_parts():
-    """``profile_step.analyze`` on a hand-made trace: two steps, overlapping GPU work, one gap."""
-    import profile_step
+    """``step_analysis.analyze`` on a hand-made trace: two steps, overlapping GPU work, one gap."""
 
     def ev(name, ts, dur, cat=None):
         return dict(name=name, ts=ts, dur=dur, **({"cat": cat} if cat else {}))
@@ -143,7 +143,7 @@ def test_step_timeline_splits_a_step_into_its_parts():
                    ev("Memcpy HtoD", s0 + 50, 10, "gpu_memcpy"), ev("k1", s0 + 100, 100, "kernel"),
                    ev("k2", s0 + 150, 100, "kernel"),  # overlaps k1: busy 150, not 200
                    ev("k3", s0 + 300, 100, "kernel"), ev("cuLaunchKernelEx", s0 + 20, 5, "cuda_driver")]
-    rep = profile_step.analyze(events)
+    rep = step_analysis.analyze(events)
     assert rep["steps"] == 2
     assert rep["median"] == dict(wall=500, call=80, first=50, busy=260, idle=90, tail=100, acts=4)
     assert rep["gaps"][0] == (50, "k2", "k3") and len(rep["gaps"]) == 4  # 40 and 50 us gaps, per step

@@ -245,7 +245,7 @@ def check_idle_replay(world: World, backend, graph, name: str, forward: Optional
     fb, _ = idle_step(world)
     before, count = world.snapshot(), traces(backend)
     graph_fb = graph.replay(fb)
-    assert graph_fb.batch_size == CAPTURE_BS[0]
+    assert graph_fb.batch_size == graph.capture_bs[0], "an idle batch replays through the smallest bucket"
     qkvs = random_qkv(world, int(graph_fb.out_cache_loc.shape[0]))
     if forward is None:
         forward_layers(world, graph_fb, qkvs)

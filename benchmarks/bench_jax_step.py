@@ -1,9 +1,8 @@
-"""Host overhead of a decode step through the JAX backend, per weight layout and call path.
+"""A decode step of the example Llama-style model through the JAX backend (``examples/llama.py``), run
+as one captured executable per step: its host overhead, its GPU timeline, and its replay's parts.
 
-Runs the example Llama-style model (``examples/llama.py``) as one captured executable per step.
-A variant is ``LAYOUT[-OPTION...]``: LAYOUT one of ``llama.LAYOUTS`` (how weights and KV pools are
-passed); options choose the call path (default ``StepRunner.replay`` of the AOT executable) or
-compiler options:
+Variants: ``LAYOUT[-OPTION...]``, LAYOUT one of ``llama.LAYOUTS`` (how weights and KV pools are passed);
+options choose the call path (default ``StepRunner.replay`` of the AOT executable) or compiler options:
   jit      the same step through ``jax.jit``'s C++ dispatch instead of the AOT executable
   staged   step inputs first copied into persistent device buffers (stable input addresses, so a
            command buffer needs no update for them)
@@ -12,7 +11,10 @@ compiler options:
   dsf      XLA dynamic-slice fusion: slices feeding library GEMMs become address offsets
   static   ``StepRunner(static_buffers=True)``: inputs written into fixed device buffers and token
            outputs donated back into fixed buffers, so no command buffer needs an update
-Per variant:
+or a set: ``main``, ``alternatives``, ``all`` (``VARIANT_SETS``). Random KV contents (never zeros).
+
+Modes (``--mode``):
+host (default): host overhead per variant. Per variant:
   leaves      params + pools arguments of the step
   device      back-to-back executable calls on the same device-resident inputs (the kernels' floor)
   replay      replay from host numpy batch fields, blocking on the result every step
@@ -26,13 +28,25 @@ Per variant:
               step is launched), as SGLang's overlap scheduler does
   call same / call fresh: host time of the bare executable call with the same device inputs /
               with new input buffers (same values) every call
-and, from the optimized HLO (``compiled.as_text()``): copy / slice / dynamic-slice instructions,
-fusions rooted in a slice, MB written per step by kernels that only copy or slice (total and
-the largest one: a copied KV pool or weight stack shows here), command buffers and kernels
-launched outside them. Random KV contents (never zeros).
+  and, from the optimized HLO (``step_analysis.hlo_counts``): copy / slice / dynamic-slice
+  instructions, fusions rooted in a slice, MB written per step by kernels that only copy or slice
+  (total and the largest one: a copied KV pool or weight stack shows here), command buffers and
+  kernels launched outside them.
+timeline (GPU; CUPTI through torch.profiler): ``StepRunner.replay`` blocking on the result every step,
+  each step's wall time split into host to first GPU work, GPU busy, GPU idle inside and tail; the
+  largest idle gaps with the activities on either side; the host time of CUDA driver/runtime calls by
+  name. ``--piped``: steps issued without blocking (as ``piped`` above), per step the GPU span, busy
+  and idle time and the activities by kind, for the replays and for bare executable calls.
+replay-parts: each part of ``StepRunner.replay`` alone, host time (one variant; every call path).
 
-    python benchmarks/bench_host_overhead.py --config 1b --batch 64 --ctx 4096 --variant main
-    python benchmarks/bench_host_overhead.py --config small --batch 8 --ctx 64 --layers 2   # CPU
+    python benchmarks/bench_jax_step.py --config 1b --batch 64 --ctx 4096 --variant main
+    python benchmarks/bench_jax_step.py --mode timeline --config 1b --batch 64 --ctx 4096 --variant fused [--piped]
+    python benchmarks/bench_jax_step.py --mode replay-parts --config 1b --batch 64 --ctx 4096 --variant fused
+    JAX_PLATFORMS=cpu python benchmarks/bench_jax_step.py --smoke   # CPU: tiny model, host + replay-parts
+
+Flags: ``--config`` (``llama.CONFIGS``), ``--batch``, ``--ctx``, ``--page-size``, ``--layers``, ``--impl``;
+``--steps`` (host 30, timeline 20), ``--variant`` (host ``main``, timeline ``fused``, replay-parts
+``list``), ``--piped`` (timeline), ``--smoke``.
 """
 
 from __future__ import annotations
@@ -40,22 +54,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import os
-import re
 import statistics
 import sys
 import time
+import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU (timeline)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.join(os.path.dirname(_HERE), "examples"), _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
 import llama  # noqa: E402
+from step_analysis import analyze, analyze_window, hlo_counts, print_report, print_window  # noqa: E402
 
 from jax_attn.backend import FlashAttentionBackend, batch_arrays  # noqa: E402
-from jax_attn.batch import ForwardBatch  # noqa: E402
+from jax_attn.batch import ForwardBatch, pad_batch  # noqa: E402
 from jax_attn.capture import StepRunner, _pad_tokens, _write_into, pack_int32  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
@@ -70,97 +89,6 @@ VARIANT_SETS = {
     "alternatives": ("list-nocb", "perlayer", "perlayer-nocb", "flat", "scan", "scan-dsf"),
 }
 VARIANT_SETS["all"] = VARIANT_SETS["main"] + VARIANT_SETS["alternatives"]
-
-# ---- optimized HLO: what a step copies, slices and launches ------------------------------------
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*->.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPERAND = re.compile(r"\s*(?:\w+\[[^\]]*\](?:\{[^}]*\})?\s+)?%?([\w.\-]+)")  # first operand's name
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_LAUNCH_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-                "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"}
-_DATA_MOVERS = {"copy", "slice", "dynamic-slice", "transpose"}
-
-
-def _instruction(rest: str):
-    """``'(f32[2], s32[]) tuple(%a, %b)'`` -> (output bytes, opcode, operand text)."""
-    if rest.startswith("("):
-        depth = 0
-        for end, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                break
-        type_text, tail = rest[:end + 1], rest[end + 1:].lstrip()
-    else:
-        type_text, _, tail = rest.partition(" ")
-    opcode, _, operands = tail.partition("(")
-    nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dt, 1 if dt.startswith("f8") else 4)
-                 for dt, dims in _ARRAY.findall(type_text))
-    return nbytes, opcode.strip(), operands
-
-
-def parse_hlo(text: str) -> dict:
-    """``{computation: dict(entry, insts=[(name, bytes, opcode, operands)], root)}`` of an HLO module."""
-    comps, cur = {}, None
-    for line in text.splitlines():
-        if cur is None:
-            m = _COMPUTATION.match(line)
-            if m:
-                cur = comps.setdefault(m.group(2), dict(entry=bool(m.group(1)), insts=[], root=None))
-        elif line.strip() == "}":
-            cur = None
-        elif m := _INSTRUCTION.match(line):
-            inst = (m.group(2), *_instruction(m.group(3)))
-            cur["insts"].append(inst)
-            cur["root"] = inst if m.group(1) else cur["root"]
-    return comps
-
-
-def _callee(operands: str, attr: str):
-    m = re.search(attr + r"=%?([\w.\-]+)", operands)
-    return m.group(1) if m else None
-
-
-def _root_opcode(comp) -> str:
-    """Opcode of a fused computation's root, looking through bitcasts and reshapes."""
-    if comp is None:
-        return ""
-    by_name, inst = {i[0]: i for i in comp["insts"]}, comp["root"]
-    while inst is not None and inst[2] in ("bitcast", "reshape"):
-        m = _OPERAND.match(inst[3])
-        inst = by_name.get(m.group(1)) if m else None
-    return "" if inst is None else inst[2]
-
-
-def hlo_counts(text: str) -> dict:
-    """copy / slice / dynamic_slice instructions anywhere; kernels rooted in a slice; MB written by
-    kernels that only move data (total and largest); command buffers; kernels launched outside them."""
-    comps = parse_hlo(text)
-    fused, graphs, loops = set(), set(), set()
-    for comp in comps.values():
-        for _, _, opcode, operands in comp["insts"]:
-            if opcode == "fusion":
-                fused.add(_callee(operands, "calls"))
-            elif opcode == "call" and "command_buffer" in (_callee(operands, "to_apply") or ""):
-                graphs.add(_callee(operands, "to_apply"))
-            elif opcode == "while":
-                loops.update(filter(None, (_callee(operands, "body"), _callee(operands, "condition"))))
-    out = dict(copy=0, slice=0, dynamic_slice=0, slice_fusions=0, moved_mb=0.0, largest_mb=0.0, graphs=len(graphs),
-               loose=0)
-    for name, comp in comps.items():
-        for _, nbytes, opcode, operands in comp["insts"]:
-            if opcode in ("copy", "slice", "dynamic-slice"):
-                out[opcode.replace("-", "_")] += 1
-            if name in fused:
-                continue
-            root = _root_opcode(comps.get(_callee(operands, "calls"))) if opcode == "fusion" else opcode
-            out["slice_fusions"] += opcode == "fusion" and root in ("slice", "dynamic-slice")
-            if root in _DATA_MOVERS:
-                out["moved_mb"] += nbytes / 1e6
-                out["largest_mb"] = max(out["largest_mb"], nbytes / 1e6)
-            out["loose"] += (comp["entry"] or name in loops) and opcode not in _LAUNCH_FREE
-    return out
 
 
 # ---- model, backend, captured step ----------------------------------------------------------
@@ -419,7 +347,8 @@ def print_tables(timing, calls, probe):
               ", ".join(f"{n} args {us:.0f}" for n, us in probe))
 
 
-def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto", variant="main"):
+def main_host(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, impl="auto", variant="main"):
+    """Host overhead per variant: two markdown tables (timing; bare calls and HLO counts)."""
     groups = parse_variants(variant)
     timing, calls = [], []
     for (layout, opts), variants in groups.items():
@@ -440,16 +369,183 @@ def main(config="1b", batch=64, ctx=4096, page_size=16, steps=30, layers=None, i
     print_tables(timing, calls, probe)
 
 
-if __name__ == "__main__":
+# ---- --mode timeline: CUPTI trace of steps -------------------------------------------------------
+def trace_steps(env, run, steps: int) -> list:
+    """Chrome-trace events of ``steps`` blocking replays, each inside a ``step`` annotation."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    fb, tok, lens, params = env["fb"], env["tok"], env["lens"], env["params"]
+    pools = env["pools"]
+    for i in range(3):  # warm up outside the trace
+        out, pools = run(fb(lens + i), tok(lens + i), params, pools)
+        jax.block_until_ready(out)
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            cur = lens + 3 + i
+            with record_function("step"):
+                with record_function("call"):
+                    out, pools = run(fb(cur), tok(cur), params, pools)
+                jax.block_until_ready(out)
+    env["pools"] = pools
+    import common  # torch: the timeline mode only
+
+    return common.trace_events(prof)
+
+
+def trace_window(env, run, steps: int, piped: bool) -> list:
+    """Chrome-trace events of ``steps`` steps issued without blocking: replays (``piped``, next ids
+    taken on device as ``time_pipelined`` does) or bare executable calls on the
+    same device inputs (the kernels' floor)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fb, lens, params = env["fb"], env["lens"], env["params"]
+    pools = env["pools"]
+    call, same = bare_call(env), device_args(env)
+    ids = jax.numpy.asarray(env["tok"](lens)["ids"])
+
+    def go(n, ids, pools):
+        for i in range(n):
+            if piped:
+                cur = lens + i
+                out, pools = run(fb(cur), dict(ids=ids, pos=(cur - 1).astype("int32")), params, pools)
+                ids = out["next_ids"]
+            else:
+                pools = call(same, pools)[1]
+        jax.block_until_ready((ids, pools))
+        return ids, pools
+
+    ids, pools = go(3, ids, pools)
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("ignore")
+        ids, pools = go(steps, ids, pools)
+    env["pools"] = pools
+    import common  # torch: the timeline mode only
+
+    return common.trace_events(prof)
+
+
+def main_timeline(config="1b", batch=64, ctx=4096, page_size=16, steps=20, layers=None, impl="auto", variant="fused",
+                  piped=False):
+    """GPU timeline of steps per variant (CUPTI)."""
+    for (layout, opts), variants in parse_variants(variant).items():
+        env = setup(config, batch, ctx, page_size, steps + 8, layers, impl, layout, opts)
+        where = (f"{jax.devices()[0].device_kind} (layers {env['cfg'].n_layers}, batch {batch}, ctx {ctx}, "
+                 f"page {page_size})")
+        if piped:
+            print_window(f"{where} {layout}: bare calls, same inputs",
+                         analyze_window(trace_window(env, None, steps, piped=False), steps))
+        for name, call in variants:
+            run = call_path(env, call)
+            if piped:
+                print_window(f"{where} {name}: pipelined replays", analyze_window(trace_window(env, run, steps, True),
+                                                                                  steps))
+            else:
+                print_report(f"{where} {name}", analyze(trace_steps(env, run, steps)))
+        del env
+
+
+# ---- --mode replay-parts: each part of a replay alone ------------------------------------------------
+def timed_part(name, fn, n=20):
+    """Median host time of ``fn`` (no blocking inside), then block once."""
+    out, ts = None, []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    jax.block_until_ready(out)
+    print(f"| {name} | {np.median(ts):.0f} |")
+    return out
+
+
+def main_replay_parts(config="1b", batch=64, ctx=4096, page_size=16, layers=None, impl="auto", variant="list"):
+    """Host time of each part of ``StepRunner.replay`` alone, one variant."""
+    groups = parse_variants(variant)
+    if len(groups) != 1:
+        raise ValueError(f"{variant=} must name one variant, e.g. 'fused' or 'fused-nocb'")
+    (model_layout, opts), _ = next(iter(groups.items()))
+    env = setup(config, batch, ctx, page_size, steps=30, layers=layers, impl=impl, layout=model_layout,
+                    opts=opts)
+    runner, fb, tok, params, pools = env["runner"], env["fb"], env["tok"], env["params"], env["pools"]
+    exe = next(iter(runner.executables.values()))
+    key = next(iter(runner.executables))
+    lens = env["lens"]
+    padded = pad_batch(fb(lens), batch, batch)
+    layout, packed = pack_int32(batch_arrays(padded))
+    dev = jax.device_put((packed, _pad_tokens(tok(lens), batch)))
+    state = {"pools": pools}
+
+    def call(f, *a):
+        out, state["pools"] = f(*a, params, state["pools"])
+        return out
+
+    print("| part | host us |\n|---|---|")
+    timed_part("pad_batch + plan_static", lambda: runner.backend.plan_static(pad_batch(fb(lens), batch, batch)))
+    timed_part("pack + device_put of step inputs",
+          lambda: jax.device_put((pack_int32(batch_arrays(padded))[1], _pad_tokens(tok(lens), batch))))
+    timed_part("AOT executable, device inputs", lambda: call(exe, runner.backend.req_to_token, *dev))
+    timed_part("jit call, device inputs", lambda: call(runner._jit, key, layout, runner.backend.req_to_token, *dev))
+    timed_part("replay (all)", lambda: call(runner.replay, fb(lens), tok(lens)))
+    staged = StagedReplay(runner)
+    timed_part("staged replay (inputs copied to fixed buffers)", lambda: call(staged, fb(lens), tok(lens)))
+    print(f"leaves per call: {len(jax.tree.leaves((params, pools)))} (params + pools)")
+
+
+# ---- command line --------------------------------------------------------------------------------
+MODES = {"host": (main_host, dict(steps=30, variant="main")),
+         "timeline": (main_timeline, dict(steps=20, variant="fused")),
+         "replay-parts": (main_replay_parts, dict(variant="list"))}
+SMOKE = dict(config="tiny", batch=4, ctx=64, layers=2, page_size=16)  # --smoke: every mode at these sizes
+
+
+def run_mode(mode: str, steps=None, variant=None, piped=False, **kw) -> None:
+    """Runs one mode; ``steps`` and ``variant`` default per mode (``MODES``)."""
+    fn, defaults = MODES[mode]
+    kw["variant"] = variant or defaults["variant"]
+    if "steps" in defaults:
+        kw["steps"] = steps or defaults["steps"]
+    if mode == "timeline":
+        kw["piped"] = piped
+    fn(**kw)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="host", choices=sorted(MODES))
     ap.add_argument("--config", default="1b", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (host 30, timeline 20)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--impl", default="auto")
-    ap.add_argument("--variant", default="main",
+    ap.add_argument("--variant", default=None,
                     help=f"comma-separated LAYOUT[-OPTION...] ({'|'.join(llama.LAYOUTS)}; "
-                         f"{'|'.join(CALL_OPTIONS + tuple(COMPILE_OPTIONS))}) or a set: {', '.join(VARIANT_SETS)}")
-    main(**{k.replace("-", "_"): v for k, v in vars(ap.parse_args()).items()})
+                         f"{'|'.join(CALL_OPTIONS + tuple(COMPILE_OPTIONS))}) or a set: {', '.join(VARIANT_SETS)} "
+                         "(default: host main, timeline fused, replay-parts list)")
+    ap.add_argument("--piped", action="store_true",
+                    help="timeline: steps issued without blocking (and bare calls on the same inputs)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (or GPU): every mode that runs there")
+    args = vars(ap.parse_args(argv))
+    mode, smoke = args.pop("mode"), args.pop("smoke")
+    if smoke:
+        import torch
+
+        run_mode("replay-parts", **SMOKE, variant="fused")
+        if torch.cuda.is_available():
+            run_mode("timeline", **SMOKE, steps=3, variant="fused")
+        else:
+            print("smoke: --mode timeline skipped on the CPU (a CUPTI trace of GPU work)")
+        run_mode("host", **SMOKE, steps=3, variant="list,fused-jit")  # last: its tables end the output
+        return 0
+    if mode == "timeline":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--mode timeline needs a CUDA GPU (the timeline comes from a CUPTI trace)")
+    run_mode(mode, **args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

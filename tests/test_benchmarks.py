@@ -1,0 +1,75 @@
+"""Every benchmark script in benchmarks/ still runs: its ``--smoke`` mode, on the CPU in a subprocess,
+exits 0 and prints its table. The GPU measurements themselves are not checked here (the numbers
+of a CPU run mean nothing); what breaks silently between GPU runs is caught: an import of a renamed
+library name, a changed signature, a helper moved between benchmark modules."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_smoke(script: str, tmp_path, *extra: str, timeout: int = 120) -> str:
+    """Runs ``benchmarks/<script> --smoke`` on the CPU; returns its stdout (fails on a non-zero exit)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OUT=str(tmp_path), PYTHONUNBUFFERED="1")
+    env.pop("JAX_ATTN_COMPILE_CACHE_DIR", None)  # bench_compile makes its own cache directories
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"{script} --smoke exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def header_line(out: str, *words: str) -> str:
+    """The first line holding every one of ``words`` (a table's header), or ''."""
+    return next((line for line in out.splitlines() if all(w in line for w in words)), "")
+
+
+def test_bench_attention_smoke(tmp_path):
+    """Catches a peers / local / wall mode that no longer runs: an adapter in peers.py or a helper in
+    common.py renamed under bench_attention.py, or a jax_attn kernel or backend signature changed
+    beneath the peers table, the local-attention comparison or the Triton reference points."""
+    out = run_smoke("bench_attention.py", tmp_path)
+    assert header_line(out, "case", "peer", "time(us)", "relerr")
+    assert header_line(out, "case", "impl", "plain/local", "verdict")  # --mode local
+    assert header_line(out, "kind", "ps", "time_us")  # --mode wall
+    assert "ours" in out and "skipped on the CPU" in out
+    assert os.path.exists(tmp_path / "bench_results.json")
+
+
+def test_bench_jax_step_smoke(tmp_path):
+    """Catches a JAX decode-step benchmark broken by a change to StepRunner / capture internals it
+    calls (``_pad_tokens``, ``pack_int32``, ``executables``, ``buffers``), to the example model's
+    layouts, or to the HLO text that step_analysis parses."""
+    out = run_smoke("bench_jax_step.py", tmp_path)
+    assert header_line(out, "| variant | leaves | device | replay |")
+    assert header_line(out, "| variant | call same | call fresh |")
+    assert header_line(out, "| part | host us |")  # --mode replay-parts
+
+
+def test_bench_bridge_smoke(tmp_path):
+    """Catches a torch-bridge benchmark broken by a change to torch_bridge's SGLang-facing interface
+    (the replay / capture hooks, ModelRunner, the pools) or to its step-executable internals that the
+    host-overhead split reads (``runner._step_exes``, ``importer``, ``step.words``)."""
+    out = run_smoke("bench_bridge.py", tmp_path)
+    assert header_line(out, "## host time per call")
+    assert header_line(out, "## decode step")
+    assert "ratio step" in out and "######## layer call" in out  # the decode table and the profile part
+
+
+def test_bench_compile_smoke(tmp_path):
+    """Catches a compile / warm-up benchmark whose child processes fail (an example's setup or the
+    compile cache's API changed), or whose result line the parent no longer parses."""
+    out = run_smoke("bench_compile.py", tmp_path, timeout=180)
+    assert header_line(out, "figure", "cold s", "warm s")
+
+
+def test_tune_smoke(tmp_path):
+    """Catches a tuning sweep that no longer runs: a MosaicConfig or KernelConfig field renamed or
+    removed under the variant lists, or the schedule planner's signature changed."""
+    out = run_smoke("tune.py", tmp_path)
+    assert header_line(out, "| point | peer | value | / SDPA |")  # mosaic
+    assert header_line(out, "point", "config", "TB/s", "relerr", "status")  # triton-decode
+    assert os.path.exists(tmp_path / "tune_triton_decode.json")
+
