@@ -19,8 +19,9 @@ run() {  # name, command...
   status+=("| $name | rc=$rc | $((SECONDS - t0)) s |")
 }
 has() { [[ " $what " == *" $1 "* || " $what " == *" all "* ]]; }
-# -n 4 when pytest-xdist is there: the Mosaic cases are bound by compile time.
-xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
+# -n 8 when pytest-xdist is there: the Mosaic cases are bound by compile time (16 CPU cores; the
+# contract suite ran in about 5 minutes on an H100 host with -n 8).
+xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
 # (tests/sglang_contract/test_gpu.py would run the whole contract suite again: that is the contract step)
 has tests && run tests python3 -m pytest -q -m gpu tests -x -p no:cacheprovider "${xdist[@]}" \
   --ignore=tests/sglang_contract/test_gpu.py

@@ -39,7 +39,7 @@ def test_contract_suite_on_cuda():
         pytest.skip(f"JAX_PLATFORMS={platforms} hides the GPU from JAX")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", str(SUITE)]
     if importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", "4"]  # compile-bound: one process per case group
+        cmd += ["-n", "8"]  # compile-bound: one process per case group (16 CPU cores on the H100 host)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not an xdist worker's
     env.update({ENV: "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
