@@ -140,13 +140,36 @@ def test_cached_custom_call_matches_pallas(fresh_builds):
     differ = {k for k in own if own[k] != cached.get(k)}
     assert set(own) == set(cached) and differ <= {"config.kernel_hash", "config.module"}, differ
     # The modules differ in debug locations and the lowering's counter (``mosaic_gpu.dump_basename``) only.
-    assert _names(own["config.module"]) == _names(cached["config.module"])
+    assert _module_text(own["config.module"]) == _module_text(cached["config.module"])
 
 
-def _names(module_text: str) -> set:
-    """The module's words (symbols, attribute names, strings) but source files and the counter."""
-    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_.]{5,}", re.sub(r"[\w./-]+\.py", "", module_text)))
-    return {w for w in words if not w.startswith("anonymous_")}
+def _config_module(backend_config: str) -> str:
+    """The ``module`` entry (MLIR text) of a custom call's ``mhlo.backend_config`` dictionary (MLIR text)."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+
+    with jax_mlir.make_ir_context():
+        return str(ir.DictAttr(ir.Attribute.parse(backend_config))["module"])
+
+
+def _module_text(module_attr: str) -> str:
+    """A kernel's serialized Mosaic GPU module (the custom call's ``module``, an MLIR string attribute
+    holding bytecode) as text without debug locations, the lowering's counter
+    (``mosaic_gpu.dump_basename``) blanked."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+
+    escapes = {b"\\": b"\\", b'"': b'"', b"n": b"\n", b"t": b"\t"}  # MLIR's string escapes, in one pass
+    raw = re.sub(rb'\\([0-9A-Fa-f]{2}|[\\"nt])',
+                 lambda m: escapes.get(m.group(1)) or bytes([int(m.group(1), 16)]),
+                 module_attr[1:-1].encode("latin-1"))
+    ctx = jax_mlir.make_ir_context()
+    mgpu_dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    with ctx:
+        text = ir.Module.parse(raw).operation.get_asm(enable_debug_info=False)
+    return re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "mosaic_gpu.dump_basename = _", text)
 
 
 def test_triton_kernel_built_once_per_trace(fresh_builds, monkeypatch):
@@ -187,7 +210,8 @@ def test_prebuild_in_worker_processes(fresh_builds):
     worker, own = dict(worker_call.attributes), dict(own_call.attributes)
     assert set(worker) == set(own) and worker_call.result_types == own_call.result_types
     assert all(worker[k] == own[k] for k in own if k != "mhlo.backend_config")
-    assert _names(worker["mhlo.backend_config"]) == _names(own["mhlo.backend_config"])
+    assert _module_text(_config_module(worker["mhlo.backend_config"])) == _module_text(
+        _config_module(own["mhlo.backend_config"]))
 
 
 def test_split_merge_kernel_built_once_per_trace(monkeypatch):
