@@ -16,7 +16,8 @@ def call_of(q, k_cache, v_cache, md: AttentionMetadata, **kw) -> Call:
     fp8 = kw.get("k_descale") is not None or kw.get("v_descale") is not None or k_cache.dtype.itemsize == 1
     return Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=q.shape[0], num_kv_heads=k_cache.shape[2],
                 head_dim=k_cache.shape[-1], head_dim_v=v_cache.shape[-1], dtype=q.dtype, kv_dtype=k_cache.dtype,
-                has_sinks=kw.get("sinks") is not None, fp8_descale=fp8, deterministic=kw.get("num_splits") == 1)
+                has_sinks=kw.get("sinks") is not None, fp8_descale=fp8, deterministic=kw.get("num_splits") == 1,
+                num_q_heads=q.shape[1])
 
 
 def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto", **kw):

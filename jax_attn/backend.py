@@ -163,7 +163,8 @@ class FlashAttentionBackend:
                               num_splits=1 if self.deterministic else None)
         mosaic = None
         call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
-                    head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic)
+                    head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic,
+                    num_q_heads=hq)
         if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(call)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 

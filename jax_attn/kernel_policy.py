@@ -56,6 +56,7 @@ class Call:
     has_sinks: bool = False
     fp8_descale: bool = False
     deterministic: bool = False  # one KV split per sequence (SGLang's deterministic inference)
+    num_q_heads: int = 0  # 0: unknown
 
 
 def mosaic_wanted(call: Call) -> bool:
@@ -65,8 +66,11 @@ def mosaic_wanted(call: Call) -> bool:
 
     On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
     Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
-    256 x 1024: decode buckets of many tokens stay on Triton. Deterministic mode keeps one kernel
-    for every batch (bitwise batch invariance).
+    256 x 1024: decode buckets of many tokens stay on Triton. Decode whose query-head group the
+    kernel cannot pack into its rows (``block_q % G``, e.g. Llama 4's 40 / 8 heads) stays on Triton
+    too: one query head per row block reads each key block G times (H100, 64 x 32768 at 40 / 8 heads:
+    0.92 TB/s against Triton's 2.96). Deterministic mode keeps one kernel for every batch (bitwise
+    batch invariance).
     """
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
@@ -74,6 +78,9 @@ def mosaic_wanted(call: Call) -> bool:
         return False
     if call.max_q_len > config.pack_max_q_len:
         return True
+    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
+    if group > 1 and config.block_q % group:
+        return False  # unpacked decode rows
     return 0 < call.num_tokens * call.num_kv_heads <= config.num_sms
 
 

@@ -119,8 +119,9 @@ def test_attention_dispatch_runs_mosaic():
 
 def test_auto_rule_on_hopper(monkeypatch):
     """``auto`` on a Hopper GPU (faked): Mosaic for prefill and for decode whose (token, kv head)
-    programs fit in one wave; Triton for big decode buckets, sinks with decode rows, page size 1,
-    deterministic mode and what the Mosaic kernel does not cover."""
+    programs fit in one wave; Triton for big decode buckets, decode of a query-head group the kernel
+    cannot pack, sinks with decode rows, page size 1, deterministic mode and what the Mosaic kernel
+    does not cover."""
     from jax_attn import kernel_policy
     from jax_attn.attention import call_of
 
@@ -139,6 +140,8 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(1, 300)] * 16) == "mosaic"  # 16 tokens x 8 kv heads = 128 programs: one wave
     assert impl([(1, 300)] * 17) == "triton"  # 136 programs
     assert impl([(1, 300)] * 16, heads=(32, 4)) == "mosaic"
+    assert impl([(1, 300)] * 4, heads=(40, 8)) == "triton"  # group 5: decode rows the kernel cannot pack
+    assert impl([(40, 60)], heads=(40, 8)) == "mosaic"  # prefill rows are one head each anyway
     assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"
     assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
     assert impl([(1, 300)] * 4, page_size=1) == "triton"

@@ -125,7 +125,7 @@ class LayerRunner:
         call = Call(max_q_len=max_q_len, page_size=key.page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
-                    has_sinks=sinks is not None)
+                    has_sinks=sinks is not None, num_q_heads=lp.num_q_heads)
         if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
             return None  # decided before any table is made: layers off the path cost the plan nothing
         heads = table_key(lp, swa)  # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
