@@ -436,6 +436,12 @@ class BoundLaunch:
         return self.result
 
 
+def as_structs(args) -> list:
+    """``jax.ShapeDtypeStruct`` s for torch tensors (structs pass through): what ``plan_kernel`` takes."""
+    return [a if isinstance(a, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(tuple(a.shape), jax_dtype(a.dtype))
+            for a in args]
+
+
 def compile_for_torch(fn: Callable, *arg_structs, device=None, loader=cuda_loader) -> TorchKernel:
     """Compile ``fn`` (one Mosaic GPU kernel call) for these argument shapes, to launch from torch.
 
@@ -453,10 +459,7 @@ def compile_for_torch(fn: Callable, *arg_structs, device=None, loader=cuda_loade
     if device is None:
         device = next((a.device for a in arg_structs if isinstance(a, torch.Tensor)), None)
         device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    structs = [a if isinstance(a, jax.ShapeDtypeStruct) else
-               jax.ShapeDtypeStruct(tuple(a.shape), jax_dtype(a.dtype))
-               for a in arg_structs]
-    return TorchKernel(plan_kernel(fn, *structs), device, loader)
+    return TorchKernel(plan_kernel(fn, *as_structs(arg_structs)), device, loader)
 
 
 class MosaicLauncher:

@@ -37,7 +37,7 @@ from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORD
 from torch_bridge.dlpack import capturing
 from jax_attn.kernels import kernel_cache
 from jax_attn.kernels.config import cdiv
-from torch_bridge.launcher import TorchKernel, compile_for_torch, jax_dtype, plan_kernel
+from torch_bridge.launcher import TorchKernel, as_structs, compile_for_torch, jax_dtype, plan_kernel
 
 MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
 _WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
@@ -210,8 +210,8 @@ class MosaicPath:
                 raise RuntimeError(WARM_UP_MESSAGE)
             call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
             if heads is not None:
-                recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, k_buf, v_buf, has_sinks)
-                self.recipes.setdefault(dataclasses.replace(recipe, k_buf=None, v_buf=None), recipe)
+                recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, has_sinks, k_buf, v_buf)
+                self.recipes.setdefault(recipe, recipe)
         return call
 
     @staticmethod
@@ -245,8 +245,7 @@ class MosaicPath:
                 self._kernels[ck] = self._make_kernel(spec.statics, spec.num_tiles, spec.args)
             return len(todo)
         fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in todo.items()}
-        structs = {ck: [jax.ShapeDtypeStruct(tuple(a.shape), jax_dtype(a.dtype)) for a in spec.args]
-                   for ck, spec in todo.items()}
+        structs = {ck: as_structs(spec.args) for ck, spec in todo.items()}
         kernel_cache.prebuild([k for ck in todo for k in kernel_cache.kernels_in(
             jax.make_jaxpr(fns[ck])(*structs[ck]).jaxpr)])
         plans = {ck: plan_kernel(fns[ck], *structs[ck]) for ck in todo}  # the lowering reuses the builds
@@ -302,13 +301,13 @@ class Recipe:
     q_len_per_req: int
     dtype: torch.dtype
     device: torch.device
-    k_buf: Optional[torch.Tensor]  # one layer's pool buffers (None in the dedup key: kernels depend on shapes)
-    v_buf: Optional[torch.Tensor]
     has_sinks: bool
+    # the first such layer's pool buffers (not compared: layers alike share a kernel whatever their pools)
+    k_buf: torch.Tensor = dataclasses.field(compare=False)
+    v_buf: torch.Tensor = dataclasses.field(compare=False)
 
     def spec(self, config: MosaicConfig, key: PlanKey, tables: Tables) -> LaunchSpec:
         """The launch of this layer over ``tables`` (a step of ``key``)."""
-        assert self.k_buf is not None and self.v_buf is not None
         return launch_spec(config, self.lp, key, tables, self.dtype, self.device, self.k_buf, self.v_buf,
                            self.has_sinks)
 
