@@ -71,27 +71,27 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def wall(fn, iters: int, warmup: int = 3) -> float:
-    """Seconds per call, back to back, synchronised at the ends only."""
+def wall(fn, iters: int, warmup: int = 3, wait=sync) -> float:
+    """Seconds per call, back to back, synchronised at the ends only (``wait``: the synchronisation)."""
     for _ in range(warmup):
         fn()
-    sync()
+    wait()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    sync()
+    wait()
     return (time.perf_counter() - t0) / iters
 
 
-def host(fn, iters: int) -> float:
-    """Host seconds per call (no synchronisation inside the loop)."""
+def host(fn, iters: int, wait=sync) -> float:
+    """Host seconds per call (no synchronisation inside the loop; ``wait``: the one around it)."""
     fn()
-    sync()
+    wait()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     dt = (time.perf_counter() - t0) / iters
-    sync()
+    wait()
     return dt
 
 
@@ -393,19 +393,9 @@ def _jax_row(args, iters: int):
     def call():
         state["pools"] = step(*jargs[:3], *state["pools"])
 
-    call()
-    jax.block_until_ready(state["pools"])
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    host = (time.perf_counter() - t0) / iters * 1e6
-    jax.block_until_ready(state["pools"])
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    jax.block_until_ready(state["pools"])
-    wall = (time.perf_counter() - t0) / iters * 1e6
-    return ("jax.jit (pools donated)", host, wall, "ok")
+    def wait():
+        jax.block_until_ready(state["pools"])
+    return ("jax.jit (pools donated)", host(call, iters, wait) * 1e6, wall(call, iters, 0, wait) * 1e6, "ok")
 
 
 def graph_rows(tokens, slots, heads, dim, layers: int, iters: int):
