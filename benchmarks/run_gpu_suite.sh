@@ -7,7 +7,8 @@
 #   bash benchmarks/run_gpu_suite.sh [tests|contract|compiled|example|host|timeline|bench|all]...
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
-export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# Several processes share the GPU (pytest -n 8, torch beside JAX): JAX must not preallocate.
+export PYTHONPATH=".:.peers:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 what="${*:-all}"
 status=()
 run() {  # name, command...

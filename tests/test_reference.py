@@ -232,3 +232,22 @@ def test_set_kv_buffer_fp8_stores_scaled():
     new = set_kv_buffer(pool, jnp.array([2], jnp.int32), k, k, k_scale=0.5, v_scale=2.0)
     np.testing.assert_allclose(np.asarray(new.k[2].astype(jnp.float32)), [[2.0, -4.0]])
     np.testing.assert_allclose(np.asarray(new.v[2].astype(jnp.float32)), [[0.5, -1.0]])
+
+
+@pytest.mark.parametrize("name", ["fp8_descale", "sinks", "window_both", "decode_gqa8"])
+def test_reference_by_sequence_matches_the_whole_batch(name, monkeypatch):
+    # The GPU cases' reference runs one sequence at a time (attention_cases.REFERENCE_BYTES). This
+    # catches a per-sequence split that mis-slices descales, offsets, LSE or the padding rows.
+    import dataclasses
+
+    from tests import attention_cases as ac
+
+    case = dataclasses.replace(next(c for c in ac.CPU_CASES if c.name == name), return_lse=True, pad_rows=2)
+    q, k, v, md, kwargs = ac.build_inputs(case, seed=3)
+    whole = ac.reference_by_sequence(q, k, v, md, **kwargs)
+    monkeypatch.setattr(ac, "REFERENCE_BYTES", 0)
+    parts = ac.reference_by_sequence(q, k, v, md, **kwargs)
+    for w, p in zip(whole, parts):
+        assert w.shape == p.shape
+        np.testing.assert_allclose(np.asarray(p), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert np.isneginf(np.asarray(parts[1])[-2:]).all() and not np.asarray(parts[0])[-2:].any()

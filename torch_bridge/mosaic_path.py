@@ -232,8 +232,8 @@ class MosaicPath:
 
     def prebuild(self, specs) -> int:
         """Build the kernels of these ``LaunchSpec`` s that are not built yet, all at once: the Python
-        lowerings in parallel processes (``kernel_cache.prebuild``), the GPU code in threads (the CUDA
-        plugin's compile runs outside the GIL). Returns how many were built. A test's ``make_kernel``
+        lowerings in parallel processes (``kernel_cache.prebuild``), the GPU code in one thread per core (the
+        CUDA plugin's compile runs outside the GIL). Returns how many were built. A test's ``make_kernel``
         builds them one by one."""
         todo: Dict[tuple, LaunchSpec] = {}
         for spec in specs:
@@ -249,7 +249,7 @@ class MosaicPath:
         kernel_cache.prebuild([k for ck in todo for k in kernel_cache.kernels_in(
             jax.make_jaxpr(fns[ck])(*structs[ck]).jaxpr)])
         plans = {ck: plan_kernel(fns[ck], *structs[ck]) for ck in todo}  # the lowering reuses the builds
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), 8, os.cpu_count() or 1))) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
             built = {ck: pool.submit(TorchKernel, plans[ck], todo[ck].args[0].device) for ck in todo}
             for ck, future in built.items():
                 try:
