@@ -204,36 +204,41 @@ def compare_per_sequence(out, ref, cu_seqlens_q, *, tol: float, what: str):
     return worst
 
 
-# Dense reference logits above this many bytes are computed one sequence at a time: the GPU cases'
-# dense [T, Hq, max_kv] logits reach tens of GiB, more than the GPU holds when tests run in parallel.
+# The dense reference gathers every query row's keys ([T, kv width, Hkv, D] in float32); above this many
+# bytes it runs in slices: the GPU cases reach tens of GiB, more than the GPU holds when tests run in
+# parallel.
 REFERENCE_BYTES = 1 << 30
 
 
 def reference_by_sequence(q, k, v, md, **kwargs):
-    """``reference`` over the whole batch, or sequence by sequence where its dense logits would exceed
-    ``REFERENCE_BYTES`` (rows past the last sequence: 0, LSE -inf, as the reference gives them)."""
+    """``reference`` over the whole batch, or in slices where its key gather would exceed
+    ``REFERENCE_BYTES``: one sequence at a time, and under a causal mask a few query rows at a time with
+    the keys past the slice's last row left out (no row of the slice can see them). Rows past the last
+    sequence: 0, LSE -inf, as the reference gives them."""
     cu, lens = np.asarray(md.cu_seqlens_q), np.asarray(md.cache_seqlens)
-    whole = (q, k, v, md.cache_seqlens, md.cu_seqlens_q, md.page_table)
-    if q.shape[0] * q.shape[1] * max(int(lens.max(initial=1)), 1) * 4 <= REFERENCE_BYTES:
-        return reference(*whole, page_size=md.page_size, **kwargs)
+    row_bytes = md.page_table.shape[1] * md.page_size * k.shape[2] * max(k.shape[3], v.shape[3]) * 4
+    if q.shape[0] * row_bytes <= REFERENCE_BYTES:
+        return reference(q, k, v, md.cache_seqlens, md.cu_seqlens_q, md.page_table, page_size=md.page_size,
+                         **kwargs)
     outs, lses = [], []
     for b in range(len(cu) - 1):
-        if cu[b + 1] == cu[b]:
-            continue  # a padding sequence: no query rows
-        per = {n: (a[b:b + 1] if n.endswith("descale") and getattr(a, "ndim", 0) == 2 else a)
-               for n, a in kwargs.items()}
-        got = reference(q[cu[b]:cu[b + 1]], k, v, md.cache_seqlens[b:b + 1],
-                        jnp.asarray([0, cu[b + 1] - cu[b]], jnp.int32), md.page_table[b:b + 1],
-                        page_size=md.page_size, **per)
-        out, lse = got if kwargs.get("return_lse") else (got, None)
-        outs.append(out)
-        lses.append(lse)
+        n = int(cu[b + 1] - cu[b])
+        rows = max(1, REFERENCE_BYTES // row_bytes) if kwargs.get("causal", True) else max(n, 1)
+        per = {name: (a[b:b + 1] if name.endswith("descale") and getattr(a, "ndim", 0) == 2 else a)
+               for name, a in kwargs.items()}
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            got = reference(q[cu[b] + r0:cu[b] + r1], k, v, jnp.asarray([lens[b] - (n - r1)], jnp.int32),
+                            jnp.asarray([0, r1 - r0], jnp.int32), md.page_table[b:b + 1],
+                            page_size=md.page_size, **per)
+            out, lse = got if kwargs.get("return_lse") else (got, None)
+            outs.append(out)
+            lses.append(lse)
     pad = q.shape[0] - int(cu[-1])
     out = jnp.concatenate(outs + [jnp.zeros((pad,) + outs[0].shape[1:], outs[0].dtype)])
     if not kwargs.get("return_lse"):
         return out
     return out, jnp.concatenate(lses + [jnp.full((pad,) + lses[0].shape[1:], -jnp.inf, jnp.float32)])
-
 
 def check_attention(attn_fn, case: Case, *, seed: int = 0, tol: float | None = None, **extra):
     """Runs ``attn_fn`` on ``case`` and checks it against the reference; returns the relative error."""

@@ -234,10 +234,11 @@ def test_set_kv_buffer_fp8_stores_scaled():
     np.testing.assert_allclose(np.asarray(new.v[2].astype(jnp.float32)), [[0.5, -1.0]])
 
 
-@pytest.mark.parametrize("name", ["fp8_descale", "sinks", "window_both", "decode_gqa8"])
+@pytest.mark.parametrize("name", ["fp8_descale", "sinks", "window", "window_both", "prefix_extend", "decode_gqa8"])
 def test_reference_by_sequence_matches_the_whole_batch(name, monkeypatch):
-    # The GPU cases' reference runs one sequence at a time (attention_cases.REFERENCE_BYTES). This
-    # catches a per-sequence split that mis-slices descales, offsets, LSE or the padding rows.
+    # The GPU cases' reference runs in slices (attention_cases.REFERENCE_BYTES; here one query row per
+    # slice where the mask is causal). This catches a split that mis-slices descales, positions (the
+    # causal diagonal, the window), LSE or the padding rows.
     import dataclasses
 
     from tests import attention_cases as ac
