@@ -197,30 +197,41 @@ class CountingKernel(InterpretedKernel):
         super().__init__(*args)
 
 
-def test_graph_buckets_share_batch_classes_and_prebuild():
+@pytest.mark.parametrize("eager_first", [False, True], ids=["fresh", "eager_step_first"])
+def test_graph_buckets_share_batch_classes_and_prebuild(eager_first):
     """SGLang's capture order (largest first, a warm-up forward after each hook). Catches: buckets of one
-    batch class compiling their own planner or kernel; the second hook not building the remaining classes'
-    kernels ahead (a kernel built while a later bucket warms up); a bucket padded to its class returning
-    wrong rows or reading the padding (``step`` compares each replay with the reference)."""
+    batch class compiling their own planner or kernel; the first bucket's warm-up (or, for a layer an
+    eager step showed, the first hook) not building the remaining classes' kernels at once (a kernel
+    built while a later bucket warms up); the prebuild's planning leaving the warm-up forward on another
+    step; a bucket padded to its class returning wrong rows or reading the padding (``step`` compares
+    each run with the reference)."""
     rng = np.random.default_rng(12)
     runner, table, _ = setup(8)
     runner.server_args = types.SimpleNamespace(cuda_graph_bs=[3, 4, 5, 6])  # classes 4 (3, 4) and 8 (5, 6)
     backend = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=CountingKernel))
+    if eager_first:  # an eager decode of 3 requests: its own plan key and kernel; the layer is known
+        step(runner, table, backend, [1, 2, 3], [20, 31, 42], [1, 1, 1], rng)
     backend.init_cuda_graph_state(6, 6)
     z = torch.zeros(6, dtype=torch.long)
     built, exes = CountingKernel.built, len(backend.planner.executables)
-    hooks = []
+    counts = []
     for bs in (6, 5, 4, 3):
         backend.init_forward_metadata_capture_cuda_graph(bs, bs, z[:bs], z[:bs] + 1, None, ForwardMode.DECODE, None)
-        hooks.append((CountingKernel.built - built, len(backend.planner.executables) - exes))
+        counts.append((CountingKernel.built - built, len(backend.planner.executables) - exes))
         rows = list(range(1, bs))  # one padding row of SGLang's bucket, then the class's
         step(runner, table, backend, rows, [9 + 11 * r for r in rows], [1] * len(rows), rng, replay_bs=bs)
+        counts.append((CountingKernel.built - built, len(backend.planner.executables) - exes))
     assert backend.planner.graph_keys[(ForwardMode.DECODE, 6)].batch_size == 8
     assert backend.planner.graph_keys[(ForwardMode.DECODE, 3)].batch_size == 4
-    # Hook 6: class 8's planner; its step then learns the layer shape (a planner with its tables) and builds
-    # the kernel. Hook 5: plans class 4 and builds its kernel ahead. Hooks 4 and 3: nothing new.
-    assert hooks == [(0, 1), (2, 3), (2, 3), (2, 3)], hooks
-    assert backend.planner.prebuilt_kernels == 1
+    if eager_first:
+        # Hook 6 plans classes 8 and 4 (two planners) and builds both kernels; nothing is built after it.
+        assert counts == [(2, 2)] * 8, counts
+    else:
+        # Hook 6: class 8's planner. Its warm-up forward meets the layer: it plans class 4 (with the layer's
+        # tables) and builds both classes' kernels at once. Hook 5 replans class 8 with tables (a third
+        # planner: this runner's model config names no head counts). Nothing is built after that.
+        assert counts == [(0, 1), (2, 2)] + [(2, 3)] * 6, counts
+    assert backend.planner.prebuilt_kernels == 2
 
 
 def test_prebuild_compiles_in_threads_and_retries_a_failed_one_alone(monkeypatch):

@@ -121,6 +121,7 @@ class FlashAttentionBackend:
             jax_compile_cache.enable()  # warns and runs without it when the directory is unsafe
         self.verbose = verbose
         self._capture_progress: Optional[Progress] = None
+        self._reported_kernels = 0  # prebuilt kernels the progress lines have counted
         self.settings = RunnerSettings.of(model_runner, fa_impl_ver, topk)
         self.model_runner = model_runner
         self.skip_prefill = skip_prefill
@@ -183,6 +184,7 @@ class FlashAttentionBackend:
         """Set the largest batch / token bucket the capture hook will be asked for."""
         self.planner.init_graphs(max_bs, max_num_tokens)
         sizes = getattr(getattr(self.model_runner, "server_args", None), "cuda_graph_bs", None)
+        self._reported_kernels = self.planner.prebuilt_kernels
         self._capture_progress = Progress(len(sizes) if sizes else None, "torch_bridge graph capture",
                                           enabled=self.verbose)
 
@@ -190,12 +192,13 @@ class FlashAttentionBackend:
                                                  seq_lens, encoder_lens, forward_mode, spec_info) -> None:
         """Compile the plan of bucket ``bs`` ahead of time and plan the capture run with it."""
         mode = to_mode(forward_mode)
-        built = self.planner.prebuilt_kernels
         self.planner.capture(bs, num_tokens, req_pool_indices, seq_lens, encoder_lens, mode, spec_info)
         if self._capture_progress is not None:  # the elapsed time includes the earlier buckets' warm-up runs
-            built = self.planner.prebuilt_kernels - built
+            # kernels built since the last line: in the last bucket's warm-up forward and in this hook
+            built = self.planner.prebuilt_kernels - self._reported_kernels
+            self._reported_kernels += built
             self._capture_progress.step(f"{mode.name} bs={bs}", "plan compiled" + (
-                f", {built} kernels prebuilt for the later buckets" if built else ""))
+                f", {built} kernels prebuilt" if built else ""))
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices, seq_lens, seq_lens_sum,
                                                 encoder_lens, forward_mode, spec_info, seq_lens_cpu,

@@ -132,7 +132,8 @@ class LayerRunner:
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
-        return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads)
+        return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads,
+                               on_new=self.planner.prebuild_recipe)
 
     def _executable(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
         def sig(x):

@@ -200,18 +200,23 @@ class MosaicPath:
 
     # ---- per layer ---------------------------------------------------------------------------
     def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
-                   v_buf: torch.Tensor, has_sinks: bool, heads: Optional[TableKey] = None) -> "LayerCall":
+                   v_buf: torch.Tensor, has_sinks: bool, heads: Optional[TableKey] = None,
+                   on_new: Optional[Callable[["Recipe", Tables], Any]] = None) -> "LayerCall":
         """The bound launch of one layer for this plan key (built on first use, then reused). ``heads``:
-        the layer's ``TableKey``; the layer is then remembered for ``prebuild``."""
+        the layer's ``TableKey``; the layer is then remembered for ``prebuild``, and ``on_new`` is called
+        with it and ``tables`` when it is new, before its kernel is built (``torch_bridge.warmup``)."""
         ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), has_sinks)
         call = self._calls.get(ck)
         if call is None:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
-            call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
             if heads is not None:
                 recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, has_sinks, k_buf, v_buf)
-                self.recipes.setdefault(recipe, recipe)
+                if recipe not in self.recipes:
+                    self.recipes[recipe] = recipe
+                    if on_new is not None:
+                        on_new(recipe, tables)
+            call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
         return call
 
     @staticmethod

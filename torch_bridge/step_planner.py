@@ -36,7 +36,7 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
                                       flatten_tables)
-from torch_bridge.warmup import prebuild_classes, shares_class
+from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
                                    replay_extend_lens)
 
@@ -163,7 +163,8 @@ class StepPlanner:
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.share_graph_kernels = True  # graph buckets of one batch class share plans and kernels
-        self.prebuilt: set = set()  # (mode, queries per request) whose later classes' kernels were prebuilt
+        self.prebuilt: set = set()  # mosaic_path.Recipe s whose kernels for the later classes were prebuilt
+        self.graph_specs: dict = {}  # batch-class plan key -> its speculative settings, from the capture hook
         self.prebuilt_kernels = 0
         self.step: Optional[Step] = None
         self.trace_count = 0
@@ -367,6 +368,7 @@ class StepPlanner:
     def init_graphs(self, max_bs: int, max_num_tokens: int) -> None:
         self.graph_max = (int(max_bs), int(max_num_tokens))
         self.graph_keys = {}
+        self.graph_specs = {}
 
     def capture(self, bs: int, num_tokens: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode,
                 spec_info) -> None:
@@ -388,9 +390,15 @@ class StepPlanner:
         if self.share_graph_kernels and shares_class(key, encoder_lens):  # plan (and compile) at the batch class
             cls = jbatch.batch_class(bs)
             key = self.key(mode, cls, cls * per_req, spec, False, False)
-            self.prebuilt_kernels += prebuild_classes(self, mode, spec, key)
+            self.graph_specs[key] = spec
+            self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
+
+    def prebuild_recipe(self, recipe, tables) -> None:
+        """A layer's first launch on the launch path (``MosaicPath.layer_call``): in a graph bucket's warm-up,
+        build its kernels for the later buckets too (``torch_bridge.warmup.prebuild_recipe``)."""
+        self.prebuilt_kernels += prebuild_recipe(self, recipe, tables)
 
     def replay(self, bs: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode, spec_info,
                out_cache_loc=None) -> None:

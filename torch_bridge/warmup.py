@@ -11,15 +11,17 @@ Two rules cut that down:
   (``jax_attn.batch.batch_class``: the JAX side's bucket ladder), padded with SGLang's fill rules.
   The buckets of one class share the planner executable, the table buffers and one kernel per layer
   shape; each keeps its own graph. (SGLang's 36 sizes fall in 15 classes.)
-* **Prebuild.** Once the first bucket's warm-up has run every layer, the next capture hook plans the
-  classes of the remaining sizes and builds every kernel they need at once: Python lowerings in
-  parallel processes, GPU code in threads (``MosaicPath.prebuild``).
+* **Prebuild.** When the first bucket's warm-up forward launches a kind of layer for the first time,
+  the planner plans the classes of the remaining sizes and builds that layer's kernels for all of them
+  at once, its own included: Python lowerings in parallel processes, GPU code in threads
+  (``MosaicPath.prebuild``). A capture hook does the same for layers seen before the capture.
 
 Tree (topk > 1) steps, draft extend and cross attention keep one plan per bucket: they run through JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 import torch
@@ -44,28 +46,52 @@ def capture_sizes(planner) -> List[int]:
     return sorted({int(b) for b in sizes if 0 < int(b) <= max_bs})
 
 
-def prebuild_classes(planner, mode, spec, key: PlanKey) -> int:
-    """At a capture hook of ``key`` (a batch class): when layers of this mode have run on the launch path
-    and their later classes are not prebuilt yet, plan each class the remaining sizes use (compiling its
-    planner) and build all their kernels at once. Returns the number of kernels built."""
+def prebuild_classes(planner, key: PlanKey, spec) -> int:
+    """At a capture hook of ``key`` (a batch class; ``spec``: its speculative settings): build, all at
+    once, the kernels that the classes of the remaining sizes need for the layers seen on the launch
+    path in steps like ``key`` and not prebuilt yet (an eager step before the capture shows layers too).
+    Returns the number built."""
     path = planner.mosaic_path
-    per_req = key.q_len_per_req
-    if path is None or (mode, per_req) in planner.prebuilt:
+    if path is None:
         return 0
-    recipes = path.recipes_for(mode, per_req)
+    recipes = [r for r in path.recipes_for(key.mode, key.q_len_per_req) if r not in planner.prebuilt]
     if not recipes:
-        return 0  # the first bucket: its warm-up forward shows the layers
-    planner.prebuilt.add((mode, per_req))
-    done = {k.batch_size for (m, _), k in planner.graph_keys.items() if m == mode and k.q_len_per_req == per_req}
+        return 0  # the first bucket: its warm-up forward shows the layers (``prebuild_recipe``)
+    planner.prebuilt.update(recipes)
+    return path.prebuild(_class_specs(planner, key, spec, recipes))
+
+
+def prebuild_recipe(planner, recipe, tables) -> int:
+    """At a layer's first launch in the warm-up forward of a class-sharing graph bucket: build its
+    kernels for this bucket (over ``tables``) and for every class the later sizes use, all at once, so
+    the later buckets find them built. Returns the number of kernels built."""
+    step, path = planner.step, planner.mosaic_path
+    if (path is None or step is None or step.key not in planner.graph_specs or not shares_class(step.key, None)
+            or recipe in planner.prebuilt):
+        return 0
+    planner.prebuilt.add(recipe)
+    specs = [recipe.spec(path.config, step.key, tables)]
+    try:
+        specs += _class_specs(planner, step.key, planner.graph_specs[step.key], [recipe])
+    finally:
+        planner.step = step  # the warm-up forward goes on with its own step
+    return path.prebuild(specs)
+
+
+def _class_specs(planner, key: PlanKey, spec, recipes) -> list:
+    """Plan each batch class of the capture sizes not captured yet in ``key``'s mode (compiling its
+    planner) and return the launches of ``recipes`` over its tables. Leaves ``planner.step`` unset."""
+    per_req = key.q_len_per_req
+    done = {k.batch_size for (m, _), k in planner.graph_keys.items() if m == key.mode and k.q_len_per_req == per_req}
     classes = sorted({jbatch.batch_class(b) for b in capture_sizes(planner)} - done, reverse=True)
     specs = []
     for c in classes:
-        kc = planner.key(mode, c, c * per_req, spec, False, False)
+        kc = dataclasses.replace(key, batch_size=c, num_tokens=c * per_req)
         z = torch.zeros(c, dtype=torch.int64, device=planner.device)
         planner.bucket(kc, spec, z, z + jbatch.SEQ_LEN_FILL_VALUE, None, None, None, capturing=True)
         step = planner.step
         for r in recipes:
             tables = step.tables.get(r.heads) or planner.tables(step, r.heads)
-            specs.append(r.spec(path.config, kc, tables))
+            specs.append(r.spec(planner.mosaic_path.config, kc, tables))
     planner.step = None
-    return path.prebuild(specs)
+    return specs
