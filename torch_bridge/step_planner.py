@@ -17,6 +17,7 @@ Dimension legend: B requests (the bucket), T tokens, N draft tokens, S draft ste
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any, Dict, Optional, Tuple
 
 import jax
@@ -394,6 +395,14 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
+        # The engine captures next, in CUDA's global capture mode, where a CUDA call from another thread
+        # invalidates the capture. Warm runs of SGLang's 36 buckets on an H100 (bench_compile.py) failed at
+        # a random bucket's capture: 1 of 3 with neither line below, 2 of 5 with the wait only, 3 of 5 with
+        # a young-generation collection; 0 of 5 with both lines. The cause is not pinned down: the garbage
+        # held no JAX or torch object, so the full collection's delay (about 0.2 s) may be what lets JAX's
+        # asynchronous work of this hook finish.
+        jax.block_until_ready(self.step.words)
+        gc.collect()
 
     def prebuild_recipe(self, recipe, tables) -> None:
         """A layer's first launch on the launch path (``MosaicPath.layer_call``): in a graph bucket's warm-up,

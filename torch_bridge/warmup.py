@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
+import jax
 import torch
 
 from jax_attn import batch as jbatch
@@ -90,6 +91,7 @@ def _class_specs(planner, key: PlanKey, spec, recipes) -> list:
         z = torch.zeros(c, dtype=torch.int64, device=planner.device)
         planner.bucket(kc, spec, z, z + jbatch.SEQ_LEN_FILL_VALUE, None, None, None, capturing=True)
         step = planner.step
+        jax.block_until_ready(step.words)  # done before the capture that may follow (``StepPlanner.capture``)
         for r in recipes:
             tables = step.tables.get(r.heads) or planner.tables(step, r.heads)
             specs.append(r.spec(planner.mosaic_path.config, kc, tables))
