@@ -146,7 +146,7 @@ def child_jax(smoke: bool, buckets, layout: str) -> dict:
                 prefill_s=prefill_s, prefill_tokens=int(sum(map(len, prompts))), decode=decode, **_cache_summary(hits))
 
 
-def child_bridge(smoke: bool, buckets, layers: int, ctx: int) -> dict:
+def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode: str = "global") -> dict:
     """SGLang's graph runner over the bridge: the capture hook, two warm-ups, graph capture; largest first."""
     import dataclasses
 
@@ -194,7 +194,7 @@ def child_bridge(smoke: bool, buckets, layers: int, ctx: int) -> dict:
         dt.sync(device)
         if use_graphs:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
                 model.forward(input_ids[:bs], positions[:bs], lt.bridge_attend(model, fb))
             graphs[bs] = g
         dt.sync(device)
@@ -216,7 +216,8 @@ def run_child(part: str, cache_root: str, args) -> dict:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", part] + (["--smoke"] if args.smoke else []) + [
         "--bridge-layers", str(args.bridge_layers), "--bridge-ctx", str(args.bridge_ctx),
-        "--bridge-max-bs", str(args.bridge_max_bs)] + (["--jax-layout", args.jax_layout] if args.jax_layout else [])
+        "--bridge-max-bs", str(args.bridge_max_bs), "--capture-error-mode", args.capture_error_mode] + (
+        ["--jax-layout", args.jax_layout] if args.jax_layout else [])
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
@@ -290,6 +291,9 @@ def main() -> int:
     ap.add_argument("--cache-root", help="keep each part's cache in ROOT/<part> (cold empties it first; warm "
                     "reuses it, so cold and warm can run as separate commands); default: temporary directories")
     ap.add_argument("--keep-cache", action="store_true", help="keep the temporary cache directories")
+    ap.add_argument("--capture-error-mode", default="global", choices=["global", "thread_local", "relaxed"],
+                    help="torch.cuda.graph's mode for the bridge captures (SGLang's graph runner: global). "
+                         "thread_local tells whether a capture failure comes from another thread's CUDA call")
     ap.add_argument("--child", choices=["jax", "bridge"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -299,7 +303,7 @@ def main() -> int:
             res = child_jax(args.smoke, buckets, args.jax_layout)
         else:
             res = child_bridge(args.smoke, buckets, 2 if args.smoke else args.bridge_layers,
-                               32 if args.smoke else args.bridge_ctx)
+                               32 if args.smoke else args.bridge_ctx, args.capture_error_mode)
         print(RESULT + json.dumps(res), flush=True)
         return 0
     results, phases = {}, args.phases.split(",")
