@@ -76,7 +76,8 @@ from torch_bridge.checks import RunnerSettings, pool_slots
 from torch_bridge.dlpack import Importer
 from torch_bridge.layer_runner import LayerRunner
 from torch_bridge.mosaic_path import MosaicPath
-from torch_bridge.step_planner import Step, StepPlanner
+from torch_bridge.step import Step
+from torch_bridge.step_planner import StepPlanner
 from torch_bridge.translate import to_mode
 
 

@@ -33,7 +33,8 @@ from torch_bridge.checks import SafeLocs, check_layer, check_shapes, is_swa_laye
 from torch_bridge.dlpack import Importer, check_not_capturing, export
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
-from torch_bridge.step_planner import Step, StepPlanner
+from torch_bridge.step import Step
+from torch_bridge.step_planner import StepPlanner
 from torch_bridge.translate import UNIFORM, layer_params
 
 

@@ -1,0 +1,113 @@
+"""A bridge step's data: the plan's one ``words`` buffer and its layout (``PlanLayout``), the step every
+layer reads (``Step``), and the static layout of a planner call's inputs (``Packing``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jax_attn import safety
+from jax_attn.backend import PlanKey
+from jax_attn.spec import swa_plan_of
+from torch_bridge.mosaic_path import TableKey, Tables
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """Where a plan's int32 arrays (md.local's and md.swa_page_table too) and launch tables sit in its one
+    ``words`` buffer."""
+
+    treedef: Any  # the plan's pytree structure (carries the static fields)
+    shapes: Tuple[Tuple[int, ...], ...]  # each leaf's shape, in tree order
+    tables: Tuple[Tuple[TableKey, int], ...] = ()  # (table key, words) of each launch table
+    spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) of each leaf, then of each table, in words
+    local: bool = False  # the plan carries md.local (chunked local layers' virtual batch)
+    swa: bool = False  # the plan carries md.swa_page_table (tree steps: md.swa.swa_page_table; SWAKVPool)
+
+    @staticmethod
+    def of(plan, tables=()) -> "PlanLayout":
+        """The layout of ``plan`` (arrays or their shapes) and ``(table key, flat table)`` pairs."""
+        leaves, treedef = jax.tree_util.tree_flatten(plan)
+        if any(jnp.dtype(x.dtype) != jnp.int32 for x in leaves):
+            raise TypeError("a plan packed into one int32 buffer must hold int32 arrays only")
+        shapes = tuple(tuple(x.shape) for x in leaves)
+        sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
+        ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
+        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())), getattr(
+            plan, "local", None) is not None, getattr(swa_plan_of(plan), "swa_page_table", None) is not None)
+
+    @staticmethod
+    def pack(plan, tables=()) -> jax.Array:
+        """i32[N]: the plan's leaves then the flat tables (traced inside the planner call)."""
+        parts = [x.reshape(-1).astype(jnp.int32) for x in jax.tree_util.tree_leaves(plan)] + list(tables)
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
+
+    def unpack(self, words):
+        """The plan from its words (static slices: free inside a jitted layer call)."""
+        leaves = [words[a:b].reshape(shape) for shape, (a, b) in zip(self.shapes, self.spans)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def table_range(self, heads: TableKey) -> Optional[Tuple[int, int]]:
+        for (h, _), span in zip(self.tables, self.spans[len(self.shapes):]):
+            if h == heads:
+                return span
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step's plan, read by every layer (the interface's one piece of state)."""
+
+    key: PlanKey
+    layout: PlanLayout
+    words: jax.Array  # i32[N]: the plan and the launch tables, one device buffer
+    real_tokens: int  # tokens the engine passes when it does not pad (replay pads to key.num_tokens)
+    loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
+    graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
+    tables: Dict[TableKey, Tables] = dataclasses.field(default_factory=dict)  # table key -> tables
+
+    def plan(self):
+        return self.layout.unpack(self.words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Static layout of one planner call's inputs, and what to plan (the compile-cache key)."""
+
+    key: PlanKey
+    num_locs: int  # out_cache_loc entries (tree draft decode: B * topk * num_steps)
+    has_ext: bool = False  # extend_seq_lens (extend modes)
+    has_enc: bool = False  # encoder_lens (cross attention)
+    mask_words: int = 0  # int32 words of the flat verify custom mask (tree verify)
+    all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
+    exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
+    wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
+    split: bool = False  # only rows and seq_lens, int64 (a replay of SGLang's static buffers)
+    heads: Tuple[TableKey, ...] = ()  # table keys whose launch tables come out of the call
+
+    def sizes(self) -> Tuple[int, ...]:
+        b = self.key.batch_size
+        return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words)
+
+
+def narrow(words: jax.Array) -> jax.Array:
+    """int64 values seen as little-endian int32 word pairs ``[..., 2]`` -> int32, saturating: a
+    value outside int32 becomes INT32_MIN / INT32_MAX, which every range check flags."""
+    low, high = words[..., 0], words[..., 1]
+    fits = high == (low >> 31)  # the high word only extends the low word's sign
+    return jnp.where(fits, low, jnp.where(high < 0, jnp.int32(safety.INT32_MIN), jnp.int32(safety.INT32_MAX)))
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int64 tensor as its int32 words ``[..., 2]`` (a view: no kernel)."""
+    return t.contiguous().view(torch.int32).view(*t.shape, 2)
+
+
+def packing(key: PlanKey, loc, ext, enc, words, all_steps: int = 0, exact: bool = False) -> Packing:
+    return Packing(key, int(loc.shape[0]), ext is not None, enc is not None,
+                   0 if words is None else int(words.shape[0]), all_steps, exact)
