@@ -29,6 +29,8 @@ sizes up to 64 only; ``--jax-layout scan`` compares a weight layout. ``OUT=dir``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import shutil
@@ -146,6 +148,20 @@ def child_jax(smoke: bool, buckets, layout: str) -> dict:
                 prefill_s=prefill_s, prefill_tokens=int(sum(map(len, prompts))), decode=decode, **_cache_summary(hits))
 
 
+@contextlib.contextmanager
+def sglang_freeze_gc():
+    """SGLang 0.5.11's ``cuda_graph_runner.freeze_gc`` with ``enable_cudagraph_gc`` off (its default): one
+    collection, then ``gc.freeze()`` for the whole capture loop, so the collections during the loop (the
+    bridge's capture hook runs one) skip every object older than the loop; unfreeze and collect after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
 def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode: str = "global") -> dict:
     """SGLang's graph runner over the bridge: the capture hook, two warm-ups, graph capture; largest first."""
     import dataclasses
@@ -183,23 +199,24 @@ def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode
     graphs, per_bucket = {}, {}
     use_graphs = device.type == "cuda" and dt.launches(backend, cfg, page)
     progress = Progress(len(buckets), "bridge capture")
-    for bs in sorted(buckets, reverse=True):
-        tb = time.perf_counter()
-        backend.init_forward_metadata_capture_cuda_graph(bs, bs, req_pool_indices[:bs], seq_lens[:bs], None,
-                                                         ForwardMode.DECODE, None)
-        fb = ForwardBatch(ForwardMode.DECODE, bs, req_pool_indices[:bs], seq_lens[:bs], out_cache_loc[:bs],
-                          positions=positions[:bs], token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
-        for _ in range(2):  # SGLang's warm-up runs before the capture
-            model.forward(input_ids[:bs], positions[:bs], lt.bridge_attend(model, fb))
-        dt.sync(device)
-        if use_graphs:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
+    with sglang_freeze_gc():  # as SGLang 0.5.11 wraps its capture loop (cuda_graph_runner.freeze_gc)
+        for bs in sorted(buckets, reverse=True):
+            tb = time.perf_counter()
+            backend.init_forward_metadata_capture_cuda_graph(bs, bs, req_pool_indices[:bs], seq_lens[:bs], None,
+                                                             ForwardMode.DECODE, None)
+            fb = ForwardBatch(ForwardMode.DECODE, bs, req_pool_indices[:bs], seq_lens[:bs], out_cache_loc[:bs],
+                              positions=positions[:bs], token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
+            for _ in range(2):  # SGLang's warm-up runs before the capture
                 model.forward(input_ids[:bs], positions[:bs], lt.bridge_attend(model, fb))
-            graphs[bs] = g
-        dt.sync(device)
-        per_bucket[bs] = time.perf_counter() - tb
-        progress.step(f"bs={bs}", f"{per_bucket[bs]:.1f}s")
+            dt.sync(device)
+            if use_graphs:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, capture_error_mode=capture_error_mode):
+                    model.forward(input_ids[:bs], positions[:bs], lt.bridge_attend(model, fb))
+                graphs[bs] = g
+            dt.sync(device)
+            per_bucket[bs] = time.perf_counter() - tb
+            progress.step(f"bs={bs}", f"{per_bucket[bs]:.1f}s")
     total = time.perf_counter() - t0
     progress.finish()
     return dict(part="bridge", config=config, layers=layers, page_size=page, ctx=ctx, cuda_graphs=use_graphs,

@@ -305,12 +305,14 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
-        # The engine captures next, in CUDA's global capture mode, where a CUDA call from another thread
-        # invalidates the capture. Warm runs of SGLang's 36 buckets on an H100 (bench_compile.py) failed at
-        # a random bucket's capture: 1 of 3 with neither line below, 2 of 5 with the wait only, 3 of 5 with
-        # a young-generation collection; 0 of 5 with both lines. The cause is not pinned down: the garbage
-        # held no JAX or torch object, so the full collection's delay (about 0.2 s) may be what lets JAX's
-        # asynchronous work of this hook finish.
+        # The engine captures next, in CUDA's global capture mode, where an unsafe CUDA call (a module
+        # unload, say) invalidates the capture. Warm runs of SGLang's 36 buckets on an H100
+        # (bench_compile.py) failed at a random bucket's capture: 1 of 3 with neither line below, 2 of 5
+        # with the wait only, 3 of 5 with a young-generation collection; 0 of 6 with both lines. Likely
+        # cause (not yet confirmed): cyclic garbage of the planning reaching the oldest generation and
+        # being collected, finalizers and all, at an allocation inside the capture (torch 2.11 runs no
+        # collection before a capture). SGLang freezes the collector over its capture loop
+        # (cuda_graph_runner.freeze_gc), so there this collection only walks objects made since.
         jax.block_until_ready(self.step.words)
         gc.collect()
 
