@@ -29,6 +29,7 @@ sizes up to 64 only; ``--jax-layout scan`` compares a weight layout. ``OUT=dir``
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -199,6 +200,12 @@ def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode
     graphs, per_bucket = {}, {}
     use_graphs = device.type == "cuda" and dt.launches(backend, cfg, page)
     progress = Progress(len(buckets), "bridge capture")
+    in_capture = collections.Counter()  # collections that started inside a capture, by generation
+
+    def note_collection(phase, info):
+        if phase == "start" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            in_capture[info["generation"]] += 1
+    gc.callbacks.append(note_collection)
     with sglang_freeze_gc():  # as SGLang 0.5.11 wraps its capture loop (cuda_graph_runner.freeze_gc)
         for bs in sorted(buckets, reverse=True):
             tb = time.perf_counter()
@@ -218,8 +225,10 @@ def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode
             per_bucket[bs] = time.perf_counter() - tb
             progress.step(f"bs={bs}", f"{per_bucket[bs]:.1f}s")
     total = time.perf_counter() - t0
+    gc.callbacks.remove(note_collection)
     progress.finish()
-    return dict(part="bridge", config=config, layers=layers, page_size=page, ctx=ctx, cuda_graphs=use_graphs,
+    return dict(part="bridge", gc_in_capture={f"gen{g}": n for g, n in sorted(in_capture.items())},
+                config=config, layers=layers, page_size=page, ctx=ctx, cuda_graphs=use_graphs,
                 device=str(torch.cuda.get_device_name() if device.type == "cuda" else jax.devices()[0].device_kind),
                 cache_dir=cache_dir, setup_s=setup_s, buckets=len(buckets), total_s=total,
                 per_bucket=per_bucket, **_cache_summary(hits))
@@ -288,6 +297,8 @@ def report(results: dict) -> str:
         rows.append(_row("  first (largest) bucket", br, lambda r: r["per_bucket"][max(r["per_bucket"], key=int)]))
         rows.append(_row("  slowest bucket", br, lambda r: max(r["per_bucket"].values())))
         rows.append(_row("bridge process: kernel builds / disk hits / XLA cache hits", br, _counts))
+        rows.append(_row("  garbage collections started inside a capture", br,
+                         lambda r: " ".join(f"{g}:{n}" for g, n in r["gc_in_capture"].items()) or "0"))
     width = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
     device = next(iter((jx or br).values()))["device"]
