@@ -18,7 +18,9 @@ Every figure is wall time in its process. Targets (H100): decode bucket capture 
 <= 2 s warm; prefill compile <= 10 s cold; bridge 36 buckets <= 60 s cold and <= 15 s warm. Also
 printed: each capture's tracing+lowering / compile split, one Mosaic decode kernel built and compiled
 alone (its Python build, or the disk cache; then XLA plus the kernel's GPU code, which jaxlib compiles
-in every process), and per process the kernel builds, kernel disk-cache hits and XLA cache hits.
+in every process), per process the kernel builds, kernel disk-cache hits and XLA cache hits, and for
+the bridge the garbage collections that started inside a capture (its loop runs inside SGLang's
+``freeze_gc``, as the engine's does).
 
 Options: ``--parts jax`` / ``--parts bridge``; ``--phases cold`` then ``--phases warm`` with the same
 ``--cache-root DIR`` splits a run into separate commands; ``--bridge-max-bs 64`` captures SGLang's
