@@ -232,3 +232,67 @@ def test_split_merge_kernel_built_once_per_trace(monkeypatch):
     hlo = jax.jit(layers).lower(jnp.zeros((s, r, d)), jnp.zeros((s * r,))).as_text()
     assert len(calls) == 1
     assert len(re.findall(r"\bcall @merge_splits\(", hlo)) == LAYERS
+
+
+def test_gpu_code_compiled_ahead_once_per_kernel(fresh_builds, monkeypatch):
+    """On a GPU the first lowering of a kernel in a process starts one compile of the kernel alone in a
+    thread (the CUDA plugin keeps its GPU code for the executable being lowered). Catches: a compile per
+    call site or executable (one thread per layer), one for the torch launcher's module-only lowering,
+    or one on a CPU backend."""
+    import threading
+
+    started = []
+    monkeypatch.setattr(kernel_cache, "_compile_alone", lambda build, structs, out: started.append(
+        (build.name, tuple(s.shape for s in structs), len(out))))
+
+    def lower(num_tiles, sites=2):
+        st = kernel_statics(num_tokens=2, num_q_heads=4, num_kv_heads=1, head_dim=64, head_dim_v=64,
+                            page_size=16, pack=4, dtype=jnp.bfloat16, max_q_len=1)
+        s = jax.ShapeDtypeStruct
+        cache = s((9, 16, 1, 64), jnp.bfloat16)
+        args = (s((2, 1, 4, 64), jnp.bfloat16), cache, cache, s((2, 4), jnp.int32), s((3,), jnp.int32),
+                s((num_tiles, 8), jnp.int32), s((1,), jnp.float32))
+        fn = mosaic_kernel.kernel_call(st, num_tiles)
+
+        def step(*a):  # ``sites`` call sites of the same kernel, as layers are
+            return [fn(*a)[0] for _ in range(sites)]
+        jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+        for t in threading.enumerate():
+            if t.name.startswith("compile "):
+                t.join()
+
+    lower(2)
+    assert started == [], "a CPU process compiles no GPU code"
+    monkeypatch.setattr(kernel_cache, "_on_cuda", lambda: True)
+    lower(2)
+    lower(2, sites=3)  # another executable with the kernel
+    assert [name.endswith(MOSAIC) for name, _, _ in started] == [True], started
+    assert started[0][1][-2] == (2, 8) and started[0][2] == 2  # its argument shapes and its two outputs
+    with kernel_cache.module_only():
+        lower(3)
+    assert len(started) == 1, "the torch launcher's lowering compiles the module itself"
+    lower(3)
+    assert len(started) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a CUDA GPU")
+def test_gpu_code_compiled_ahead_on_the_gpu(fresh_builds):
+    """The compile ahead succeeds on the GPU, and the executable that carries the kernel still runs it:
+    a decode kernel call compiled and run once, against the reference."""
+    import threading
+
+    from jax_attn.kernels.mosaic_paged import paged_attention_mosaic
+    from tests.attention_cases import GPU_CASES, build_inputs, reference_by_sequence
+
+    case = next(c for c in GPU_CASES if c.name == "decode_only")  # bf16, 32 / 8 heads, head dim 128, page 16
+    q, k, v, md, kwargs = build_inputs(case, 0)
+    kwargs.pop("return_lse", None)
+    got = jax.jit(lambda *a: paged_attention_mosaic(*a, md, num_splits=1, **kwargs))(q, k, v)
+    for t in threading.enumerate():
+        if t.name.startswith("compile "):
+            t.join()
+    counts = {event: n for (event, _), n in kernel_cache.stats().items()}
+    assert counts.get("ahead", 0) >= 1 and not counts.get("ahead_failed"), counts
+    want = reference_by_sequence(q, k, v, md, **kwargs)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)

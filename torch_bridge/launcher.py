@@ -31,6 +31,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 
+from jax_attn.kernels import kernel_cache
+
 try:  # jax internals, pinned below (check_jax_internals says what to update when they move)
     import jax.experimental.mosaic.gpu as _mgpu
     from jax._src.lib.mlir import ir, passmanager
@@ -229,7 +231,8 @@ def plan_kernel(fn: Callable, *arg_structs: jax.ShapeDtypeStruct) -> KernelPlan:
     single = out_tree == jax.tree.structure(0)  # type: ignore[operator]  # PyTreeDef has ==; its stub does not say
     if not single and out_tree != jax.tree.structure((0,) * len(out_leaves)):  # type: ignore[operator]
         raise ValueError(f"the function must return an array or a flat tuple of arrays, got {out_tree}")
-    module = traced.lower(lowering_platforms=("cuda",)).compiler_ir()
+    with kernel_cache.module_only():  # the plugin compiles this module itself (cuda_loader)
+        module = traced.lower(lowering_platforms=("cuda",)).compiler_ir()
     with module.context:
         _mgpu.dialect.register_inliner_extensions(module.context)  # undo jax.jit's outlining
         passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)

@@ -27,6 +27,7 @@ N-layer model builds its kernel once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -113,6 +114,7 @@ def _lower_cuda(ctx, *args, build: KernelBuild, out_avals):
     call = None if ctx.is_forward_compat() else kernel_call_for(build, ctx.avals_in)
     if call is None:
         return _lower_own(ctx, *args, build=build, out_avals=out_avals)
+    _compile_ahead(build, ctx.avals_in, out_avals)
     op = ir.Operation.create("stablehlo.custom_call", results=[ir.Type.parse(t) for t in call.result_types],
                              operands=list(args),
                              attributes={name: ir.Attribute.parse(text) for name, text in call.attributes})
@@ -133,7 +135,7 @@ _stats: collections.Counter = collections.Counter()  # (event, kernel name) -> c
 def stats() -> dict:
     """Counts since the last ``reset()``: ``{(event, kernel name): n}`` with events ``build`` (a
     Python lowering of the kernel), ``disk`` (loaded from the compile cache), ``memory`` (reused in
-    this process) and ``uncacheable``."""
+    this process), ``uncacheable``, and ``ahead`` / ``ahead_failed`` (its GPU code compiled ahead)."""
     with _lock:
         return dict(_stats)
 
@@ -149,6 +151,7 @@ def reset() -> None:
         _calls.clear()
         _key_locks.clear()
         _stats.clear()
+        _ahead.clear()
 
 
 def _types(avals) -> tuple:
@@ -208,6 +211,60 @@ def _build(build: KernelBuild, types) -> Optional[KernelCall]:
         return None  # the call takes more than the kernel's arguments (scratch buffers, constants)
     return KernelCall(attributes=tuple((name, str(op.attributes[name])) for name in op.attributes),
                       result_types=tuple(str(r.type) for r in op.results))
+
+
+# ---- GPU code compiled ahead, in a thread ---------------------------------------------------------
+# XLA runs a custom call's instantiate stage when it builds the executable's thunks, at compile time;
+# there the CUDA plugin compiles the kernel's GPU code (seconds) and keeps it, by the hash of its module,
+# for every later executable of the process. Compiling the kernel alone as soon as its custom call is
+# known therefore takes that compile off the path of the executable being lowered (the rest of its
+# lowering and XLA's compile run meanwhile).
+_ahead: set = set()  # (build, argument types) whose GPU code this process compiles or compiled ahead
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def module_only():
+    """Lowerings inside only want the kernel's module (the torch launcher compiles it itself): no GPU
+    code is compiled ahead for them."""
+    before = getattr(_local, "module_only", False)
+    _local.module_only = True
+    try:
+        yield
+    finally:
+        _local.module_only = before
+
+
+def _on_cuda() -> bool:
+    """Whether this process runs on a GPU (the devices, not ``jax.default_backend``, which tests that trace
+    compiled kernels on a CPU patch)."""
+    return jax.devices()[0].platform == "gpu"
+
+
+def _compile_ahead(build: KernelBuild, avals_in, out_avals) -> None:
+    """Once per kernel and process, on a CUDA backend: compile the kernel alone in a thread."""
+    key = (build, _types(avals_in))
+    if getattr(_local, "module_only", False) or not _on_cuda():
+        return
+    with _lock:
+        if key in _ahead:
+            return
+        _ahead.add(key)
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals_in]
+    threading.Thread(target=_compile_alone, args=(build, structs, out_avals), name=f"compile {build.name}").start()
+
+
+def _compile_alone(build: KernelBuild, structs, out_avals) -> None:
+    def kernel(*args):
+        return _kernel_p.bind(*args, build=build, out_avals=out_avals)
+    try:
+        jax.jit(kernel, keep_unused=True).lower(*structs).compile()
+    except Exception:  # noqa: BLE001 - ahead of time only: the executable that carries it compiles it then
+        with _lock:
+            _stats["ahead_failed", build.name] += 1
+        return
+    with _lock:
+        _stats["ahead", build.name] += 1
 
 
 # ---- builds in worker processes ------------------------------------------------------------------
