@@ -239,8 +239,6 @@ def test_gpu_code_compiled_ahead_once_per_kernel(fresh_builds, monkeypatch):
     thread (the CUDA plugin keeps its GPU code for the executable being lowered). Catches: a compile per
     call site or executable (one thread per layer), one for the torch launcher's module-only lowering,
     or one on a CPU backend."""
-    import threading
-
     started = []
     monkeypatch.setattr(kernel_cache, "_compile_alone", lambda build, structs, out: started.append(
         (build.name, tuple(s.shape for s in structs), len(out))))
@@ -257,9 +255,7 @@ def test_gpu_code_compiled_ahead_once_per_kernel(fresh_builds, monkeypatch):
         def step(*a):  # ``sites`` call sites of the same kernel, as layers are
             return [fn(*a)[0] for _ in range(sites)]
         jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
-        for t in threading.enumerate():
-            if t.name.startswith("compile "):
-                t.join()
+        kernel_cache.wait_ahead()
 
     lower(2)
     assert started == [], "a CPU process compiles no GPU code"
@@ -280,8 +276,6 @@ def test_gpu_code_compiled_ahead_once_per_kernel(fresh_builds, monkeypatch):
 def test_gpu_code_compiled_ahead_on_the_gpu(fresh_builds):
     """The compile ahead succeeds on the GPU, and the executable that carries the kernel still runs it:
     a decode kernel call compiled and run once, against the reference."""
-    import threading
-
     from jax_attn.kernels.mosaic_paged import paged_attention_mosaic
     from tests.attention_cases import GPU_CASES, build_inputs, reference_by_sequence
 
@@ -289,9 +283,7 @@ def test_gpu_code_compiled_ahead_on_the_gpu(fresh_builds):
     q, k, v, md, kwargs = build_inputs(case, 0)
     kwargs.pop("return_lse", None)
     got = jax.jit(lambda *a: paged_attention_mosaic(*a, md, num_splits=1, **kwargs))(q, k, v)
-    for t in threading.enumerate():
-        if t.name.startswith("compile "):
-            t.join()
+    kernel_cache.wait_ahead()
     counts = {event: n for (event, _), n in kernel_cache.stats().items()}
     assert counts.get("ahead", 0) >= 1 and not counts.get("ahead_failed"), counts
     want = reference_by_sequence(q, k, v, md, **kwargs)

@@ -29,6 +29,7 @@ from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import PlanKey, guard_plan, plan_arrays
+from jax_attn.kernels import kernel_cache
 from jax_attn.local import with_local
 from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
@@ -315,6 +316,7 @@ class StepPlanner:
         # (cuda_graph_runner.freeze_gc), so there this collection only walks objects made since.
         jax.block_until_ready(self.step.words)
         gc.collect()
+        kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
 
     def prebuild_recipe(self, recipe, tables) -> None:
         """A layer's first launch on the launch path (``MosaicPath.layer_call``): in a graph bucket's warm-up,

@@ -220,6 +220,7 @@ def _build(build: KernelBuild, types) -> Optional[KernelCall]:
 # known therefore takes that compile off the path of the executable being lowered (the rest of its
 # lowering and XLA's compile run meanwhile).
 _ahead: set = set()  # (build, argument types) whose GPU code this process compiles or compiled ahead
+AHEAD_THREAD = "jax_attn compile ahead: "  # the threads' names (``wait_ahead``)
 _local = threading.local()
 
 
@@ -233,6 +234,15 @@ def module_only():
         yield
     finally:
         _local.module_only = before
+
+
+def wait_ahead() -> None:
+    """Wait for the GPU code compiles started ahead. A torch engine calls this before a CUDA-graph capture
+    (``torch_bridge``'s capture hook): a compile loads modules, which a capture in CUDA's global mode
+    forbids to every thread."""
+    for t in threading.enumerate():
+        if t.name.startswith(AHEAD_THREAD):
+            t.join()
 
 
 def _on_cuda() -> bool:
@@ -251,7 +261,7 @@ def _compile_ahead(build: KernelBuild, avals_in, out_avals) -> None:
             return
         _ahead.add(key)
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals_in]
-    threading.Thread(target=_compile_alone, args=(build, structs, out_avals), name=f"compile {build.name}").start()
+    threading.Thread(target=_compile_alone, args=(build, structs, out_avals), name=AHEAD_THREAD + build.name).start()
 
 
 def _compile_alone(build: KernelBuild, structs, out_avals) -> None:
