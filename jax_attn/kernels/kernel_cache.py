@@ -253,9 +253,9 @@ def _on_cuda() -> bool:
 
 def _compile_ahead(build: KernelBuild, avals_in, out_avals) -> None:
     """Once per kernel and process, on a CUDA backend: compile the kernel alone in a thread."""
-    key = (build, _types(avals_in))
     if getattr(_local, "module_only", False) or not _on_cuda():
         return
+    key = (build, _types(avals_in))
     with _lock:
         if key in _ahead:
             return
