@@ -12,7 +12,8 @@ directory) and warm (the same directory again):
 * bridge: ``torch_bridge`` driven like SGLang's graph runner for a 32-layer model with 1B-class layers
   (``examples/llama_torch.py``): ``init_cuda_graph_state``, then per bucket of SGLang's default capture
   list (1, 2, 4, 8, 12, 16..256 step 8: 36 sizes), largest first: the capture hook, two warm-up
-  forwards of every layer, and ``torch.cuda.graph`` capture (GPU only).
+  forwards of every layer, and ``torch.cuda.graph`` capture (GPU only) in thread-local mode, as SGLang
+  captures with ``torch_bridge.sglang_plugin`` (``--capture-error-mode global``: torch's default).
 
 Every figure is wall time in its process. Targets (H100): decode bucket capture <= 10 s cold and
 <= 2 s warm; prefill compile <= 10 s cold; bridge 36 buckets <= 60 s cold and <= 15 s warm. Also
@@ -165,7 +166,7 @@ def sglang_freeze_gc():
         gc.collect()
 
 
-def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode: str = "global") -> dict:
+def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode: str = "thread_local") -> dict:
     """SGLang's graph runner over the bridge: the capture hook, two warm-ups, graph capture; largest first."""
     import dataclasses
 
@@ -321,9 +322,9 @@ def main() -> int:
     ap.add_argument("--cache-root", help="keep each part's cache in ROOT/<part> (cold empties it first; warm "
                     "reuses it, so cold and warm can run as separate commands); default: temporary directories")
     ap.add_argument("--keep-cache", action="store_true", help="keep the temporary cache directories")
-    ap.add_argument("--capture-error-mode", default="global", choices=["global", "thread_local", "relaxed"],
-                    help="torch.cuda.graph's mode for the bridge captures (SGLang's graph runner: global). "
-                         "thread_local tells whether a capture failure comes from another thread's CUDA call")
+    ap.add_argument("--capture-error-mode", default="thread_local", choices=["global", "thread_local", "relaxed"],
+                    help="torch.cuda.graph's mode for the bridge captures: SGLang with torch_bridge.sglang_plugin "
+                         "captures in thread_local; global (torch's default) shows the failures that caused that")
     ap.add_argument("--child", choices=["jax", "bridge"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -3,6 +3,7 @@ here): the attention registry with its decorator, the AttentionBackend base clas
 lists and the EAGLE DraftBackendFactory, all inserted into sys.modules under SGLang's paths."""
 
 import abc
+import inspect
 import logging
 import os
 import sys
@@ -103,19 +104,42 @@ def _draft_utils():
     return m
 
 
+def _graph_runner(module: str):
+    """A graph runner as SGLang 0.5.11's: ``_capture_graph`` enters ``torch.cuda.graph`` (looked up at
+    call time) around the run. Here it reports the capture mode that graph would use, and the run's output."""
+    cls_name, backend_path = plugin.GRAPH_RUNNERS[module]
+    m = types.ModuleType(module)
+
+    def __init__(self, backend):
+        if backend_path == "model_runner.attn_backend":
+            self.model_runner = types.SimpleNamespace(attn_backend=backend)
+        else:
+            setattr(self, backend_path, backend)
+
+    def _capture_graph(self, graph, pool, stream, run_once_fn):
+        mode = inspect.signature(torch.cuda.graph.__init__).parameters["capture_error_mode"].default
+        return mode, run_once_fn()
+
+    setattr(m, cls_name, type(cls_name, (), {"__init__": __init__, "_capture_graph": _capture_graph}))
+    return m
+
+
 @pytest.fixture
 def sglang(monkeypatch):
     """SGLang's packages and the four modules, removed again after the test."""
     mods = {}
-    for pkg in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention", "sglang.srt.speculative"):
+    for pkg in ("sglang", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention", "sglang.srt.speculative",
+                "sglang.srt.model_executor"):
         mods[pkg] = types.ModuleType(pkg)
         mods[pkg].__path__ = []
-    for m in (_registry(), _base(), _server_args(), _draft_utils()):
+    for m in (_registry(), _base(), _server_args(), _draft_utils(), *map(_graph_runner, plugin.GRAPH_RUNNERS)):
         mods[m.__name__] = m
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
     return types.SimpleNamespace(registry=mods[plugin.REGISTRY], base=mods[plugin.BASE],
-                                 server_args=mods[plugin.SERVER_ARGS], draft=mods[plugin.DRAFT_UTILS])
+                                 server_args=mods[plugin.SERVER_ARGS], draft=mods[plugin.DRAFT_UTILS],
+                                 runners={name: getattr(mods[module], name)
+                                          for module, (name, _) in plugin.GRAPH_RUNNERS.items()})
 
 
 def mock_runner(**server):
@@ -220,6 +244,26 @@ def test_eagle_draft_factory_builds_the_multistep_and_draft_extend_backends(sgla
     assert factory.create_draft_extend_backend().skip_prefill is False
 
 
+def test_graph_runners_capture_in_thread_local_mode_with_the_bridge_only(sglang):
+    """SGLang's three graph runners capture in CUDA's thread-local mode when their backend is the bridge
+    (another thread's CUDA call invalidated global-mode captures, H100), and in torch's default otherwise.
+    Catches a runner left unwrapped, a wrap that leaks the mode to other backends or outlives the call, and
+    a double wrap."""
+    plugin.register()
+    plugin.register()
+    runner, _ = mock_runner(speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+    bridge = sglang.registry.ATTENTION_BACKENDS["jax_attn"](runner)
+    backends = {"CudaGraphRunner": bridge, "EAGLEDraftCudaGraphRunner": FlashAttentionMultiStepBackend(runner, 1, 2),
+                "EAGLEDraftExtendCudaGraphRunner": bridge}
+    default = inspect.signature(torch.cuda.graph.__init__).parameters["capture_error_mode"].default
+    assert default == "global"
+    for name, cls in sglang.runners.items():
+        assert cls._capture_graph._jax_attn_wrapped and not hasattr(cls._capture_graph.__wrapped__, "__wrapped__")
+        assert cls(backends[name])._capture_graph(None, None, None, lambda: "out") == ("thread_local", "out")
+        assert cls("sglang fa3")._capture_graph(None, None, None, lambda: "out") == ("global", "out")
+        assert inspect.signature(torch.cuda.graph.__init__).parameters["capture_error_mode"].default == "global"
+
+
 def test_a_draft_factory_of_another_shape_is_left_alone_with_a_warning(sglang, caplog):
     del sglang.draft.DraftBackendFactory._create_fa3_prefill_backend
     original = sglang.draft.DraftBackendFactory._create_backend
@@ -246,3 +290,20 @@ def test_the_entry_point_sglang_loads_is_declared():
     target = project["entry-points"]["sglang.srt.plugins"]["jax_attn"]
     module, func = target.split(":")
     assert getattr(sys.modules.get(module) or __import__(module, fromlist=[func]), func) is plugin.register
+
+
+@pytest.mark.gpu
+def test_thread_local_capture_captures_a_real_graph():
+    """On a GPU: the wrapped ``torch.cuda.graph`` captures and replays, in thread-local mode."""
+    x = torch.ones(8, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with plugin.thread_local_capture():
+        ctx = torch.cuda.graph(g)
+        assert ctx.capture_error_mode == "thread_local"
+        with ctx:
+            y = x * 2
+    x.fill_(3.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full((8,), 6.0, device="cuda"))
+    assert torch.cuda.graph is not type(ctx)

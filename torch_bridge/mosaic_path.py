@@ -164,7 +164,9 @@ class MosaicPath:
                 def flat_fn(words):
                     return flatten_tables(step.layout.unpack(words), heads, self.config)
                 fn = self._table_fns[fn_key] = jax.jit(flat_fn)
-            flat = torch.from_dlpack(fn(step.words))  # torch's current stream waits for the JAX result
+            result = fn(step.words)
+            step.keep.append(result)
+            flat = torch.from_dlpack(result)  # torch's current stream waits for the JAX result
         buf_key = (step.key, heads, flat.device)
         hit = self._persistent.pop(buf_key, None)
         if hit is None:

@@ -29,6 +29,14 @@ What ``register()`` does, against SGLang 0.5.11's own extension points:
   ``--attention-backend``). When the factory does not look like 0.5.11's, nothing is wrapped, a
   warning is logged, and SGLang raises its own "EAGLE is not supported in ... jax_attn" error when a
   draft worker asks for the name.
+* **Graph capture mode.** SGLang's graph runners (``CudaGraphRunner``, the EAGLE draft and draft-extend
+  runners) capture in ``torch.cuda.graph``'s default mode, CUDA's global mode, where an unsafe CUDA call
+  from *any* thread of the process invalidates the capture. With the bridge in the process, captures
+  failed at a random bucket in about half of the warm-ups (H100; ``benchmarks/RESULTS.md``); in
+  thread-local mode, which checks only the capturing thread, none did. ``register()`` wraps each runner's
+  ``_capture_graph`` so that, when that runner's attention backend is the bridge, ``torch.cuda.graph``
+  defaults to ``capture_error_mode="thread_local"`` for the duration of the call. The captured work is
+  checked as before; only other threads' calls are let through. Runners with other backends are unchanged.
 * ``XLA_PYTHON_CLIENT_PREALLOCATE`` defaults to ``false`` (JAX must not take 75 % of the GPU that
   SGLang sized its KV pool for); an explicit value is kept.
 
@@ -50,13 +58,14 @@ processes too).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import logging
 import os
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from torch_bridge.backend import FlashAttentionBackend
 from torch_bridge.multistep import FlashAttentionMultiStepBackend
@@ -71,6 +80,12 @@ BASE = "sglang.srt.layers.attention.base_attn_backend"
 SERVER_ARGS = "sglang.srt.server_args"
 DRAFT_UTILS = "sglang.srt.speculative.draft_utils"
 # The fa3 creators of DraftBackendFactory's two tables tell which table _create_backend was given.
+GRAPH_RUNNERS = {  # module -> (graph runner class, the attribute path of its attention backend)
+    "sglang.srt.model_executor.cuda_graph_runner": ("CudaGraphRunner", "model_runner.attn_backend"),
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner": ("EAGLEDraftCudaGraphRunner", "draft_attn_backend"),
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner": ("EAGLEDraftExtendCudaGraphRunner",
+                                                                     "draft_extend_attn_backend"),
+}
 _DRAFT_TABLES = {"_create_fa3_decode_backend": "decode", "_create_fa3_prefill_backend": "extend"}
 
 logger = logging.getLogger(__name__)
@@ -92,6 +107,8 @@ def register() -> bool:
     registry.register_attention_backend(BACKEND_NAME)(functools.partial(create_backend, backend_class=cls))
     _add_choices(_import(SERVER_ARGS))
     _wrap_draft_factory(_import(DRAFT_UTILS), cls)
+    for module, (runner, backend_path) in GRAPH_RUNNERS.items():
+        _wrap_graph_capture(_import(module), runner, backend_path)
     return True
 
 
@@ -185,3 +202,55 @@ def _wrap_draft_factory(draft_utils: Optional[ModuleType], backend_class: type) 
 
     _create_backend._jax_attn_wrapped = True  # type: ignore[attr-defined]
     factory._create_backend = _create_backend
+
+
+@contextlib.contextmanager
+def thread_local_capture() -> Iterator[None]:
+    """Within the block, ``torch.cuda.graph`` captures in thread-local mode unless told otherwise."""
+    import torch
+
+    graph = torch.cuda.graph
+    torch.cuda.graph = _thread_local_graph(graph)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.cuda.graph = graph  # type: ignore[misc]
+
+
+@functools.cache
+def _thread_local_graph(graph: type) -> type:
+    class ThreadLocalGraph(graph):  # type: ignore[valid-type, misc]
+        """``torch.cuda.graph`` with thread-local capture as its default."""
+
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode: str = "thread_local"):
+            super().__init__(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+
+    return ThreadLocalGraph
+
+
+def _uses_bridge(runner, backend_path: str) -> bool:
+    backend = functools.reduce(lambda obj, name: getattr(obj, name, None), backend_path.split("."), runner)
+    return isinstance(backend, (FlashAttentionBackend, FlashAttentionMultiStepBackend))
+
+
+def _wrap_graph_capture(module: Optional[ModuleType], runner: str, backend_path: str) -> None:
+    cls = getattr(module, runner, None)
+    original = getattr(cls, "_capture_graph", None)
+    if original is None:
+        if module is not None:
+            logger.warning("%s.%s has no _capture_graph (not SGLang %s's): its captures stay in CUDA's global "
+                           "mode, where they may fail with cudaErrorStreamCaptureInvalidated", module.__name__,
+                           runner, SGLANG_VERSION)
+        return
+    if getattr(original, "_jax_attn_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def _capture_graph(self, *args, **kwargs):
+        if not _uses_bridge(self, backend_path):
+            return original(self, *args, **kwargs)
+        with thread_local_capture():
+            return original(self, *args, **kwargs)
+
+    _capture_graph._jax_attn_wrapped = True  # type: ignore[attr-defined]
+    cls._capture_graph = _capture_graph

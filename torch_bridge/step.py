@@ -4,7 +4,7 @@ layer reads (``Step``), and the static layout of a planner call's inputs (``Pack
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,9 @@ class Step:
     loc_steps: int = 1  # draft decode: out_cache_loc may carry num_steps slots per query token
     graph: bool = False  # planned by the capture/replay hooks (kernel tables in persistent buffers)
     tables: Dict[TableKey, Tables] = dataclasses.field(default_factory=dict)  # table key -> tables
+    # JAX results torch copies from: kept while the step is current, since JAX may hand a freed buffer to
+    # its next computation before torch's queued copy has read it (the next plan's import orders them)
+    keep: List[jax.Array] = dataclasses.field(default_factory=list)
 
     def plan(self):
         return self.layout.unpack(self.words)

@@ -306,14 +306,13 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
-        # The engine captures next, in CUDA's global capture mode, where an unsafe CUDA call (a module
-        # unload, say) invalidates the capture. Warm runs of SGLang's 36 buckets on an H100
-        # (bench_compile.py) failed at a random bucket's capture: 1 of 3 with neither line below, 2 of 5
-        # with the wait only, 3 of 5 with a young-generation collection; 0 of 6 with both lines. Likely
-        # cause (not yet confirmed): cyclic garbage of the planning reaching the oldest generation and
-        # being collected, finalizers and all, at an allocation inside the capture (torch 2.11 runs no
-        # collection before a capture). SGLang freezes the collector over its capture loop
-        # (cuda_graph_runner.freeze_gc), so there this collection only walks objects made since.
+        # The engine captures next. Nothing of this step may still run on the GPU, and no kernel compile may
+        # load modules. In CUDA's global capture mode an unsafe call from *any* thread invalidates the
+        # capture: SGLang's 36 warm-up captures on an H100 failed at a random bucket in 4 of 8 runs in that
+        # mode, in none of 4 in thread-local mode, which only checks the capturing thread (so another thread
+        # made the call; JAX's runtime threads are the likely callers, not confirmed). torch_bridge.sglang_plugin
+        # captures in thread-local mode. The full collection below lowered the failures when the engine does
+        # not freeze the collector (0 of 6); under SGLang's ``freeze_gc`` it neither helps nor costs.
         jax.block_until_ready(self.step.words)
         gc.collect()
         kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
