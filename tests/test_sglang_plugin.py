@@ -295,6 +295,8 @@ def test_the_entry_point_sglang_loads_is_declared():
 @pytest.mark.gpu
 def test_thread_local_capture_captures_a_real_graph():
     """On a GPU: the wrapped ``torch.cuda.graph`` captures and replays, in thread-local mode."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     x = torch.ones(8, device="cuda")
     g = torch.cuda.CUDAGraph()
     with plugin.thread_local_capture():

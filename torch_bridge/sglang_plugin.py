@@ -210,7 +210,7 @@ def thread_local_capture() -> Iterator[None]:
     import torch
 
     graph = torch.cuda.graph
-    torch.cuda.graph = _thread_local_graph(graph)  # type: ignore[misc]
+    torch.cuda.graph = _thread_local_graph(graph)  # type: ignore[misc, assignment]
     try:
         yield
     finally:
