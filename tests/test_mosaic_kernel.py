@@ -33,6 +33,8 @@ MOSAIC_CPU_CASES = [
     # tiled buffer, the others (sequence 3 starts at row 69) through the staging buffer
     _c("prefill_aligned", [(64, 64), (5, 20), (75, 100)], heads=(2, 1)),
     _c("decode_packed", [(1, 17), (1, 130), (1, 3)], pad_rows=1),
+    # 300 padding tokens: 600 padding rows, zeroed by one padding CTA over five row blocks, both halves
+    _c("decode_packed_long_pad", [(1, 17), (1, 40)], pad_tokens=300),
     _c("verify_packed", [(4, 40), (4, 4)], heads=(8, 2)),
     _c("mixed_window", [(1, 90), (40, 60)], window=(13, 0), heads=(2, 2)),
     _c("noncausal_softcap", [(20, 50), (3, 9)], causal=False, softcap=5.0, page_size=8),
@@ -55,7 +57,8 @@ def test_mosaic_interpret(case):
     ("decode_packed", MosaicConfig(block_kv=64, solo=False)),
     ("verify_packed", MosaicConfig(block_kv=64, solo=False)),
     ("decode_packed", MosaicConfig(decode_min_ctas=1)),  # the many-sequence decode ring: 64 keys x 4 stages
-], ids=["prefill_late_k", "window_late_k", "decode_paired", "verify_paired", "decode_deep_ring"])
+    ("decode_packed_long_pad", MosaicConfig(block_kv=64, solo=False)),  # each warpgroup zeroes its own rows
+], ids=["prefill_late_k", "window_late_k", "decode_paired", "verify_paired", "decode_deep_ring", "long_pad_paired"])
 def test_mosaic_config_variants_interpret(name, config):
     """The orders the defaults do not pick for these rows. One-head rows wait for each key block from
     the step before it (``early_k_wait``); here each step waits for its own block, skipped blocks and

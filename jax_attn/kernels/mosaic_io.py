@@ -34,11 +34,13 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
     rows_per_block = COMPUTE_WGS * st.block_q
     first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block)
     halves = COMPUTE_WGS // st.active_wgs
-    for j in range(PAD_BLOCKS):
-        for h in range(halves):
-            start = first + j * rows_per_block + (wg * halves + h) * st.block_q
-            n = jnp.clip(st.num_rows - start, 0, st.block_q)
-            pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
+
+    # A loop, not unrolled: each store_rows call site is a few dozen TMA copies to lower and compile.
+    @pl.loop(0, PAD_BLOCKS * halves)
+    def _block(i):
+        start = first + (i // halves) * rows_per_block + (wg * halves + i % halves) * st.block_q
+        n = jnp.clip(st.num_rows - start, 0, st.block_q)
+        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
     plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)
 
 
