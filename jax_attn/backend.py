@@ -148,13 +148,15 @@ class FlashAttentionBackend:
         """Raise ``ValueError`` when the plan's device-side error flag is set (a host sync)."""
         safety.check(md, "plan")
 
-    def attach_schedule(self, md):
-        """Add the kernel's work schedule to a plan (traceable; no-op without ``num_heads``)."""
+    def attach_schedule(self, md, with_lse: bool = False):
+        """Add the kernels' work schedules to a plan (traceable; no-op without ``num_heads``). A
+        cascade's parts return their LSE for the merge: their Mosaic schedules carry its index."""
         if self.num_heads is None or self.impl == "reference" or md.mode == ForwardMode.IDLE:
             return md
         if isinstance(md, spec_plan.CascadeMetadata):
-            return dataclasses.replace(md, prefix=self.attach_schedule(md.prefix),
-                                       expand=self.attach_schedule(md.expand))
+            return dataclasses.replace(md, prefix=self.attach_schedule(md.prefix, with_lse=True),
+                                       expand=self.attach_schedule(md.expand, with_lse=True),
+                                       swa=None if md.swa is None else self.attach_schedule(md.swa))
         from jax_attn.kernels.config import DEFAULT_CONFIG
         from jax_attn.kernels.schedule import plan_schedule
 
@@ -169,9 +171,14 @@ class FlashAttentionBackend:
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
             mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,
-                                          num_splits=1 if self.deterministic else None)
+                                          num_splits=1 if self.deterministic else None, with_lse=with_lse)
         local = None if md.local is None else self.attach_schedule(md.local)  # chunked local layers' own tiles
-        return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local)
+        encoder = md.encoder
+        if encoder is not None:  # cross layers: page size 1, so the Triton-lowered kernel (kernel_policy)
+            encoder = dataclasses.replace(encoder, schedule=plan_schedule(
+                cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
+                num_splits=1 if self.deterministic else None))
+        return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""
@@ -280,13 +287,7 @@ class FlashAttentionBackend:
         if layer.is_cross_attention:
             if md.encoder is None:
                 raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
-            enc = md.encoder
-            enc_md = dataclasses.replace(
-                md, cache_seqlens=enc.encoder_lens, cu_seqlens_k=enc.encoder_cu_seqlens_k,
-                page_table=enc.encoder_page_table, page_size=1, max_pages=enc.max_encoder_len, schedule=None,
-                mosaic_schedule=None,
-            )
-            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), enc_md, impl=self.impl,
+            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), cross_metadata(md), impl=self.impl,
                              causal=False, **kw)
         if layer.sliding_window_size >= 0 and md.swa_page_table is not None:  # the SWAKVPool's SWA pool
             md = dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
@@ -296,6 +297,16 @@ class FlashAttentionBackend:
 
 def _num_tokens(md) -> int:
     return md.prefix.num_tokens if isinstance(md, spec_plan.CascadeMetadata) else md.num_tokens
+
+
+def cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
+    """A cross layer's view of step plan ``md``: each request's encoder tokens are its keys (page size 1),
+    with the encoder's own schedule (None until ``attach_schedule``: the kernel then plans its own)."""
+    enc = md.encoder
+    return dataclasses.replace(
+        md, cache_seqlens=enc.encoder_lens, cu_seqlens_k=enc.encoder_cu_seqlens_k, page_table=enc.encoder_page_table,
+        page_size=1, max_pages=enc.max_encoder_len, schedule=enc.schedule, mosaic_schedule=None, local=None,
+        encoder=None)
 
 
 def _write_slots(layer: LayerParams, md, k):

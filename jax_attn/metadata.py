@@ -81,6 +81,7 @@ class EncoderMetadata:
     encoder_page_table: jax.Array  # i32[B, E]; slots of the encoder tokens; [i, :encoder_lens[i]] valid
     max_encoder_len: int = static_field()  # E, static upper bound on encoder_lens
     out_cache_loc: Optional[jax.Array] = None  # i32[sum encoder_lens]; slots cross layers write K/V to
+    schedule: Optional[WorkSchedule] = None  # the kernel's tiles of cross attention (``backend.attach_schedule``)
 
 
 @_pytree_dataclass

@@ -105,9 +105,20 @@ KV_OFFSET = {"decode": 0, "draft_decode": 2, "verify": 3, "draft_extend": 0, "ex
 CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("verify", 4), ("draft_extend", 4)]
 
 
+def forbid_kernel_planning(monkeypatch):
+    """Kernel calls must use the step's planned schedule: planning inside a call raises (the planner's
+    own ``schedule.plan_schedule`` is another name, left alone)."""
+    from jax_attn.kernels import triton_paged
+
+    def replanned(*args, **kw):
+        raise AssertionError("the Triton kernel call planned its own schedule: the step plan has none that fits")
+    monkeypatch.setattr(triton_paged, "plan_schedule", replanned)
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 @pytest.mark.parametrize("mode,page_size", CASES)
-def test_replay_equals_eager_and_reference(mode, page_size, impl):
+def test_replay_equals_eager_and_reference(mode, page_size, impl, monkeypatch):
+    forbid_kernel_planning(monkeypatch)
     rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
     table, num_slots = make_table(16, page_size, seed=3)
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl,
@@ -293,3 +304,53 @@ def test_command_buffers_flag_only_on_gpu(monkeypatch):
     assert capture._with_command_buffers(None, False) == {flag: ""}
     assert capture._with_command_buffers({"a": 1}, False) == {"a": 1, flag: ""}
     assert capture._with_command_buffers({flag: "FUSION"}, False) == {flag: "FUSION"}
+
+
+def _tree_verify_batch(rows, committed, table, num_draft=3):
+    mask = np.tril(np.ones((num_draft, num_draft), bool))[None].repeat(len(rows), 0)
+    loc = np.concatenate([table[r, c:c + num_draft] for r, c in zip(rows, committed)]).astype(np.int32)
+    return ForwardBatch(ForwardMode.TARGET_VERIFY, rows, committed, loc,
+                        spec_info=SpecInfo(topk=2, num_draft_tokens=num_draft, draft_mask=mask, with_swa=True))
+
+
+@pytest.mark.parametrize("impl", ["triton", "auto_on_hopper"])
+@pytest.mark.parametrize("mode", ["decode", "extend", "verify", "draft_decode", "draft_extend", "tree_verify"])
+def test_layer_calls_take_their_schedules_from_the_step_plan(mode, impl, monkeypatch):
+    """Every kernel call of a step takes its work schedule (and, for a cascade's Mosaic parts, the LSE
+    index) from the step plan: full, sliding-window and Llama-4 local layers, the tree cascade's
+    prefix, expand and SWA passes. ``auto_on_hopper``: ``auto`` with Hopper faked, so the Mosaic
+    kernel (traced, not run) takes what it covers. Planning inside a call raises here.
+
+    Bug caught: a part of a plan left without its schedule makes every layer of every step plan it
+    again on the device (this is how cross layers, the tree SWA pass and Mosaic's cascade LSE index ran)."""
+    from jax_attn import kernel_policy
+    from jax_attn.kernels import mosaic_paged
+
+    forbid_kernel_planning(monkeypatch)
+
+    def replanned(plan, *args, **kw):
+        raise AssertionError(f"the Mosaic kernel call ran {plan.__name__}: the step plan has none that fits")
+    monkeypatch.setattr(mosaic_paged, "_plan_in_call", replanned)
+    if impl == "auto_on_hopper":
+        monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
+    page, d, ctx = 16, 64, 64
+    table, num_slots = shuffled_table(8, ctx, page, seed=4)
+    backend = FlashAttentionBackend(table, page_size=page, max_context_len=ctx, impl=impl.split("_")[0],
+                                    num_heads=(HQ, HKV), attention_chunk_size=32)
+    rows, committed = np.array([1, 3, 6], np.int32), np.array([20, 9, 40], np.int32)
+    rng = np.random.default_rng(0)
+    fb = _tree_verify_batch(rows, committed, table) if mode == "tree_verify" else \
+        make_batch(mode, rows, committed, table, rng)[0]
+    md = backend.plan(fb)
+    layers = [LayerParams(HQ, HKV, d), LayerParams(HQ, HKV, d, sliding_window_size=8, logit_cap=30.0)]
+    if mode in ("decode", "extend", "verify", "draft_decode"):  # modes whose plans carry the local batch
+        layers.append(LayerParams(HQ, HKV, d, use_irope=True))
+    t = fb.num_tokens
+    bf16 = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((t, HQ * d), bf16)
+    kv = jax.ShapeDtypeStruct((t, HKV * d), bf16)
+    pool = KVPool(jax.ShapeDtypeStruct((num_slots, HKV, d), bf16), jax.ShapeDtypeStruct((num_slots, HKV, d), bf16))
+    for layer in layers:
+        out, _ = jax.eval_shape(lambda md, q, k, v, pool: backend.forward(q, k, v, layer, pool, md), md, q, kv, kv,
+                                pool)
+        assert out.shape == (t, HQ * d)

@@ -16,6 +16,7 @@ from jax_attn.batch import ForwardBatch, SpecInfo
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from tests.paging import shuffled_table
+from tests.test_backend import forbid_kernel_planning
 
 HQ, HKV, D, CTX, PAGE = 4, 2, 16, 48, 4
 SCALE = 0.29
@@ -49,7 +50,9 @@ def _rows_error(got, want):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_cross_layer_writes_encoder_slots_and_attends_them(impl):
+def test_cross_layer_writes_encoder_slots_and_attends_them(impl, monkeypatch):
+    """Also: the cross layer's kernel runs on the encoder schedule the step planned (none planned in the call)."""
+    forbid_kernel_planning(monkeypatch)
     rng = np.random.default_rng(0)
     table, kp, vp = _setup(rng)
     rows, enc_lens, dec_lens = np.array([2, 4]), np.array([5, 3]), np.array([6, 9])
@@ -60,7 +63,8 @@ def test_cross_layer_writes_encoder_slots_and_attends_them(impl):
     dec_loc = np.array([table[r, e + n - 1] for r, e, n in zip(rows, enc_lens, dec_lens)], np.int32)
     batch = ForwardBatch(ForwardMode.DECODE, rows, dec_lens, dec_loc, encoder_lens=enc_lens,
                          encoder_out_cache_loc=enc_loc)
-    backend = FlashAttentionBackend(table, page_size=PAGE, max_context_len=CTX, impl=impl, max_encoder_len=8)
+    backend = FlashAttentionBackend(table, page_size=PAGE, max_context_len=CTX, impl=impl, max_encoder_len=8,
+                                    num_heads=(HQ, HKV))
     md = backend.plan(batch)
     cross = LayerParams(HQ, HKV, D, scaling=SCALE, is_cross_attention=True)
     q = rng.standard_normal((2, HQ, D)).astype(np.float32)

@@ -151,13 +151,14 @@ def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, conf
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
                          config: MosaicConfig | None = None, num_tokens: int | None = None,
-                         num_splits: int | None = 1):
+                         num_splits: int | None = 1, with_lse: bool = False):
     """The kernel's work tiles for one step (jit-able; a planner attaches it as ``md.mosaic_schedule``).
 
     ``num_splits``: 1 (the default) = no split-KV, the unsplit kernel; None = the split heuristic
     (splits only when the CTAs cannot fill the GPU; per sequence by its length); k > 1 = exactly
     k kv splits per sequence (short sequences get empty splits). ``max_splits > 1`` in the result
-    selects the split kernel, and the schedule then carries the merge's ``lse_index``.
+    selects the split kernel, and the schedule then carries the merge's ``lse_index``, as it does
+    with ``with_lse`` (the calls return the LSE: a cascade's parts).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     pack = choose_pack(md, num_q_heads, num_kv_heads, config)
@@ -175,7 +176,7 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     k_lens = jnp.minimum(md.cache_seqlens, md.max_pages * md.page_size)  # loops never pass the page table
     sched = dataclasses.replace(sched, pack=pack, tile_info=tile_table(sched, k_lens, md.cu_seqlens_q,
                                                                        rows_per_tile=rows_per_tile))
-    if s > 1:
+    if s > 1 or with_lse:
         sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,
                                                                num_q_heads=num_q_heads, num_heads=num_heads,
                                                                block_q=config.block_q))
@@ -240,6 +241,12 @@ def pack_rows(q, pack: int, num_kv_heads: int):
     return q.reshape(t, num_kv_heads, pack, d)
 
 
+def _plan_in_call(plan, *args, **kw):
+    """``plan(*args, **kw)`` inside a kernel call: what a standalone call without a fitting plan does
+    (the backend and the torch bridge pass the step's; their tests make this raise)."""
+    return plan(*args, **kw)
+
+
 def paged_attention_mosaic(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [num_pages, page_size, Hkv, D]
@@ -284,8 +291,8 @@ def paged_attention_mosaic(
     if (sched is None or sched.tile_info is None or sched.block_q != COMPUTE_WGS * config.block_q
             or sched.pack != choose_pack(md, hq, hkv, config)
             or (num_splits is not None and sched.max_splits != num_splits)):
-        sched = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_tokens=t,
-                                     num_splits=num_splits)
+        sched = _plan_in_call(plan_mosaic_schedule, md, num_q_heads=hq, num_kv_heads=hkv, config=config,
+                              num_tokens=t, num_splits=num_splits)
     pack = sched.pack
     st = kernel_statics(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                         page_size=page_size, pack=pack, dtype=q.dtype, causal=causal, window_size=window_size,
@@ -296,10 +303,10 @@ def paged_attention_mosaic(
     # Without sinks the kernel never reads its sinks argument: an array that exists already stands
     # in for it (zeros made here would be one more kernel per call, 0.9 us on an H100).
     sinks_arr = tables[1] if sinks is None else sinks.astype(jnp.float32)
-    index = sched.lse_index  # planned once per step for split schedules; else built here when needed
+    index = sched.lse_index  # planned once per step (split schedules, ``with_lse``); else built here
     if (st.split or return_lse) and (index is None or index.shape != (st.num_splits, t * hq)):
-        index = lse_index(sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq, num_heads=st.num_heads,
-                          block_q=config.block_q)
+        index = _plan_in_call(lse_index, sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq,
+                              num_heads=st.num_heads, block_q=config.block_q)
     if st.split:
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
             pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
