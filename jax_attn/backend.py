@@ -148,19 +148,21 @@ class FlashAttentionBackend:
         """Raise ``ValueError`` when the plan's device-side error flag is set (a host sync)."""
         safety.check(md, "plan")
 
-    def attach_schedule(self, md, with_lse: bool = False):
-        """Add the kernels' work schedules to a plan (traceable; no-op without ``num_heads``). A
-        cascade's parts return their LSE for the merge: their Mosaic schedules carry its index."""
-        if self.num_heads is None or self.impl == "reference" or md.mode == ForwardMode.IDLE:
+    def attach_schedule(self, md, with_lse: bool = False, num_heads: Optional[tuple] = None):
+        """Add the kernels' work schedules for layers of ``num_heads`` (default: the backend's) to a
+        plan (traceable; no-op without heads). A cascade's parts return their LSE for the merge: their
+        Mosaic schedules carry its index."""
+        heads = num_heads or self.num_heads
+        if heads is None or self.impl == "reference" or md.mode == ForwardMode.IDLE:
             return md
         if isinstance(md, spec_plan.CascadeMetadata):
-            return dataclasses.replace(md, prefix=self.attach_schedule(md.prefix, with_lse=True),
-                                       expand=self.attach_schedule(md.expand, with_lse=True),
-                                       swa=None if md.swa is None else self.attach_schedule(md.swa))
+            part = functools.partial(self.attach_schedule, num_heads=heads)
+            return dataclasses.replace(md, prefix=part(md.prefix, with_lse=True), expand=part(md.expand, with_lse=True),
+                                       swa=None if md.swa is None else part(md.swa))
         from jax_attn.kernels.config import DEFAULT_CONFIG
         from jax_attn.kernels.schedule import plan_schedule
 
-        hq, hkv = self.num_heads
+        hq, hkv = heads
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
                               num_splits=1 if self.deterministic else None)
         mosaic = None
@@ -172,11 +174,12 @@ class FlashAttentionBackend:
 
             mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,
                                           num_splits=1 if self.deterministic else None, with_lse=with_lse)
-        local = None if md.local is None else self.attach_schedule(md.local)  # chunked local layers' own tiles
+        # chunked local layers' own tiles
+        local = None if md.local is None else self.attach_schedule(md.local, num_heads=heads)
         encoder = md.encoder
         if encoder is not None:  # cross layers: page size 1, so the Triton-lowered kernel (kernel_policy)
             encoder = dataclasses.replace(encoder, schedule=plan_schedule(
-                cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
+                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
                 num_splits=1 if self.deterministic else None))
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
@@ -287,7 +290,7 @@ class FlashAttentionBackend:
         if layer.is_cross_attention:
             if md.encoder is None:
                 raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
-            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), cross_metadata(md), impl=self.impl,
+            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), _cross_metadata(md), impl=self.impl,
                              causal=False, **kw)
         if layer.sliding_window_size >= 0 and md.swa_page_table is not None:  # the SWAKVPool's SWA pool
             md = dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
@@ -299,7 +302,7 @@ def _num_tokens(md) -> int:
     return md.prefix.num_tokens if isinstance(md, spec_plan.CascadeMetadata) else md.num_tokens
 
 
-def cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
+def _cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
     """A cross layer's view of step plan ``md``: each request's encoder tokens are its keys (page size 1),
     with the encoder's own schedule (None until ``attach_schedule``: the kernel then plans its own)."""
     enc = md.encoder

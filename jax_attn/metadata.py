@@ -96,6 +96,7 @@ class WorkSchedule:
     block_q: int = static_field()  # queries per tile
     max_splits: int = static_field()  # static upper bound on seq_num_splits
     pack: int = static_field(default=1)  # rows per query token (query heads packed per kv head)
+    heads: tuple = static_field(default=())  # (Hq, Hkv) it was planned for; a call with others plans its own
     lse_index: Optional[jax.Array] = None  # i32[S, T * Hq]; Mosaic split kernel: where each split's LSE is
     tile_info: Optional[jax.Array] = None  # i32[N, 8]; Mosaic kernel: each tile's row (``mosaic_paged.tile_table``)
 

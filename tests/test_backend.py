@@ -113,6 +113,7 @@ def forbid_kernel_planning(monkeypatch):
     def replanned(*args, **kw):
         raise AssertionError("the Triton kernel call planned its own schedule: the step plan has none that fits")
     monkeypatch.setattr(triton_paged, "plan_schedule", replanned)
+    triton_paged.paged_attention.clear_cache()  # a call traced by an earlier test would not plan again
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -354,3 +355,30 @@ def test_layer_calls_take_their_schedules_from_the_step_plan(mode, impl, monkeyp
         out, _ = jax.eval_shape(lambda md, q, k, v, pool: backend.forward(q, k, v, layer, pool, md), md, q, kv, kv,
                                 pool)
         assert out.shape == (t, HQ * d)
+
+
+def test_a_layer_with_other_heads_plans_its_own_schedule(monkeypatch):
+    """A schedule says the heads it was planned for: a layer with other heads (here 8 / 2 under a plan
+    for 4 / 2) plans its own inside the call, and its output is right.
+
+    Bug caught: the Triton kernel taking a schedule planned for another query-head group."""
+    rng = np.random.default_rng(21)
+    table, num_slots = make_table(8, 4, seed=8)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="triton", num_heads=(HQ, HKV))
+    rows, committed = np.array([2, 5, 7], np.int32), np.array([6, 19, 33], np.int32)
+    fb, q_lens = make_batch("verify", rows, committed, table, rng)
+    md = backend.plan(fb)
+    assert md.schedule.heads == (HQ, HKV)
+    wide = LayerParams(num_q_heads=2 * HQ, num_kv_heads=HKV, head_dim=D)
+    pool = make_pool(num_slots, table, rows, committed + 3, rng)
+    q = jnp.asarray(rng.standard_normal((fb.num_tokens, 2 * HQ * D)), jnp.float32)
+    out, _ = backend.forward(q, None, None, wide, pool, md, save_kv_cache=False)
+    width = -(-MAX_CTX // 4)
+    want = paged_attention_reference(
+        q.reshape(-1, 2 * HQ, D), paged_view(pool.k, 4), paged_view(pool.v, 4), jnp.asarray(committed + 3),
+        jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        jnp.asarray(table[rows][:, ::4][:, :width] // 4), page_size=4)
+    np.testing.assert_allclose(np.asarray(out).reshape(-1, 2 * HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
+    forbid_kernel_planning(monkeypatch)  # (clears the traced call above)
+    with pytest.raises(AssertionError, match="planned its own schedule"):
+        backend.forward(q, None, None, wide, pool, md, save_kv_cache=False)

@@ -138,6 +138,33 @@ def test_matches_reference_and_jax_backend(mode, page_size):
     np.testing.assert_allclose(got, jax_backend_out(runner, table, fb, q, mode, page_size), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["extend", "decode", "verify", "draft_extend"])
+def test_jax_path_layers_take_their_schedules_from_the_plan(mode, monkeypatch):
+    """Once a layer has run as a JAX executable, the next eager plans carry its kernel's work schedule:
+    from the second step on, planning inside a layer call raises here, and results stay right.
+
+    Bug caught: the JAX path planning the schedule again in every layer call of every step."""
+    from tests.test_backend import forbid_kernel_planning
+
+    rng = np.random.default_rng(hash(("jax_heads", mode)) % 2**31)
+    runner, table = make_runner(16, 4, seed=2, impl="triton")
+    backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
+    for step in range(2):
+        if step == 1:
+            assert backend.planner.jax_heads == (HQ, HKV)
+            forbid_kernel_planning(monkeypatch)
+        bs = 5 + step  # a new batch size: the layer's executable is traced again (the planning happens then)
+        rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
+        fb, q_lens, start = make_batch(mode, rows, rng.integers(1, 30, bs), table, rng, runner)
+        fill_committed(runner, table, rows, start, rng)
+        q, k, v = rand_qkv(rng, int(q_lens.sum()))
+        backend.init_forward_metadata(fb)
+        traces = backend.trace_count
+        got = backend.forward(q, k, v, layer(), fb).numpy()
+        assert backend.trace_count > traces, "the layer's executable must be traced in each step here"
+        np.testing.assert_allclose(got, reference(runner, table, fb, q_lens, q, mode, 4), rtol=1e-4, atol=1e-4)
+
+
 def test_layer_options_sinks_window_softcap_and_triton():
     """Sliding window, logit cap and sinks reach the kernel; the Pallas kernel path (interpret) agrees."""
     rng = np.random.default_rng(5)

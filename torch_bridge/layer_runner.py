@@ -104,6 +104,8 @@ class LayerRunner:
             q = q.contiguous()
         if self._step_of_exes is not step:
             self._step_exes, self._step_of_exes = {}, step
+        if self.planner.jax_heads is None and self.jax_backend.impl != "reference":
+            self.planner.jax_heads = (lp.num_q_heads, lp.num_kv_heads)  # the next eager plans carry its schedules
         fast = (layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
         exe = self._step_exes.get(fast)
         views = (self.importer.view(k_buf), self.importer.view(v_buf),

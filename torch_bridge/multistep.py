@@ -76,7 +76,7 @@ class FlashAttentionMultiStepBackend:
     def _plan(self, bs: int, rows, seq_lens, loc, spec_info, real_reqs: int, graph: bool = False) -> None:
         """One compiled planner call for all steps (``rows``, ``seq_lens``: [bs]; ``loc``: [bs*K*S])."""
         plans = self.attn_backends[0].planner.draft_round(bs, rows, seq_lens, loc, spec_info,
-                                                          self.speculative_num_steps)
+                                                          self.speculative_num_steps, graph)
         for b, (layout, words) in zip(self.attn_backends, plans):
             b.planner.install(b.planner.draft_key(bs, spec_info), layout, words, real_reqs * max(self.topk, 1),
                               self.speculative_num_steps, graph)

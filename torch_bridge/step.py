@@ -92,6 +92,7 @@ class Packing:
     wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
     split: bool = False  # only rows and seq_lens, int64 (a replay of SGLang's static buffers)
     heads: Tuple[TableKey, ...] = ()  # table keys whose launch tables come out of the call
+    jax_heads: Optional[Tuple[int, int]] = None  # (Hq, Hkv) of the JAX-path layers: the plan carries their schedules
 
     def sizes(self) -> Tuple[int, ...]:
         b = self.key.batch_size

@@ -72,6 +72,9 @@ class StepPlanner:
                 self.launch_heads.add(settings.heads + (LOCAL_TABLES,))
             if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
                 self.launch_heads.add(settings.heads + (SWA_TABLES,))
+        # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its
+        # kernels' schedules from then on (layers of other heads plan theirs inside the call)
+        self.jax_heads: Optional[Tuple[int, int]] = None
         self.graph_max: Optional[Tuple[int, int]] = None
         self.graph_keys: Dict[Tuple[ForwardMode, int], PlanKey] = {}
         self.share_graph_kernels = True  # graph buckets of one batch class share plans and kernels
@@ -115,7 +118,8 @@ class StepPlanner:
             plans = guard_plan(plans, key, req_to_token, rows)
             if key.swa_pool:  # SWAKVPool: each step's SWA table (tree steps: md.swa's slots) translated
                 plans = tuple(with_swa_pool_step(md, mapping, num_swa_slots=key.num_swa_slots) for md in plans)
-            return tuple(with_local(md, chunk_size=key.attention_chunk_size) for md in plans), ()  # chain: md.local
+            plans = tuple(with_local(md, chunk_size=key.attention_chunk_size) for md in plans)  # chain: md.local
+            return tuple(self.jax_backend.attach_schedule(md, num_heads=pk.jax_heads) for md in plans), ()
         mask = None
         if pk.mask_words:
             flat = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)  # [4 * words] mask bytes
@@ -125,7 +129,8 @@ class StepPlanner:
         if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
             md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
         config = None if self.mosaic_path is None else self.mosaic_path.config
-        return md, tuple(flatten_tables(md, heads, config) for heads in pk.heads)
+        tables = tuple(flatten_tables(md, heads, config) for heads in pk.heads)
+        return self.jax_backend.attach_schedule(md, num_heads=pk.jax_heads), tables
 
     def _run(self, pk: Packing, inputs):
         """(layout or layouts, words or tuple of words) of the planner call for ``pk``."""
@@ -176,7 +181,9 @@ class StepPlanner:
             raise ValueError(f"index tensors must be on the pools' device {self.device}")
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
         heads = self.table_keys(pk.key, plans_local(pk.key) and not pk.all_steps)
-        pk = dataclasses.replace(pk, wide=wide, heads=heads)
+        # Eager plans carry the schedules of the JAX-path layers' kernels once such a layer has run (graph
+        # buckets do not: a JAX-path layer cannot run inside a captured graph, and a replay keeps its layout).
+        pk = dataclasses.replace(pk, wide=wide, heads=heads, jax_heads=None if graph else self.jax_heads)
         if pk.split:  # one concat, one import
             inputs = [as_words(torch.cat([rows, lens]))]
         else:
@@ -386,11 +393,12 @@ class StepPlanner:
         spec = self.spec(spec_info, ForwardMode.DECODE)
         return self.key(ForwardMode.DECODE, bs, bs * spec.topk, spec, False)
 
-    def draft_round(self, bs: int, rows, seq_lens, loc, spec_info, num_steps: int):
-        """Plans of draft steps ``0..num_steps-1`` in one planner call (the multi-step backend)."""
+    def draft_round(self, bs: int, rows, seq_lens, loc, spec_info, num_steps: int, graph: bool = False):
+        """Plans of draft steps ``0..num_steps-1`` in one planner call (the multi-step backend; ``graph``:
+        a graph bucket's)."""
         key = self.draft_key(bs, spec_info)
         return self.plan(packing(key, loc, None, None, None, all_steps=num_steps), rows, seq_lens, loc,
-                         real_tokens=0)
+                         real_tokens=0, graph=graph)
 
 
 def importer_device(model_runner) -> torch.device:

@@ -174,8 +174,8 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
                            min_kv_per_split=config.min_kv_per_split, split_waves=config.split_waves)
     k_lens = jnp.minimum(md.cache_seqlens, md.max_pages * md.page_size)  # loops never pass the page table
-    sched = dataclasses.replace(sched, pack=pack, tile_info=tile_table(sched, k_lens, md.cu_seqlens_q,
-                                                                       rows_per_tile=rows_per_tile))
+    sched = dataclasses.replace(sched, pack=pack, heads=(num_q_heads, num_kv_heads),
+                                tile_info=tile_table(sched, k_lens, md.cu_seqlens_q, rows_per_tile=rows_per_tile))
     if s > 1 or with_lse:
         sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,
                                                                num_q_heads=num_q_heads, num_heads=num_heads,
@@ -289,7 +289,7 @@ def paged_attention_mosaic(
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
     if (sched is None or sched.tile_info is None or sched.block_q != COMPUTE_WGS * config.block_q
-            or sched.pack != choose_pack(md, hq, hkv, config)
+            or sched.pack != choose_pack(md, hq, hkv, config) or sched.heads not in ((), (hq, hkv))
             or (num_splits is not None and sched.max_splits != num_splits)):
         sched = _plan_in_call(plan_mosaic_schedule, md, num_q_heads=hq, num_kv_heads=hkv, config=config,
                               num_tokens=t, num_splits=num_splits)

@@ -9,6 +9,8 @@ Dimension legend: B sequences, N tiles (static bound).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -177,7 +179,7 @@ def plan_schedule(
         decode=decode,
     )
     pack = kv_heads_per_program(config, num_kv_heads, decode=decode, split=s > 1)
-    return build_schedule(
+    sched = build_schedule(
         md.cache_seqlens,
         md.cu_seqlens_q,
         num_tokens=num_tokens,
@@ -190,3 +192,4 @@ def plan_schedule(
         min_kv_per_split=config.min_kv_per_split,
         split_waves=config.split_waves,
     )
+    return dataclasses.replace(sched, heads=(num_q_heads, num_kv_heads))
