@@ -70,7 +70,7 @@ from typing import Callable, Iterator, Optional
 from torch_bridge.backend import FlashAttentionBackend
 from torch_bridge.multistep import FlashAttentionMultiStepBackend
 
-__all__ = ["BACKEND_NAME", "SGLANG_VERSION", "register", "create_backend", "draft_creator"]
+__all__ = ["BACKEND_NAME", "SGLANG_VERSION", "register", "create_backend", "draft_creator", "thread_local_capture"]
 
 BACKEND_NAME = "jax_attn"  # the --attention-backend value
 SGLANG_VERSION = "0.5.11"  # the engine contract (docs/sglang_contract.md)
@@ -206,7 +206,9 @@ def _wrap_draft_factory(draft_utils: Optional[ModuleType], backend_class: type) 
 
 @contextlib.contextmanager
 def thread_local_capture() -> Iterator[None]:
-    """Within the block, ``torch.cuda.graph`` captures in thread-local mode unless told otherwise."""
+    """Within the block, ``torch.cuda.graph`` captures in thread-local mode unless told otherwise (what
+    ``register`` does around SGLang's graph captures; an engine that captures the bridge itself should
+    capture in this mode too: see the module docstring)."""
     import torch
 
     graph = torch.cuda.graph
