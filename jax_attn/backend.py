@@ -163,8 +163,8 @@ class FlashAttentionBackend:
         from jax_attn.kernels.schedule import plan_schedule
 
         hq, hkv = heads
-        sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
-                              num_splits=1 if self.deterministic else None)
+        splits = 1 if self.deterministic else None
+        sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG, num_splits=splits)
         mosaic = None
         call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
                     head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic,
@@ -172,15 +172,13 @@ class FlashAttentionBackend:
         if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(call)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
-            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv,
-                                          num_splits=1 if self.deterministic else None, with_lse=with_lse)
+            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, num_splits=splits, with_lse=with_lse)
         # chunked local layers' own tiles
         local = None if md.local is None else self.attach_schedule(md.local, num_heads=heads)
         encoder = md.encoder
         if encoder is not None:  # cross layers: page size 1, so the Triton-lowered kernel (kernel_policy)
             encoder = dataclasses.replace(encoder, schedule=plan_schedule(
-                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG,
-                num_splits=1 if self.deterministic else None))
+                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG, num_splits=splits))
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":

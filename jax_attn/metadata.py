@@ -100,6 +100,10 @@ class WorkSchedule:
     lse_index: Optional[jax.Array] = None  # i32[S, T * Hq]; Mosaic split kernel: where each split's LSE is
     tile_info: Optional[jax.Array] = None  # i32[N, 8]; Mosaic kernel: each tile's row (``mosaic_paged.tile_table``)
 
+    def fits_heads(self, num_q_heads: int, num_kv_heads: int) -> bool:
+        """Whether a call with these heads may run on this schedule (one planned without heads fits any)."""
+        return self.heads in ((), (num_q_heads, num_kv_heads))
+
 
 @_pytree_dataclass
 class AttentionMetadata:

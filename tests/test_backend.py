@@ -106,13 +106,17 @@ CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("ver
 
 
 def forbid_kernel_planning(monkeypatch):
-    """Kernel calls must use the step's planned schedule: planning inside a call raises (the planner's
-    own ``schedule.plan_schedule`` is another name, left alone)."""
-    from jax_attn.kernels import triton_paged
+    """Kernel calls must use the step's planned schedules: planning inside a Triton or Mosaic call
+    raises (the planners' own ``schedule.plan_schedule`` / ``plan_mosaic_schedule`` are left alone)."""
+    from jax_attn.kernels import mosaic_paged, triton_paged
 
     def replanned(*args, **kw):
         raise AssertionError("the Triton kernel call planned its own schedule: the step plan has none that fits")
+
+    def replanned_mosaic(plan, *args, **kw):
+        raise AssertionError(f"the Mosaic kernel call ran {plan.__name__}: the step plan has none that fits")
     monkeypatch.setattr(triton_paged, "plan_schedule", replanned)
+    monkeypatch.setattr(mosaic_paged, "_plan_in_call", replanned_mosaic)
     triton_paged.paged_attention.clear_cache()  # a call traced by an earlier test would not plan again
 
 
@@ -325,13 +329,8 @@ def test_layer_calls_take_their_schedules_from_the_step_plan(mode, impl, monkeyp
     Bug caught: a part of a plan left without its schedule makes every layer of every step plan it
     again on the device (this is how cross layers, the tree SWA pass and Mosaic's cascade LSE index ran)."""
     from jax_attn import kernel_policy
-    from jax_attn.kernels import mosaic_paged
 
     forbid_kernel_planning(monkeypatch)
-
-    def replanned(plan, *args, **kw):
-        raise AssertionError(f"the Mosaic kernel call ran {plan.__name__}: the step plan has none that fits")
-    monkeypatch.setattr(mosaic_paged, "_plan_in_call", replanned)
     if impl == "auto_on_hopper":
         monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
     page, d, ctx = 16, 64, 64

@@ -289,7 +289,7 @@ def paged_attention_mosaic(
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
     if (sched is None or sched.tile_info is None or sched.block_q != COMPUTE_WGS * config.block_q
-            or sched.pack != choose_pack(md, hq, hkv, config) or sched.heads not in ((), (hq, hkv))
+            or sched.pack != choose_pack(md, hq, hkv, config) or not sched.fits_heads(hq, hkv)
             or (num_splits is not None and sched.max_splits != num_splits)):
         sched = _plan_in_call(plan_mosaic_schedule, md, num_q_heads=hq, num_kv_heads=hkv, config=config,
                               num_tokens=t, num_splits=num_splits)

@@ -438,7 +438,7 @@ def paged_attention(
     num_pages, ps, hkv, dv = v_cache.shape
     batch, max_pages = md.page_table.shape
     sched = md.schedule
-    if sched is None or sched.heads not in ((), (hq, hkv)):  # none planned for these heads: plan here
+    if sched is None or not sched.fits_heads(hq, hkv):  # none planned for these heads: plan here
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_splits=num_splits,
                               num_tokens=t)
     decode = md.max_q_len <= 1 and sched.block_q == 1
