@@ -249,6 +249,42 @@ def _bits(t):
     return t.view(torch.int32).clone()
 
 
+def test_checked_layer_calls_are_reused_only_while_they_still_hold():
+    """A layer checked once on the JAX path (``JaxLayerHit``) skips the checks on later calls: across
+    steps of one plan key it reads each step's own plan, a bad call still raises before any write, and a
+    reallocated pool buffer is read, not the one it was checked with.
+
+    Bugs caught: a reused call bound to the first step's plan (stale lengths and pages); a reused call
+    writing K/V of the wrong shape; a reused call reading a pool the engine replaced."""
+    rng = np.random.default_rng(11)
+    runner, table = make_runner(8, 4, seed=5)
+    backend = FlashAttentionBackend(runner)
+    lay = layer()  # the engine's layer object, the same every step
+    outs = []
+    for step, committed in enumerate(([7, 20, 3], [30, 2, 11])):
+        rows = np.array([[1, 4, 6], [2, 5, 7]][step], np.int32)
+        fb, q_lens, start = make_batch("decode", rows, np.array(committed, np.int64), table, rng, runner)
+        fill_committed(runner, table, rows, start, rng)
+        q, k, v = rand_qkv(rng, 3)
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, lay, fb).numpy()
+        np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+        outs.append(backend.runner.hits[0])
+    assert outs[0] is outs[1], "the second step's call should reuse the checked call"
+    before = [_bits(b) for b in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer]
+    for bq, bk, bv in [(q, k[:, :-2], v), (q, k, v[:-1]), (q, k, v[:, :-1])]:
+        with pytest.raises(ValueError, match="must"):
+            backend.forward(bq, bk, bv, lay, fb)
+    after = [_bits(b) for b in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a rejected call must not write the cache"
+    pool = runner.token_to_kv_pool
+    pool.k_buffer[0] = pool.k_buffer[0] * 2.0  # the engine hands a new buffer (another address)
+    pool.v_buffer[0] = pool.v_buffer[0] - 0.5
+    out = backend.forward(q, None, None, lay, fb, save_kv_cache=False).numpy()
+    np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+    assert backend.runner.hits[0] is not outs[0]
+
+
 def test_errors_leave_cache_unchanged():
     rng = np.random.default_rng(2)
     runner, table = make_runner(4, 1, seed=0)

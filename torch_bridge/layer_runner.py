@@ -30,7 +30,7 @@ from jax_attn.backend import LayerParams
 from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.kv_cache import KVPool
 from torch_bridge.checks import SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
-from torch_bridge.dlpack import Importer, check_not_capturing, export
+from torch_bridge.dlpack import Importer, check_not_capturing
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
 from torch_bridge.step import Step
@@ -48,10 +48,8 @@ class LayerRunner:
         self.safe_locs = SafeLocs(num_slots, num_swa_slots)
         self._jit = jax.jit(self._attn_fn, static_argnums=(0, 1))
         self.executables: Dict[tuple, Any] = {}  # (layer, plan structure, q/k/v/sinks signatures) -> compiled
-        self._step_exes: Dict[tuple, Any] = {}  # this step's executables by layer identity (a fast lookup)
-        self._step_of_exes: Optional[Step] = None
         self._layers: Dict[int, Tuple[Any, LayerParams]] = {}
-        self.hits: Dict[int, LayerHit] = {}  # layer_id -> the layer's checked launch
+        self.hits: Dict[int, Any] = {}  # layer_id -> the layer's checked call (LayerHit, JaxLayerHit)
         self.trace_count = 0
 
     def share(self, other: "LayerRunner") -> None:
@@ -70,11 +68,11 @@ class LayerRunner:
     def run(self, step: Step, q, k, v, layer, forward_batch, save_kv_cache: bool, sinks):
         """``q [T, Hq * D]`` -> ``[T, Hq * Dv]``, writing this step's K/V first (unless told not to)."""
         hit = self.hits.get(layer.layer_id)
-        if hit is not None and step.loc_steps == 1 and hit.matches(layer, step.tables, q, forward_batch, sinks):
+        if hit is not None and step.loc_steps == 1 and hit.matches(layer, step, q, forward_batch, sinks):
             loc = None
             if save_kv_cache:
                 loc = self.safe_locs(forward_batch.out_cache_loc, step, swa_mapping(forward_batch) if hit.swa else None)
-            return hit(q, k, v, loc, sinks)
+            return hit(q, k, v, loc, sinks, step)
         lp = self.layer_params(layer)
         check_layer(lp, step.key, step.layout.local)
         swa = is_swa_layer(lp, step.key)  # SWAKVPool: reads the SWA pool through md.swa_page_table
@@ -89,32 +87,31 @@ class LayerRunner:
             loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step,
                                  swa_mapping(forward_batch) if swa else None)
         if call is not None:
-            hit = self.hits[layer.layer_id] = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
-            return hit(q, k, v, loc, sinks)
-        if loc is not None:
-            pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
-        return self._jax_call(step, lp, layer.layer_id, q, t, k_buf, v_buf, sinks)
+            hit = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
+        else:
+            if loc is not None:  # written here: a cross layer's slots are the encoder's, not one per query token
+                pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
+                loc = None
+            if self.planner.jax_heads is None and self.jax_backend.impl != "reference":
+                self.planner.jax_heads = (lp.num_q_heads, lp.num_kv_heads)  # the next eager plans carry its schedules
+            hit = self._jax_hit(step, lp, layer, t, q, pool, k_buf, v_buf, sinks, swa)
+        # Later calls skip the checks, except for cross layers (their K/V slots are not out_cache_loc) and sinks
+        # that are not viewed in place (imported per call, so a later in-place update is read)
+        if not lp.is_cross_attention and (sinks is None or sinks.is_contiguous()):
+            self.hits[layer.layer_id] = hit
+        return hit(q, k, v, loc, sinks, step)
 
-    def _jax_call(self, step: Step, lp: LayerParams, layer_id: int, q, t: int, k_buf, v_buf, sinks):
-        """One compiled executable: import q (stream-ordered), call, export the output."""
-        q = q.reshape(t, lp.num_q_heads, lp.head_dim)
-        if t != step.key.num_tokens:
-            q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, step.key.num_tokens - t))
-        elif not q.is_contiguous():
-            q = q.contiguous()
-        if self._step_of_exes is not step:
-            self._step_exes, self._step_of_exes = {}, step
-        if self.planner.jax_heads is None and self.jax_backend.impl != "reference":
-            self.planner.jax_heads = (lp.num_q_heads, lp.num_kv_heads)  # the next eager plans carry its schedules
-        fast = (layer_id, lp, t, q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), sinks is None)
-        exe = self._step_exes.get(fast)
+    def _jax_hit(self, step: Step, lp: LayerParams, layer, t: int, q, pool, k_buf, v_buf, sinks, swa: bool):
+        """The layer's compiled executable over its pool views, as a ``JaxLayerHit``."""
         views = (self.importer.view(k_buf), self.importer.view(v_buf),
                  None if sinks is None else self.importer.view(sinks, strict=False))
-        jq = self.importer(q)
-        if exe is None:
-            exe = self._step_exes[fast] = self._executable(lp, step, jq, *views)
-        out = export(exe(jq, *views, step.words))
-        return out if t == step.key.num_tokens else out[:t]
+        device = self.importer.jax_device
+        sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+        q_struct = jax.ShapeDtypeStruct((step.key.num_tokens, lp.num_q_heads, lp.head_dim), jax_dtype(q.dtype),
+                                        sharding=sharding)
+        exe = self._executable(lp, step, q_struct, *views)
+        return JaxLayerHit(layer, lp, exe, self.importer, step.layout, t, q.dtype, pool, (k_buf, v_buf), views,
+                           sinks, swa)
 
     def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks, swa: bool = False):
         """This layer's bound Mosaic launch when the launch path covers the call, else None."""
@@ -163,3 +160,41 @@ def swa_mapping(forward_batch):
     if mapping is None:
         raise ValueError("token_to_kv_pool (SWAKVPool) has no full_to_swa_index_mapping: register_mapping first")
     return mapping
+
+
+class JaxLayerHit:
+    """A layer checked once on the JAX path. A later call with the same layer object, pool and buffers,
+    token count, q dtype, sinks and plan layout (so the same plan key and executable) skips the checks:
+    KV write, then import q, the compiled call and the export."""
+
+    def __init__(self, layer, lp: LayerParams, exe, importer: Importer, layout, t: int, dtype, pool, buffers, views,
+                 sinks, swa: bool):
+        self.layer, self.lp, self.exe, self.importer, self.layout = layer, lp, exe, importer, layout
+        self.t, self.dtype, self.pool, self.buffers, self.views, self.sinks = t, dtype, pool, buffers, views, sinks
+        self.swa = swa  # an SWAKVPool sliding-window layer: its locs are made safe for the SWA pool too
+        self.numel = (t * lp.num_q_heads * lp.head_dim, t * lp.num_kv_heads * lp.head_dim)  # q, k
+        self.dv = lp.v_head_dim or lp.head_dim
+
+    def matches(self, layer, step: Step, q, forward_batch, sinks) -> bool:
+        return (self.layer is layer and step.layout is self.layout and q.shape[0] == self.t
+                and q.numel() == self.numel[0] and q.dtype == self.dtype and sinks is self.sinks
+                and forward_batch.token_to_kv_pool is self.pool
+                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
+
+    def __call__(self, q, k, v, loc, sinks, step: Step):
+        """Torch KV write at ``loc`` (None: no write), then the executable over ``step``'s plan."""
+        lp, t = self.lp, self.t
+        if loc is not None and k is not None:
+            if k.numel() != self.numel[1] or v.numel() != t * lp.num_kv_heads * self.dv or loc.shape[0] != t:
+                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
+                                 f"per token ({t}) of [{lp.num_kv_heads} * {lp.head_dim}] / "
+                                 f"[{lp.num_kv_heads} * {self.dv}]")
+            self.pool.set_kv_buffer(self.layer, loc, k, v, lp.k_scale, lp.v_scale)
+        padded = step.key.num_tokens
+        q = q.reshape(t, lp.num_q_heads, lp.head_dim)
+        if t != padded:
+            q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, padded - t))
+        elif not q.is_contiguous():
+            q = q.contiguous()
+        out = self.importer.export(self.exe(self.importer(q), *self.views, step.words))
+        return out if t == padded else out[:t]

@@ -365,14 +365,15 @@ class LayerHit:
         self.heads = table_key(lp, swa)
         self.numel = (call.t * lp.num_q_heads * lp.head_dim, call.t * lp.num_kv_heads * lp.head_dim)  # q, k
 
-    def matches(self, layer, step_tables: Dict[TableKey, Tables], q, forward_batch, sinks) -> bool:
-        return (self.layer is layer and step_tables.get(self.heads) is self.call.tables
+    def matches(self, layer, step, q, forward_batch, sinks) -> bool:
+        return (self.layer is layer and step.tables.get(self.heads) is self.call.tables
                 and q.shape[0] == self.call.t and q.numel() == self.numel[0] and (sinks is None) == self.no_sinks
                 and forward_batch.token_to_kv_pool is self.pool
                 and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
 
-    def __call__(self, q, k, v, loc, sinks):
-        """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), then the launch."""
+    def __call__(self, q, k, v, loc, sinks, step=None):
+        """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), then the launch
+        (over the step tables it was bound to: ``step`` is not read)."""
         if loc is not None and k is not None:
             t = self.call.t
             if k.numel() != self.numel[1] or v.shape[0] != t or loc.shape[0] != t:

@@ -100,16 +100,17 @@ class Packing:
 
 
 def narrow(words: jax.Array) -> jax.Array:
-    """int64 values seen as little-endian int32 word pairs ``[..., 2]`` -> int32, saturating: a
+    """int64 values seen as little-endian int32 words (``[2 * n]``: pairs) -> i32[n], saturating: a
     value outside int32 becomes INT32_MIN / INT32_MAX, which every range check flags."""
-    low, high = words[..., 0], words[..., 1]
+    words = words.reshape(-1, 2)
+    low, high = words[:, 0], words[:, 1]
     fits = high == (low >> 31)  # the high word only extends the low word's sign
     return jnp.where(fits, low, jnp.where(high < 0, jnp.int32(safety.INT32_MIN), jnp.int32(safety.INT32_MAX)))
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous int64 tensor as its int32 words ``[..., 2]`` (a view: no kernel)."""
-    return t.contiguous().view(torch.int32).view(*t.shape, 2)
+    """A 1-D int64 tensor as its int32 words ``[2 * n]`` (a view of a contiguous one: no kernel)."""
+    return t.contiguous().view(torch.int32)
 
 
 def packing(key: PlanKey, loc, ext, enc, words, all_steps: int = 0, exact: bool = False) -> Packing:

@@ -6,8 +6,8 @@ and come back as a ``Step``, the one object every layer of the step reads. Per s
 
 * eager: one torch concat of SGLang's int64 index tensors, seen as int32 word pairs (no cast
   kernel), one DLPack import, one compiled call; values outside int32 saturate inside the planner;
-* replay of a bucket whose tensors SGLang already padded (its static buffers): one concat of
-  ``req_pool_indices`` and ``seq_lens``, one import, one compiled call;
+* replay of a bucket whose tensors SGLang already padded (its static buffers): ``req_pool_indices`` and
+  ``seq_lens`` imported as they are (no torch kernel), one compiled call;
 * on the Mosaic launch path, the launch tables of every layer shape come out of the same call, and
   one export plus one copy refreshes the persistent buffers the captured graph reads.
 
@@ -83,6 +83,8 @@ class StepPlanner:
         self.prebuilt_kernels = 0
         self.step: Optional[Step] = None
         self.trace_count = 0
+        self._final: Dict[tuple, Packing] = {}  # (packing, graph, jax_heads) -> the packing the planner runs
+        self._keys: Dict[tuple, Tuple[TableKey, ...]] = {}  # (plan key, local) -> table_keys
 
     def share(self, other: "StepPlanner") -> None:
         """Use ``other``'s compiled planners and layer shapes (draft steps of one multi-step backend)."""
@@ -100,8 +102,8 @@ class StepPlanner:
 
     def _plan_tree(self, pk: Packing, req_to_token, mapping, *inputs):
         """(plan, launch tables per ``pk.heads``); for ``pk.all_steps`` (plans of every draft step, ())."""
-        if pk.split:  # rows then seq_lens, one bucket each
-            rows, lens = narrow(inputs[0]).reshape(2, -1)
+        if pk.split:  # rows and seq_lens, one bucket each
+            rows, lens = narrow(inputs[0]), narrow(inputs[1])
             ext = enc = words = None
             loc = jnp.zeros((pk.num_locs,), jnp.int32)
         else:
@@ -143,7 +145,7 @@ class StepPlanner:
             layout = self._layouts(pk, r2t, mapping, specs)
             hit = self.executables[ck] = (self._jit.lower(pk, r2t, mapping, *specs).compile(), layout)
         exe, layout = hit
-        return layout, exe(r2t, mapping, *(self.importer(x) for x in inputs))
+        return layout, exe(r2t, mapping, *self.importer.many(inputs))
 
     def swa_mapping(self) -> jax.Array:
         """The SWAKVPool's ``full_to_swa_index_mapping`` as the planner takes it (``Importer.index_view``)."""
@@ -180,12 +182,9 @@ class StepPlanner:
         if any(t.device != self.device for t in parts):
             raise ValueError(f"index tensors must be on the pools' device {self.device}")
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
-        heads = self.table_keys(pk.key, plans_local(pk.key) and not pk.all_steps)
-        # Eager plans carry the schedules of the JAX-path layers' kernels once such a layer has run (graph
-        # buckets do not: a JAX-path layer cannot run inside a captured graph, and a replay keeps its layout).
-        pk = dataclasses.replace(pk, wide=wide, heads=heads, jax_heads=None if graph else self.jax_heads)
-        if pk.split:  # one concat, one import
-            inputs = [as_words(torch.cat([rows, lens]))]
+        pk = self.final(pk, wide, graph)
+        if pk.split:  # two imports (torch launches nothing)
+            inputs = [as_words(rows), as_words(lens)]
         else:
             if not wide:  # mixed dtypes: saturate each part in torch
                 parts = [narrow_int32(t.reshape(-1)) for t in parts]
@@ -200,12 +199,29 @@ class StepPlanner:
             return list(zip(layout, words))
         self.install(pk.key, layout, words, real_tokens, draft_steps, graph)
 
+    def final(self, pk: Packing, wide: bool, graph: bool) -> Packing:
+        """``pk`` as the planner runs it: input width, the launch tables and JAX-path schedules it brings."""
+        memo = (pk, wide, graph, self.jax_heads, len(self.launch_heads))
+        hit = self._final.get(memo)
+        if hit is None:
+            heads = self.table_keys(pk.key, plans_local(pk.key) and not pk.all_steps)
+            # Eager plans carry the schedules of the JAX-path layers' kernels once such a layer has run (graph
+            # buckets do not: a JAX-path layer cannot run inside a captured graph, and a replay keeps its layout).
+            hit = self._final[memo] = dataclasses.replace(pk, wide=wide, heads=heads,
+                                                          jax_heads=None if graph else self.jax_heads)
+        return hit
+
     def table_keys(self, key: PlanKey, local: bool) -> Tuple[TableKey, ...]:
         """The launch tables a step of ``key`` brings (``local``: its plan carries md.local)."""
         if self.mosaic_path is None or key.topk != 1:
             return ()
-        wanted = {LOCAL_TABLES: local, SWA_TABLES: key.swa_pool}
-        return tuple(sorted(h for h in self.launch_heads if len(h) == 2 or wanted.get(h[2], False)))
+        memo = (key, local, len(self.launch_heads))  # launch_heads only grows
+        hit = self._keys.get(memo)
+        if hit is None:
+            wanted = {LOCAL_TABLES: local, SWA_TABLES: key.swa_pool}
+            hit = self._keys[memo] = tuple(sorted(h for h in self.launch_heads
+                                                  if len(h) == 2 or wanted.get(h[2], False)))
+        return hit
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,
                 graph: bool = False) -> Step:
@@ -217,7 +233,7 @@ class StepPlanner:
         self.step = step
         keys = self.table_keys(key, layout.local)
         if keys:
-            exported = torch.from_dlpack(words) if layout.tables else None  # one export for every table
+            exported = self.importer.export(words) if layout.tables else None  # one export for every table
             for heads in keys:
                 span = layout.table_range(heads)
                 flat = None if span is None else exported[span[0]:span[1]]
@@ -364,9 +380,10 @@ class StepPlanner:
             # nothing is padded here. The plan's slots stay 0: graph steps write K/V from the engine's
             # out_cache_loc in torch (made safe per step), never through the plan.
             pk = Packing(key, tokens * locs_per_token(spec, mode), split=True)
-            self.plan(pk, pad_wide(req_pool_indices[:n], bs, 0),
-                      pad_wide(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE), real_tokens=real, graph=True,
-                      draft_steps=loc_steps(spec, mode))
+            rows = req_pool_indices if req_pool_indices.shape[0] == n else req_pool_indices[:n]
+            lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+            self.plan(pk, pad_wide(rows, bs, 0), pad_wide(lens, bs, jbatch.SEQ_LEN_FILL_VALUE), real_tokens=real,
+                      graph=True, draft_steps=loc_steps(spec, mode))
             return
         rows = pad_int32(req_pool_indices[:n], bs, 0)
         lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)

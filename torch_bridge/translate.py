@@ -129,7 +129,8 @@ def replay_extend_lens(mode: ForwardMode, spec_info, per_req: int, rows: int, de
 
 def pad_wide(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:  # [n] -> i64[size]
     """As int64 padded with ``fill`` to ``size`` entries; a full int64 buffer passes untouched."""
-    x = x.reshape(-1)
+    if x.dim() != 1:
+        x = x.reshape(-1)
     if x.dtype != torch.int64:
         x = x.to(torch.int64)
     if x.shape[0] > size:
