@@ -189,6 +189,30 @@ def test_eager_table_buffers_are_bounded(monkeypatch):
     assert path._calls and all(c.tables is live for c in path._calls.values())
 
 
+def test_graph_table_buffers_survive_eager_evictions(monkeypatch):
+    """A graph bucket's table buffer stays put while eager steps of other shapes come and go, also when an
+    eager step of the bucket's plan key made it first: a captured graph reads that buffer on every replay.
+
+    Bug caught: a bucket's buffer left unpinned (made by the eager step), evicted by later eager plans, so
+    replays refresh a new buffer while the graph keeps reading the dropped one."""
+    import torch_bridge.mosaic_path as mp
+
+    monkeypatch.setattr(mp, "MAX_UNPINNED", 1)
+    rng = np.random.default_rng(12)
+    runner, table, backend = setup(8)
+    backend.planner.share_graph_kernels = False  # the bucket plans at its own size: the eager key of 4 rows
+    step(runner, table, backend, [1, 2, 3, 4], [20, 9, 33, 5], [1] * 4, rng)  # eager first: makes the buffer
+    backend.init_cuda_graph_state(4, 4)
+    z = torch.zeros(4, dtype=torch.long)
+    backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
+    step(runner, table, backend, [2, 5, 6, 1], [40, 17, 3, 28], [1] * 4, rng, replay_bs=4)
+    flat = backend.step.tables[(HQ, HKV)].flat
+    for rows in ([1], [1, 2], [3, 4, 5]):  # other eager plan keys push the unpinned buffers out
+        step(runner, table, backend, rows, [20 + 7 * r for r in rows], [1] * len(rows), rng)
+    step(runner, table, backend, [3, 1, 2, 6], [12, 50, 7, 21], [1] * 4, rng, replay_bs=4)
+    assert backend.step.tables[(HQ, HKV)].flat.data_ptr() == flat.data_ptr()
+
+
 class CountingKernel(InterpretedKernel):
     built = 0
 

@@ -5,7 +5,9 @@ A layer call never plans: it reads the step the step planner installed. Its trip
 * launch path (Hopper, the Mosaic kernel covers the layer): torch KV write, one raw launch on
   torch's stream (``torch_bridge.mosaic_path``); a layer seen before with the same step tables and
   buffers skips every check (``LayerHit``);
-* otherwise: torch KV write, then one compiled JAX executable (import q, call, export out).
+* otherwise: torch KV write, then one compiled JAX executable (import q, call, export out); a layer
+  seen before with the same pool buffers, token count and plan layout skips every check too
+  (``JaxLayerHit``), and reads the current step's plan.
 
 Both write K/V only after every check passed, at slots made safe once per step (``SafeLocs``).
 SGLang's hybrid ``SWAKVPool``: a sliding-window layer (``is_swa_layer``) reads its SWA pool through the

@@ -167,16 +167,22 @@ class MosaicPath:
             result = fn(step.words)
             step.keep.append(result)
             flat = torch.from_dlpack(result)  # torch's current stream waits for the JAX result
-        buf_key = (step.key, heads, flat.device)
-        hit = self._persistent.pop(buf_key, None)
+        buf_key = (step.key, heads)
+        if step.graph:  # graph buckets' buffers stay (pinned), in no order
+            hit = self._persistent.get(buf_key)
+            if hit is not None:
+                self._pinned.add(buf_key)  # made by an eager step of the same key
+        else:
+            hit = self._persistent.pop(buf_key, None)
+            if hit is not None:
+                self._persistent[buf_key] = hit  # most recent last
         if hit is None:
             with torch.inference_mode(False):  # a normal tensor: later steps update it in place
                 buf = torch.empty_like(flat)
-            hit = self._views(buf, table_plan(step.plan(), heads), heads)
-        self._persistent[buf_key] = hit  # most recent last
-        if step.graph:
-            self._pinned.add(buf_key)
-        self._evict()
+            hit = self._persistent[buf_key] = self._views(buf, table_plan(step.plan(), heads), heads)
+            if step.graph:
+                self._pinned.add(buf_key)
+            self._evict()  # only a new buffer can take the unpinned ones over the bound
         hit.flat.copy_(flat)
         return hit
 
