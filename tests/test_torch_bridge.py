@@ -84,7 +84,7 @@ def layer(layer_id=0, **kw):
 
 def reference(runner, table, fb, q_lens, q, mode, page_size, layer_id=0, **kw):
     """Reference over the pool as torch left it (after the bridge wrote this step's K/V)."""
-    kb, vb = (jnp.asarray(b.numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(layer_id))
+    kb, vb = (jnp.asarray(b.cpu().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(layer_id))
     rows = fb.req_pool_indices.numpy()
     kv_lens = fb.seq_lens.numpy().astype(np.int32) + KV_OFFSET[mode]
     width = -(-MAX_CTX // page_size)
@@ -219,6 +219,41 @@ def test_capture_replay_equals_eager_no_retrace(mode, page_size):
         np.testing.assert_allclose(got.numpy(), reference(runner, table, fb, q_lens, q, mode, page_size),
                                    rtol=1e-4, atol=1e-4)
         traces = backend.trace_count
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_replay_reads_static_buffers_written_in_place(device):
+    """SGLang's graph runner copies each step's indices into the same static buffers and passes slices
+    of them to the replay hook: every replay must plan from the values written since the last one (on
+    CUDA the copies are queued on torch's stream, the plan runs on JAX's).
+
+    Bug caught: the view of ``req_pool_indices`` kept across replays reading a copy (or the first
+    replay's rows), or a plan not ordered after the copies, so later steps attend other requests' pages."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(13)
+    runner, table = make_runner(16, 4, seed=6, device=device)
+    backend = FlashAttentionBackend(runner)
+    backend.init_cuda_graph_state(6, 6)
+    rows_buf = torch.zeros(6, dtype=torch.int64, device=device)
+    lens_buf = torch.ones(6, dtype=torch.int64, device=device)
+    backend.init_forward_metadata_capture_cuda_graph(4, 4, rows_buf[:4], lens_buf[:4], None, ForwardMode.DECODE, None)
+    lay = layer()
+    for _ in range(3):
+        rows = rng.choice(np.arange(1, 17), 4, replace=False).astype(np.int32)
+        fb, q_lens, start = make_batch("decode", rows, rng.integers(1, 40, 4), table, rng, runner)
+        fill_committed(runner, table, rows, start, rng)
+        if device == "cuda":
+            torch.cuda._sleep(20_000_000)  # the copies below wait in torch's stream: an unordered plan reads old rows
+        rows_buf[:4].copy_(fb.req_pool_indices.to(device), non_blocking=True)
+        lens_buf[:4].copy_(fb.seq_lens.to(device), non_blocking=True)
+        q, k, v = (x.to(device) for x in rand_qkv(rng, 4))
+        fb.out_cache_loc = fb.out_cache_loc.to(device)
+        backend.init_forward_metadata_replay_cuda_graph(4, rows_buf[:4], lens_buf[:4], None, None, ForwardMode.DECODE,
+                                                        None, None)
+        out = backend.forward(q, k, v, lay, fb).cpu().numpy()
+        got_ref = reference(runner, table, fb, q_lens, q.cpu(), "decode", 4)
+        np.testing.assert_allclose(out, got_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_inplace_kv_write_is_seen_through_cached_view():

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - other jax versions
     _xla_bridge = _jaxlib = None
 
 _KDL_CPU, _KDL_CUDA = 1, 2
+RECENT = 64  # 1-D index tensors whose views ``Importer.recent_view`` keeps
 _CPU_ALIGN = 64
 
 
@@ -75,6 +76,7 @@ class Importer:
             except Exception:  # UNIMPLEMENTED on CPU
                 self.stream = None
         self._views: Dict[Tuple, jax.Array] = {}
+        self._recent: Dict[Tuple, jax.Array] = {}  # recent_view's, least recently used first
         self._order = _StreamOrder(self.stream, index) if self.stream is not None and device.type == "cuda" else None
 
     def __call__(self, t: torch.Tensor, ordered: bool = False) -> jax.Array:
@@ -128,6 +130,21 @@ class Importer:
             self._views[key] = v
         return v
 
+    def recent_view(self, t: torch.Tensor) -> jax.Array:
+        """A JAX view of ``t`` kept for its next calls while it is among the ``RECENT`` most recent (an
+        engine's static index buffer, passed again every replay). Reading a kept view is not ordered after
+        torch's stream: call it after an import of the same step (``many``), which orders the computation."""
+        key = (t.data_ptr(), t.shape[0], t.dtype)
+        v = self._recent.pop(key, None)
+        if v is None:
+            if not t.is_contiguous() or t.dim() != 1 or (self.dl_type == _KDL_CPU and t.data_ptr() % _CPU_ALIGN):
+                return self(t)  # a copy would be read stale later: imported per call
+            v = self(t, ordered=True)
+            if len(self._recent) >= RECENT:
+                self._recent.pop(next(iter(self._recent)))  # the least recently used
+        self._recent[key] = v
+        return v
+
     def index_view(self, t: torch.Tensor) -> jax.Array:
         """A persistent 1-D index tensor (``full_to_swa_index_mapping``) viewed once: int64 as its int32 word
         pairs ``[n, 2]`` (narrowed, saturating, where it is read), int32 as it is; other dtypes are
@@ -141,6 +158,7 @@ class Importer:
     def clear(self) -> None:
         """Forget cached views (after the engine reallocates its pools)."""
         self._views.clear()
+        self._recent.clear()
 
 
 class _StreamOrder:

@@ -145,6 +145,9 @@ class StepPlanner:
             layout = self._layouts(pk, r2t, mapping, specs)
             hit = self.executables[ck] = (self._jit.lower(pk, r2t, mapping, *specs).compile(), layout)
         exe, layout = hit
+        if pk.split:  # seq_lens imported (it orders the call after torch's stream); req_pool_indices is the
+            lens = self.importer(inputs[1])  # graph runner's static buffer, viewed once
+            return layout, exe(r2t, mapping, self.importer.recent_view(inputs[0]), lens)
         return layout, exe(r2t, mapping, *self.importer.many(inputs))
 
     def swa_mapping(self) -> jax.Array:
@@ -183,7 +186,7 @@ class StepPlanner:
             raise ValueError(f"index tensors must be on the pools' device {self.device}")
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
         pk = self.final(pk, wide, graph)
-        if pk.split:  # two imports (torch launches nothing)
+        if pk.split:  # no torch kernel: rows viewed, seq_lens imported (``_run``)
             inputs = [as_words(rows), as_words(lens)]
         else:
             if not wide:  # mixed dtypes: saturate each part in torch
