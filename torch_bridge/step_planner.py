@@ -85,6 +85,7 @@ class StepPlanner:
         self.trace_count = 0
         self._final: Dict[tuple, Packing] = {}  # (packing, graph, jax_heads) -> the packing the planner runs
         self._keys: Dict[tuple, Tuple[TableKey, ...]] = {}  # (plan key, local) -> table_keys
+        self._plan_keys: Dict[tuple, PlanKey] = {}  # key()'s of steps without spec_info
 
     def share(self, other: "StepPlanner") -> None:
         """Use ``other``'s compiled planners and layer shapes (draft steps of one multi-step backend)."""
@@ -171,11 +172,21 @@ class StepPlanner:
     # ---- one prepare path ---------------------------------------------------------------------
     def key(self, mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
         """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
+        jb = self.jax_backend
+        memo = None if spec is not None else (mode, bs, tokens, has_ext, has_enc, jb.page_size, jb.max_pages,
+                                              jb.num_slots, jb.max_encoder_len, jb.attention_chunk_size,
+                                              jb.num_swa_slots)
+        hit = self._plan_keys.get(memo) if memo is not None else None
+        if hit is not None:
+            return hit
         z = np.zeros(bs, np.int32)
         locs = np.zeros(tokens * locs_per_token(spec, mode), np.int32)
         shape_batch = jbatch.ForwardBatch(mode, z, z, locs, extend_seq_lens=z if has_ext else None,
                                           encoder_lens=z if has_enc else None, spec_info=spec)
-        return self.jax_backend.plan_static(shape_batch)
+        key = jb.plan_static(shape_batch)
+        if memo is not None:
+            self._plan_keys[memo] = key
+        return key
 
     def plan(self, pk: Packing, rows, lens, loc=None, ext=None, enc=None, words=None, *, real_tokens: int,
              graph: bool = False, draft_steps: int = 1):
@@ -189,9 +200,10 @@ class StepPlanner:
         if pk.split:  # no torch kernel: rows viewed, seq_lens imported (``_run``)
             inputs = [as_words(rows), as_words(lens)]
         else:
+            parts = [t if t.dim() == 1 else t.reshape(-1) for t in parts]
             if not wide:  # mixed dtypes: saturate each part in torch
-                parts = [narrow_int32(t.reshape(-1)) for t in parts]
-            packed = torch.cat([t.reshape(-1) for t in parts]) if len(parts) > 1 else parts[0].reshape(-1)
+                parts = [narrow_int32(t) for t in parts]
+            packed = torch.cat(parts) if len(parts) > 1 else parts[0]
             if packed.shape[0] != sum(pk.sizes()):
                 raise ValueError(f"req_pool_indices / seq_lens / extend_seq_lens / encoder_lens must have one entry "
                                  f"per request ({pk.key.batch_size}); got {packed.shape[0]} packed entries, "
