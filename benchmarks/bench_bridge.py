@@ -239,11 +239,12 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
            for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
     results = {"native attention x layers": wall(lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)}
+    graphs = {}  # CUDA-graph steps, timed in alternation like the eager ones (the GPU's clocks drift too)
     if DEVICE != "cuda":
         print("smoke: CUDA graph rows skipped on the CPU")
     else:
         try:
-            results["native step, CUDA graph"] = wall(graph_step(steps["native step"]), iters)
+            graphs["native step, CUDA graph"] = graph_step(steps["native step"])
         except RuntimeError as e:  # an SDPA backend that cannot be captured: report, keep going
             print(f"native step, CUDA graph: not capturable here ({str(e).splitlines()[0]})")
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
@@ -266,19 +267,21 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
         results[f"{name} attention x layers"] = wall(
             lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
         if path is None and DEVICE == "cuda":
-            results[f"{name} step, CUDA graph"] = wall(graph_step(
-                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay), iters)
+            graphs[f"{name} step, CUDA graph"] = graph_step(
+                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay)
     results.update(interleaved(steps, iters))
+    results.update(interleaved(graphs, max(iters, 50)))
     print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
-          f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms; eager steps: median of 5 interleaved rounds)")
+          f"heads, d={cfg.head_dim}, bf16, page_size {page_size}  (ms; steps: median of 5 interleaved rounds, "
+          f"graph steps {max(iters, 50)} per round)")
     for name, s in sorted(results.items()):
-        print(f"{name:36s} {1e3 * s:8.2f}")
+        print(f"{name:36s} {1e3 * s:8.3f}")
     for name in ("bridge", "bridge via JAX"):
         if f"{name} step" in results:
-            print(f"{'ratio step (' + name + '/native)':36s} {results[name + ' step'] / results['native step']:8.2f}")
+            print(f"{'ratio step (' + name + '/native)':36s} {results[name + ' step'] / results['native step']:8.3f}")
     if "bridge step, CUDA graph" in results and "native step, CUDA graph" in results:
         print(f"{'ratio graph step (bridge/native)':36s} "
-              f"{results['bridge step, CUDA graph'] / results['native step, CUDA graph']:8.2f}")
+              f"{results['bridge step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")
 
 
 # ---- --parts profile: cProfile of the host path ----------------------------------------------------
