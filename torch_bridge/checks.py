@@ -279,3 +279,33 @@ def write_loc(forward_batch, step, lp: LayerParams, t: int, k, v, step_id: int) 
         raise ValueError(f"{k.shape=} / {v.shape=} must be [{rows}, {lp.num_kv_heads} * {lp.head_dim}] / "
                          f"[{rows}, {lp.num_kv_heads} * {dv}] (one row per {what})")
     return loc
+
+
+class CheckedLayer:
+    """A layer call checked once (the launch path's ``LayerHit``, the JAX path's ``JaxLayerHit``): a later
+    call with the same layer object, pool and pool buffers and token count may skip the checks, and its
+    K/V write is checked against these before anything is written."""
+
+    def __init__(self, layer, lp: LayerParams, t: int, pool, buffers, swa: bool):
+        self.layer, self.lp, self.t, self.pool, self.buffers = layer, lp, t, pool, buffers
+        self.swa = swa  # an SWAKVPool sliding-window layer: its locs are made safe for the SWA pool too
+        dv = lp.v_head_dim or lp.head_dim
+        self.numel = (t * lp.num_q_heads * lp.head_dim, t * lp.num_kv_heads * lp.head_dim,
+                      t * lp.num_kv_heads * dv)  # q, k, v
+
+    def same(self, layer, q, forward_batch) -> bool:
+        """Same layer object, token count, pool and pool buffers as the checked call."""
+        return (self.layer is layer and q.shape[0] == self.t and q.numel() == self.numel[0]
+                and forward_batch.token_to_kv_pool is self.pool
+                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
+
+    def write(self, k, v, loc) -> None:
+        """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), checked first."""
+        if loc is None or k is None:
+            return
+        lp, t = self.lp, self.t
+        if k.numel() != self.numel[1] or v.shape[0] != t or v.numel() != self.numel[2] or loc.shape[0] != t:
+            raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row per "
+                             f"token ({t}) of [{lp.num_kv_heads} * {lp.head_dim}] / "
+                             f"[{lp.num_kv_heads} * {lp.v_head_dim or lp.head_dim}]")
+        self.pool.set_kv_buffer(self.layer, loc, k, v, lp.k_scale, lp.v_scale)

@@ -31,7 +31,7 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.kv_cache import KVPool
-from torch_bridge.checks import SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
+from torch_bridge.checks import CheckedLayer, SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
@@ -164,35 +164,25 @@ def swa_mapping(forward_batch):
     return mapping
 
 
-class JaxLayerHit:
+class JaxLayerHit(CheckedLayer):
     """A layer checked once on the JAX path. A later call with the same layer object, pool and buffers,
     token count, q dtype, sinks and plan layout (so the same plan key and executable) skips the checks:
     KV write, then import q, the compiled call and the export."""
 
     def __init__(self, layer, lp: LayerParams, exe, importer: Importer, layout, t: int, dtype, pool, buffers, views,
                  sinks, swa: bool):
-        self.layer, self.lp, self.exe, self.importer, self.layout = layer, lp, exe, importer, layout
-        self.t, self.dtype, self.pool, self.buffers, self.views, self.sinks = t, dtype, pool, buffers, views, sinks
-        self.swa = swa  # an SWAKVPool sliding-window layer: its locs are made safe for the SWA pool too
-        self.numel = (t * lp.num_q_heads * lp.head_dim, t * lp.num_kv_heads * lp.head_dim)  # q, k
-        self.dv = lp.v_head_dim or lp.head_dim
+        super().__init__(layer, lp, t, pool, buffers, swa)
+        self.exe, self.importer, self.layout, self.views = exe, importer, layout, views
+        self.dtype, self.sinks = dtype, sinks
 
     def matches(self, layer, step: Step, q, forward_batch, sinks) -> bool:
-        return (self.layer is layer and step.layout is self.layout and q.shape[0] == self.t
-                and q.numel() == self.numel[0] and q.dtype == self.dtype and sinks is self.sinks
-                and forward_batch.token_to_kv_pool is self.pool
-                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
+        return (step.layout is self.layout and q.dtype == self.dtype and sinks is self.sinks
+                and self.same(layer, q, forward_batch))
 
     def __call__(self, q, k, v, loc, sinks, step: Step):
-        """Torch KV write at ``loc`` (None: no write), then the executable over ``step``'s plan."""
-        lp, t = self.lp, self.t
-        if loc is not None and k is not None:
-            if k.numel() != self.numel[1] or v.numel() != t * lp.num_kv_heads * self.dv or loc.shape[0] != t:
-                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
-                                 f"per token ({t}) of [{lp.num_kv_heads} * {lp.head_dim}] / "
-                                 f"[{lp.num_kv_heads} * {self.dv}]")
-            self.pool.set_kv_buffer(self.layer, loc, k, v, lp.k_scale, lp.v_scale)
-        padded = step.key.num_tokens
+        """The KV write, then the executable over ``step``'s plan."""
+        self.write(k, v, loc)
+        lp, t, padded = self.lp, self.t, step.key.num_tokens
         q = q.reshape(t, lp.num_q_heads, lp.head_dim)
         if t != padded:
             q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, padded - t))

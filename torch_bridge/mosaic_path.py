@@ -34,6 +34,7 @@ from jax_attn.backend import LayerParams, PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)
+from torch_bridge.checks import CheckedLayer
 from torch_bridge.dlpack import capturing
 from jax_attn.kernels import kernel_cache
 from jax_attn.kernels.config import cdiv
@@ -360,30 +361,20 @@ class LayerCall:
         return out if self.t == self.rows else out[:self.t]
 
 
-class LayerHit:
+class LayerHit(CheckedLayer):
     """A layer checked once on the launch path. A later call with the same layer object, pool and
     buffers, token count and plan tables (so the same plan key) skips the checks: KV write, then
     the bound launch."""
 
     def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool, swa: bool = False):
-        self.layer, self.lp, self.call, self.pool, self.buffers, self.no_sinks = layer, lp, call, pool, buffers, no_sinks
-        self.swa = swa  # an SWAKVPool sliding-window layer: its locs are made safe for the SWA pool too
-        self.heads = table_key(lp, swa)
-        self.numel = (call.t * lp.num_q_heads * lp.head_dim, call.t * lp.num_kv_heads * lp.head_dim)  # q, k
+        super().__init__(layer, lp, call.t, pool, buffers, swa)
+        self.call, self.no_sinks, self.heads = call, no_sinks, table_key(lp, swa)
 
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
-        return (self.layer is layer and step.tables.get(self.heads) is self.call.tables
-                and q.shape[0] == self.call.t and q.numel() == self.numel[0] and (sinks is None) == self.no_sinks
-                and forward_batch.token_to_kv_pool is self.pool
-                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
+        return (step.tables.get(self.heads) is self.call.tables and (sinks is None) == self.no_sinks
+                and self.same(layer, q, forward_batch))
 
     def __call__(self, q, k, v, loc, sinks, step=None):
-        """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), then the launch
-        (over the step tables it was bound to: ``step`` is not read)."""
-        if loc is not None and k is not None:
-            t = self.call.t
-            if k.numel() != self.numel[1] or v.shape[0] != t or loc.shape[0] != t:
-                raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row "
-                                 f"per token ({t}) of [{self.lp.num_kv_heads} * {self.lp.head_dim}]")
-            self.pool.set_kv_buffer(self.layer, loc, k, v, self.lp.k_scale, self.lp.v_scale)
+        """The KV write, then the launch (over the step tables it was bound to: ``step`` is not read)."""
+        self.write(k, v, loc)
         return self.call(q, sinks)
