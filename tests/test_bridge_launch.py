@@ -94,8 +94,9 @@ def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None):
     return np.asarray(out).reshape(q.shape[0], HQ * D)
 
 
-def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, sinks=None):
-    """Plan (eager, or the replay hook of bucket ``replay_bs``), run one layer, compare."""
+def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, sinks=None, layer=None):
+    """Plan (eager, or the replay hook of bucket ``replay_bs``), run one layer (``layer``: the engine's
+    object, kept across steps; default a new one), compare."""
     rows, kv_lens, q_lens = (np.asarray(x) for x in (rows, kv_lens, q_lens))
     fill(runner, table, rows, kv_lens - q_lens, rng)
     loc = np.concatenate([table[r, n - m:n] for r, n, m in zip(rows, kv_lens, q_lens)]).astype(np.int64)
@@ -112,7 +113,8 @@ def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, 
     n = int(q_lens.sum())
     q, k, v = (torch.from_numpy(rng.standard_normal((n, h * D)).astype(np.float32)).to(torch.bfloat16).to(dev)
                for h in (HQ, HKV, HKV))
-    out = backend.forward(q, k, v, RadixAttention(HQ, D, D**-0.5, HKV, 0), fb, sinks=sinks)
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0) if layer is None else layer
+    out = backend.forward(q, k, v, layer, fb, sinks=sinks)
     assert out.shape == (n, HQ * D) and out.dtype == torch.bfloat16
     ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
@@ -165,12 +167,15 @@ def test_checked_layer_rebinds_when_the_pool_buffer_changes():
     layer's buffer gets a new binding (reads the new buffer), not a launch on freed memory."""
     rng = np.random.default_rng(9)
     runner, table, backend = setup(6)
-    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng)
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)  # one object, as an engine's layer (else every call rebinds)
+    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng, layer=layer)
     first = backend.runner.hits[0]
+    step(runner, table, backend, [1, 2], [22, 33], [1, 1], rng, layer=layer)
+    assert backend.runner.hits[0] is first, "the same layer and buffers should reuse the checked launch"
     pool = runner.token_to_kv_pool
     pool.k_buffer[0] = pool.k_buffer[0].clone()  # same contents, new storage
     pool.v_buffer[0] = pool.v_buffer[0].clone()
-    step(runner, table, backend, [1, 2], [21, 31], [1, 1], rng)
+    step(runner, table, backend, [1, 2], [21, 31], [1, 1], rng, layer=layer)
     assert backend.runner.hits[0] is not first and backend.runner.hits[0].buffers[0] is pool.k_buffer[0]
 
 
