@@ -73,9 +73,9 @@ import numpy as np  # noqa: E402
 import llama  # noqa: E402
 from step_analysis import analyze, analyze_window, hlo_counts, print_report, print_window  # noqa: E402
 
-from jax_attn.backend import FlashAttentionBackend, batch_arrays  # noqa: E402
+from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch, pad_batch  # noqa: E402
-from jax_attn.capture import StepRunner, _pad_tokens, _write_into, pack_int32  # noqa: E402
+from jax_attn.capture import StepRunner, _pad_tokens, _write_into, own_buffers  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
 
@@ -148,11 +148,15 @@ def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opt
                 lens=lens, batch=batch)
 
 
+def step_inputs(runner, padded, tokens):
+    """``(packed host inputs, token arguments)`` of a padded batch, as ``StepRunner.replay`` packs them."""
+    return runner.pack(padded, _pad_tokens(tokens, padded.num_tokens))[1:]
+
+
 def device_args(env):
-    """``(req_to_token, packed plan inputs, tokens)`` for the bare executable, in new device buffers."""
+    """``(req_to_token, packed host inputs, token arguments)`` for the bare executable, in new device buffers."""
     lens = env["lens"]
-    _, packed = pack_int32(batch_arrays(env["fb"](lens)))
-    return (env["backend"].req_to_token, *jax.device_put((packed, _pad_tokens(env["tok"](lens), env["batch"]))))
+    return (env["backend"].req_to_token, *jax.device_put(step_inputs(env["runner"], env["fb"](lens), env["tok"](lens))))
 
 
 class StagedReplay:
@@ -166,8 +170,8 @@ class StagedReplay:
         runner = self.runner
         padded = runner._padded(batch)
         exe = runner.executables[runner.backend.plan_static(padded)]
-        new = (pack_int32(batch_arrays(padded))[1], _pad_tokens(token_inputs, padded.num_tokens))
-        self.bufs = jax.device_put(new) if self.bufs is None else self._update(self.bufs, new)
+        new = step_inputs(runner, padded, token_inputs)
+        self.bufs = own_buffers(new) if self.bufs is None else self._update(self.bufs, new)
         return exe(runner.backend.req_to_token, *self.bufs, *args)
 
 
@@ -471,8 +475,8 @@ def main_replay_parts(config="1b", batch=64, ctx=4096, page_size=16, layers=None
     key = next(iter(runner.executables))
     lens = env["lens"]
     padded = pad_batch(fb(lens), batch, batch)
-    layout, packed = pack_int32(batch_arrays(padded))
-    dev = jax.device_put((packed, _pad_tokens(tok(lens), batch)))
+    layout = runner.pack(padded, _pad_tokens(tok(lens), batch))[0]
+    dev = jax.device_put(step_inputs(runner, padded, tok(lens)))
     state = {"pools": pools}
 
     def call(f, *a):
@@ -481,8 +485,7 @@ def main_replay_parts(config="1b", batch=64, ctx=4096, page_size=16, layers=None
 
     print("| part | host us |\n|---|---|")
     timed_part("pad_batch + plan_static", lambda: runner.backend.plan_static(pad_batch(fb(lens), batch, batch)))
-    timed_part("pack + device_put of step inputs",
-          lambda: jax.device_put((pack_int32(batch_arrays(padded))[1], _pad_tokens(tok(lens), batch))))
+    timed_part("pack + device_put of step inputs", lambda: jax.device_put(step_inputs(runner, padded, tok(lens))))
     timed_part("AOT executable, device inputs", lambda: call(exe, runner.backend.req_to_token, *dev))
     timed_part("jit call, device inputs", lambda: call(runner._jit, key, layout, runner.backend.req_to_token, *dev))
     timed_part("replay (all)", lambda: call(runner.replay, fb(lens), tok(lens)))

@@ -112,7 +112,8 @@ def decode_blocking(runner, reqs, seq_lens, ids, steps, params, pools):
     """
     all_logits, all_ids = [], []
     for _ in range(steps):
-        tokens = dict(ids=jnp.asarray(ids, jnp.int32), pos=jnp.asarray(seq_lens, jnp.int32))
+        # host arrays: sent with the plan's inputs in one transfer (``jax_attn.capture.pack_step``)
+        tokens = dict(ids=np.asarray(ids, np.int32), pos=np.asarray(seq_lens, np.int32))
         logits, pools = runner.replay(decode_batch(reqs, seq_lens), tokens, params, pools)
         logits = np.asarray(logits)  # host sync: greedy sampling on the host
         ids = np.argmax(logits, -1).astype(np.int32)
@@ -141,7 +142,7 @@ def decode_overlap(runner, reqs, seq_lens, ids, steps, params, pools, copy_outpu
     host, pending = [], None
     ids = jnp.asarray(ids, jnp.int32)
     for _ in range(steps):
-        tokens = dict(ids=ids, pos=np.asarray(seq_lens, np.int32))  # host positions: padded on the host
+        tokens = dict(ids=ids, pos=np.asarray(seq_lens, np.int32))  # host positions: sent with the plan inputs
         out, pools = runner.replay(decode_batch(reqs, seq_lens), tokens, params, pools)
         seq_lens = seq_lens + 1
         ids = out["next_ids"]  # the next step's input: never leaves the device

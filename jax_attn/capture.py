@@ -10,6 +10,9 @@ single attention call) is composed with the planner, padded to a batch bucket an
 
 ``token_inputs`` / ``token_outputs`` are pytrees whose leaves have the token axis first; replay
 pads them (zeros) and slices the outputs back. Replay and the eager path run the same function.
+A step's host inputs travel in one transfer: the plan's int32 batch fields and every token input
+that is a host (numpy) int32 array at capture, such as positions, are packed into one vector
+(``pack_step``); device arrays (ids sampled on the device) are passed as they are.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import functools
 import os
 import sys
 import time
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +79,12 @@ class StepRunner:
         is slower (the example's overlap loop: 8.54 ms/step against 6.92).
       compile_cache: ``capture`` turns on the persistent compilation cache (``jax_attn.compile_cache``:
         per-user directory, ``JAX_ATTN_COMPILE_CACHE=0`` opts out).
+      eager_compiler_options: XLA options added for ``eager`` (an executable per distinct batch shape,
+        such as each ragged prefill, that is typically run a few times). Default on a GPU
+        (``EAGER_GPU_OPTIONS``): no Triton GEMM autotuning, cuBLAS GEMMs instead. ``{}`` compiles eager
+        calls like the captured buckets. On an H100 (1B-class step, 16 layers, ``benchmarks/RESULTS.md``)
+        a cold prefill compiled in 4.2-4.9 s instead of 7.2-8.9 s; its step ran 0.96x the time at 1024 and
+        4096 tokens, and 1.39x at 91 tokens (4.3 ms instead of 3.1 ms, once per such prefill).
       static_buffers: replay like a CUDA graph with static input and output buffers: each bucket
         keeps device buffers for its step inputs and token outputs; a replay first writes the new
         inputs into them (one small call), then runs the executable with the outputs donated back
@@ -88,30 +97,37 @@ class StepRunner:
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
                  compiler_options: Optional[dict] = None, command_buffers: bool = True,
-                 static_buffers: bool = False, compile_cache: bool = True):
+                 static_buffers: bool = False, compile_cache: bool = True,
+                 eager_compiler_options: Optional[dict] = None):
         self.backend = backend
         self.compile_cache = compile_cache
         compiler_options = _with_command_buffers(compiler_options, command_buffers)
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
-        # Positional layout of _full: (key, layout, req_to_token, packed plan inputs, tokens, *args).
-        self._jit = jax.jit(self._full, static_argnums=(0, 1),
-                            donate_argnums=tuple(5 + i for i in donate_argnums), compiler_options=compiler_options)
+        # Positional layout of _full: (key, StepLayout, req_to_token, packed host inputs, token arguments,
+        # *args).
+        donate = tuple(5 + i for i in donate_argnums)
+        self._jit = jax.jit(self._full, static_argnums=(0, 1), donate_argnums=donate,
+                            compiler_options=compiler_options)
+        self._eager_jit = jax.jit(self._full, static_argnums=(0, 1), donate_argnums=donate,
+                                  compiler_options=eager_options(compiler_options, eager_compiler_options))
         self.static_buffers = static_buffers
-        # _full_static: (key, layout, req_to_token, (packed, tokens), token outputs, *args); the unused
+        # _full_static: (key, StepLayout, req_to_token, (packed, token arguments), token outputs, *args); the unused
         # token-output buffers are kept and donated, so XLA writes the new outputs into them.
         self._jit_static = jax.jit(self._full_static, static_argnums=(0, 1), keep_unused=True,
                                    donate_argnums=(4,) + tuple(5 + i for i in donate_argnums),
                                    compiler_options=compiler_options)
         self._stage = jax.jit(_write_into, donate_argnums=0)
         self.buffers: dict = {}  # plan key -> [step inputs, token outputs] (static_buffers only)
+        self._zeros: dict = {}  # shape -> int32 zeros on the device: the argument of a token leaf sent packed
         self.executables: dict = {}
         self.trace_count = 0
         self._warned_eager = False
 
-    def _full(self, key: PlanKey, layout, req_to_token, packed, token_inputs, *args):
+    def _full(self, key: PlanKey, layout: "StepLayout", req_to_token, packed, token_args, *args):
         self.trace_count += 1  # Python side effect: runs once per trace
-        md = self.backend.attach_schedule(plan_arrays(key, req_to_token, *unpack_int32(packed, layout)))
+        arrays, token_inputs = layout.unpack(packed, token_args)
+        md = self.backend.attach_schedule(plan_arrays(key, req_to_token, *arrays))
         return self.step_fn(md, token_inputs, *args)
 
     def _full_static(self, key: PlanKey, layout, req_to_token, inputs, token_outputs, *args):
@@ -179,13 +195,12 @@ class StepRunner:
             raise ValueError(f"{batch.forward_mode.name} bs={batch.batch_size} is not capturable: "
                              f"modes with a static token count per request only, bs <= {self.batch_buckets[-1]}")
         key = self.backend.plan_static(padded)
-        layout, packed = pack_int32(batch_arrays(padded))
-        tokens = _pad_tokens(token_inputs, padded.num_tokens)
+        layout, packed, tokens = self.pack(padded, _pad_tokens(token_inputs, padded.num_tokens))
         if not self.static_buffers:
             return key, self._jit.trace(key, layout, self.backend.req_to_token, packed, tokens, *args)
         outs = jax.eval_shape(functools.partial(self._full, key, layout), self.backend.req_to_token, packed,
                               tokens, *args)[0]
-        bufs = [jax.device_put((packed, tokens)), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outs)]
+        bufs = [own_buffers((packed, tokens)), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), outs)]
         self.buffers[key] = bufs
         return key, self._jit_static.trace(key, layout, self.backend.req_to_token, *bufs, *args)
 
@@ -203,8 +218,8 @@ class StepRunner:
         n = batch.num_tokens
         if self.backend.validate:  # validation mode: host checks and the plan's error flag, before any write
             self.backend.plan(padded)
-        layout, packed = pack_int32(batch_arrays(padded))  # one host-to-device copy for the plan inputs
-        tokens = _pad_tokens(token_inputs, padded.num_tokens)
+        # one host-to-device copy for the plan inputs and the host token inputs
+        _, packed, tokens = self.pack(padded, _pad_tokens(token_inputs, padded.num_tokens))
         if self.static_buffers:
             bufs = self.buffers[key]
             bufs[0] = self._stage(bufs[0], (packed, tokens))  # written in place: same addresses
@@ -217,10 +232,20 @@ class StepRunner:
         return jax.tree.map(lambda x: x[:n], tok_out), other
 
     def eager(self, batch: ForwardBatch, token_inputs, *args):
-        """Run unpadded through ``jax.jit`` (compiles once per distinct shape)."""
+        """Run unpadded through ``jax.jit`` (compiles once per distinct shape, with the eager options)."""
         key = self.backend.plan_static(batch)
-        layout, packed = pack_int32(batch_arrays(batch))
-        return self._jit(key, layout, self.backend.req_to_token, packed, token_inputs, *args)
+        layout, packed, tokens = self.pack(batch, token_inputs)
+        return self._eager_jit(key, layout, self.backend.req_to_token, packed, tokens, *args)
+
+    def pack(self, batch: ForwardBatch, token_inputs):
+        """``pack_step`` of a batch (padded for a bucket) and its token inputs."""
+        return pack_step(batch_arrays(batch), token_inputs, self._device_zeros)
+
+    def _device_zeros(self, shape) -> jax.Array:
+        hit = self._zeros.get(shape)
+        if hit is None:
+            hit = self._zeros[shape] = jnp.zeros(shape, jnp.int32)
+        return hit
 
 
 def _workers(parallel: Union[bool, int], jobs: int) -> int:
@@ -238,6 +263,26 @@ def _with_command_buffers(options: Optional[dict], enabled: bool) -> Optional[di
     return {**(options or {}), "xla_gpu_enable_command_buffer": ""}
 
 
+# XLA options of eager executables on a GPU (``StepRunner``'s ``eager_compiler_options``): GEMMs through
+# cuBLAS, so no Triton GEMM configurations are compiled and timed for a shape that runs a few times.
+EAGER_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def eager_options(options: Optional[dict], eager: Optional[dict]) -> Optional[dict]:
+    """The XLA options of ``StepRunner.eager``'s executables: ``options`` (the runner's), then ``eager``
+    (default ``EAGER_GPU_OPTIONS`` on a GPU, nothing elsewhere: the flags are GPU-only)."""
+    if eager is None:
+        eager = EAGER_GPU_OPTIONS if jax.default_backend() == "gpu" else {}
+    merged = {**(options or {}), **eager}
+    return merged or None
+
+
+def own_buffers(tree):
+    """New device buffers holding ``tree``'s values, one per leaf (none shared with a caller's array or
+    with another leaf, such as the cached zeros of ``pack_step``): they can be donated."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
 def _write_into(old, new):
     """``new`` written over ``old`` (same tree and shapes); with ``old`` donated, in place."""
     return jax.tree.map(lambda o, n: jax.lax.dynamic_update_slice(o, jnp.asarray(n, o.dtype), (0,) * o.ndim),
@@ -249,6 +294,56 @@ def pack_int32(arrays):
     layout = tuple(None if a is None else (a.shape, a.dtype.char) for a in arrays)  # (dtype.char: cheap on the host)
     parts = [np.asarray(a, np.int32).ravel() for a in arrays if a is not None]
     return layout, (np.concatenate(parts) if parts else np.zeros((0,), np.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where a step's inputs are (``pack_step``): a static argument of the step's executable."""
+
+    arrays: tuple  # pack_int32 layout: the plan's batch fields, the int32 token leaves, their sources
+    num_plan: int  # how many of ``arrays`` are batch fields
+    tokens: Any  # the token inputs' treedef
+    slots: Tuple[bool, ...]  # per token leaf: int32, so it has a slot in the packed vector
+
+    def unpack(self, packed, token_args):
+        """``(batch fields, token_inputs)`` inside the traced step."""
+        parts = unpack_int32(packed, self.arrays)
+        num_slots = sum(self.slots)
+        from_packed = iter(parts[self.num_plan:self.num_plan + num_slots])
+        source = parts[-1] if num_slots else None  # per slot: 1 = the packed copy, 0 = the argument
+        leaves, i = [], 0
+        for slot, arg in zip(self.slots, token_args):
+            if slot:
+                arg = jnp.where(source[i] != 0, next(from_packed), arg)
+                i += 1
+            leaves.append(arg)
+        return parts[:self.num_plan], jax.tree.unflatten(self.tokens, leaves)
+
+
+def _host_int32(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype == np.int32
+
+
+def pack_step(arrays, token_inputs, zeros: Callable):
+    """A step's inputs as ``(StepLayout, packed int32 host vector, token arguments)``: one host-to-device
+    transfer for the batch fields (``backend.batch_arrays``) and the token inputs that are host int32
+    arrays.
+
+    Every int32 token leaf has a slot in the vector and an argument of its own; one more word per slot
+    says which the step reads. A host (numpy) array goes into its slot, and its argument is a cached
+    device array of zeros (``zeros(shape)``); a device array (ids sampled on the device) is the argument,
+    and its slot holds zeros. The layout therefore does not depend on where a leaf lives: a bucket
+    captured with host positions replays with device ones, and the other way round. Other leaves are
+    arguments."""
+    leaves, tree = jax.tree.flatten(token_inputs)
+    slots = tuple(np.dtype(x.dtype) == np.int32 for x in leaves)
+    host = [_host_int32(x) for x in leaves]
+    parts = [x if h else np.zeros(x.shape, np.int32) for x, s, h in zip(leaves, slots, host) if s]
+    if parts:
+        parts.append(np.array([h for s, h in zip(slots, host) if s], np.int32))
+    args = [zeros(x.shape) if s and h else x for x, s, h in zip(leaves, slots, host)]
+    arrays_layout, vector = pack_int32(list(arrays) + parts)
+    return StepLayout(arrays_layout, len(arrays), tree, slots), vector, args
 
 
 def unpack_int32(packed, layout):

@@ -311,6 +311,73 @@ def test_command_buffers_flag_only_on_gpu(monkeypatch):
     assert capture._with_command_buffers({flag: "FUSION"}, False) == {flag: "FUSION"}
 
 
+def test_eager_compiler_options_reach_eager_executables_only(monkeypatch):
+    """``StepRunner(eager_compiler_options=...)`` compiles ``eager`` calls with them and captured buckets
+    without them. Catches eager calls compiled by the buckets' ``jax.jit`` (the options would be lost),
+    and buckets compiled with the eager options (autotuning the executables that replay most)."""
+    from jax_attn import capture
+
+    bogus = {"xla_jax_attn_no_such_option": True}  # XLA rejects an option it does not know
+    rng = np.random.default_rng(5)
+    table, num_slots = make_table(8, 4, seed=3)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="reference")
+    runner = StepRunner(backend, attn_step(backend), batch_buckets=(4,), compile_cache=False,
+                        eager_compiler_options=bogus)
+    rows = np.arange(1, 5, dtype=np.int32)
+    committed = np.array([3, 9, 1, 14], np.int32)
+    fb, _ = make_batch("decode", rows, committed, table, rng)
+    pool = make_pool(num_slots, table, rows, committed, rng)
+    tok = rand_tokens(rng, 4)
+    runner.capture([fb], tok, pool, verbose=False)  # the bucket compiles without them
+    runner.replay(fb, tok, pool)
+    with pytest.raises(Exception, match="xla_jax_attn_no_such_option"):
+        runner.eager(fb, tok, pool)
+
+    # The default: cuBLAS GEMMs for eager executables on a GPU, nothing added elsewhere.
+    assert capture.eager_options(None, None) is None  # CPU here
+    assert capture.eager_options({"a": 1}, None) == {"a": 1}
+    monkeypatch.setattr(capture.jax, "default_backend", lambda: "gpu")
+    assert capture.eager_options(None, None) == capture.EAGER_GPU_OPTIONS
+    assert capture.eager_options({"a": 1}, None) == {"a": 1, **capture.EAGER_GPU_OPTIONS}
+    assert capture.eager_options({"a": 1}, {}) == {"a": 1}  # opted out
+    assert capture.eager_options(None, {"xla_gpu_enable_triton_gemm": True}) == {"xla_gpu_enable_triton_gemm": True}
+
+
+@pytest.mark.parametrize("static_buffers", [False, True])
+def test_int32_token_inputs_travel_packed_from_host_or_as_device_arguments(static_buffers):
+    """Host int32 token leaves go to the device inside the plan's packed vector; device ones are
+    arguments; a bucket captured with one kind replays with the other. The step reads both leaves
+    (same shape: a shared cached zeros argument must not be donated twice) and the planned lengths.
+    Catches a step that reads a slot's zeros when the argument was given (or the reverse), a replay
+    that reuses the capture's values, and token outputs not sliced back to the real tokens."""
+    table, num_slots = make_table(8, 4, seed=4)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="reference")
+
+    def step(md, tok, scale):
+        return tok["x"] * 3 + tok["y"] + md.cache_seqlens[:tok["x"].shape[0]], scale * 2.0
+
+    runner = StepRunner(backend, step, batch_buckets=(4,), compile_cache=False, static_buffers=static_buffers)
+    rows = np.arange(1, 5, dtype=np.int32)
+    lens = np.array([3, 9, 2, 14], np.int32)
+    fb = ForwardBatch(ForwardMode.DECODE, rows, lens, table[rows, lens - 1])
+    scale = jnp.float32(1.5)
+    runner.capture([fb], dict(x=np.full(4, 7, np.int32), y=jnp.full(4, 5, jnp.int32)), scale, verbose=False)
+    traces = runner.trace_count
+    rng = np.random.default_rng(9)
+    for x_host, y_host in [(True, False), (False, True), (True, True), (False, False)]:
+        x = rng.integers(-50, 50, 4).astype(np.int32)
+        y = rng.integers(-50, 50, 4).astype(np.int32)
+        tok = dict(x=x if x_host else jnp.asarray(x), y=y if y_host else jnp.asarray(y))
+        out, other = runner.replay(fb, tok, scale)
+        np.testing.assert_array_equal(np.asarray(out), x * 3 + y + lens, err_msg=f"{x_host=} {y_host=}")
+        assert float(other) == 3.0
+        # three requests: padded to the bucket, token outputs cut back to three
+        three = ForwardBatch(ForwardMode.DECODE, rows[:3], lens[:3], table[rows[:3], lens[:3] - 1])
+        out3, _ = runner.replay(three, jax.tree.map(lambda a: a[:3], tok), scale)
+        np.testing.assert_array_equal(np.asarray(out3), (x * 3 + y + lens)[:3])
+    assert runner.trace_count == traces, "host and device token leaves must replay the same executable"
+
+
 def _tree_verify_batch(rows, committed, table, num_draft=3):
     mask = np.tril(np.ones((num_draft, num_draft), bool))[None].repeat(len(rows), 0)
     loc = np.concatenate([table[r, c:c + num_draft] for r, c in zip(rows, committed)]).astype(np.int32)

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import decode_llama  # noqa: E402
 import llama  # noqa: E402
 
-from jax_attn.backend import FlashAttentionBackend, batch_arrays  # noqa: E402
-from jax_attn.capture import StepRunner, pack_int32  # noqa: E402
+from jax_attn.backend import FlashAttentionBackend  # noqa: E402
+from jax_attn.capture import StepRunner  # noqa: E402
 from jax_attn.kernels import kernel_cache, mosaic_kernel, triton_paged  # noqa: E402
 from jax_attn.kernels.mosaic_paged import kernel_statics  # noqa: E402
 
@@ -60,11 +60,11 @@ def _lower_step(layout: str, impl: str, monkeypatch=None):
     pools = jax.eval_shape(lambda: llama.layout_pools(CFG, layout, reqs.num_slots))
     padded = runner._padded(decode_llama.decode_batch(reqs, np.full(BATCH, 20, np.int32)))
     key = backend.plan_static(padded)
-    arrays_layout, packed = pack_int32(batch_arrays(padded))
     tokens = dict(ids=jax.ShapeDtypeStruct((BATCH,), jnp.int32), pos=jax.ShapeDtypeStruct((BATCH,), jnp.int32))
+    step_layout, packed, tokens = runner.pack(padded, tokens)
     if monkeypatch is not None:
         _compiled_kernels(monkeypatch)
-    traced = runner._jit.trace(key, arrays_layout, backend.req_to_token, packed, tokens, params, pools)
+    traced = runner._jit.trace(key, step_layout, backend.req_to_token, packed, tokens, params, pools)
     if impl != "mosaic":
         return traced.lower().as_text()
     # What StepRunner.capture hands to kernel_cache.prebuild: the step's one kernel (scan bodies too).
