@@ -303,7 +303,8 @@ def test_command_buffers_flag_only_on_gpu(monkeypatch):
     from jax_attn import capture
 
     flag = "xla_gpu_enable_command_buffer"
-    assert capture._with_command_buffers(None, False) is None  # CPU here
+    monkeypatch.setattr(capture.jax, "default_backend", lambda: "cpu")
+    assert capture._with_command_buffers(None, False) is None
     monkeypatch.setattr(capture.jax, "default_backend", lambda: "gpu")
     assert capture._with_command_buffers(None, True) is None
     assert capture._with_command_buffers(None, False) == {flag: ""}
@@ -334,7 +335,8 @@ def test_eager_compiler_options_reach_eager_executables_only(monkeypatch):
         runner.eager(fb, tok, pool)
 
     # The default: cuBLAS GEMMs for eager executables on a GPU, nothing added elsewhere.
-    assert capture.eager_options(None, None) is None  # CPU here
+    monkeypatch.setattr(capture.jax, "default_backend", lambda: "cpu")
+    assert capture.eager_options(None, None) is None
     assert capture.eager_options({"a": 1}, None) == {"a": 1}
     monkeypatch.setattr(capture.jax, "default_backend", lambda: "gpu")
     assert capture.eager_options(None, None) == capture.EAGER_GPU_OPTIONS
