@@ -23,10 +23,16 @@ in every process), per process the kernel builds, kernel disk-cache hits and XLA
 the bridge the garbage collections that started inside a capture (its loop runs inside SGLang's
 ``freeze_gc``, as the engine's does).
 
-Options: ``--parts jax`` / ``--parts bridge``; ``--phases cold`` then ``--phases warm`` with the same
-``--cache-root DIR`` splits a run into separate commands; ``--bridge-max-bs 64`` captures SGLang's
-sizes up to 64 only; ``--jax-layout scan`` compares a weight layout. ``OUT=dir`` also writes
-``bench_compile.json`` there.
+A third part, ``--parts prefill`` (not in the default), compiles the example's prefill alone, cold, in a
+fresh process per (prompt tokens, XLA options): ``StepRunner.eager``'s default options (on a GPU, cuBLAS
+GEMMs) against ``eager_compiler_options={}`` (autotuned Triton GEMMs, as captured buckets compile), at
+the example's 91 ragged tokens and at 8 prompts of 128 and of 512 tokens. Per process: trace, lower and
+compile times and the compiled prefill's median time over 20 runs.
+
+Options: ``--parts jax`` / ``--parts bridge`` / ``--parts prefill``; ``--phases cold`` then
+``--phases warm`` with the same ``--cache-root DIR`` splits a run into separate commands;
+``--bridge-max-bs 64`` captures SGLang's sizes up to 64 only; ``--jax-layout scan`` compares a weight
+layout. ``OUT=dir`` also writes ``bench_compile.json`` there.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG_CAPTURE_BS = (1, 2, 4, 8, 12) + tuple(range(16, 257, 8))  # 36 sizes (max batch size 256)
 JAX_BUCKETS = (1, 8, 64)
+PREFILL_TOKENS = (0, 128, 512)  # per prompt, 8 prompts (0: the example's 5..24 tokens each)
+PREFILL_OPTIONS = {"eager": "StepRunner.eager's (GPU: cuBLAS GEMMs)", "autotuned": "{} (autotuned GEMMs)"}
 TARGETS = {"decode": (10.0, 2.0), "prefill": (10.0, None), "bridge": (60.0, 15.0)}
 RESULT = "BENCH_COMPILE_RESULT "
 
@@ -97,6 +105,78 @@ def mosaic_kernel_alone(num_tokens: int = 4):
     return dict(build_s=t1 - t0, compile_s=time.perf_counter() - t1)
 
 
+def _example_model(smoke: bool, layout: str, max_bs: int, **runner_kw):
+    """The example's model, request table, backend and step runner (``child_jax`` / ``child_prefill``)."""
+    import jax
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import decode_llama as dl
+    import llama
+
+    from jax_attn.backend import FlashAttentionBackend
+    from jax_attn.capture import StepRunner
+
+    config, page = ("tiny", 4) if smoke else ("1b", 16)
+    cfg = llama.CONFIGS[config]
+    layout = layout or dl.DEFAULT_LAYOUT
+    max_ctx = 64 if smoke else 1024
+    reqs = dl.PagedRequests(max_bs, max_ctx, page, 0)
+    backend = FlashAttentionBackend(reqs.req_to_token, page_size=page, max_context_len=max_ctx, impl="auto",
+                                    num_heads=(cfg.n_heads, cfg.n_kv_heads))
+    params = llama.with_layout(llama.init_params(cfg, 0), layout)
+    pools = llama.layout_pools(cfg, layout, reqs.num_slots)
+    runner = StepRunner(backend, dl.make_step(cfg, backend, layout), batch_buckets=dl.BATCH_BUCKETS,
+                        donate_argnums=(1,), **runner_kw)
+    jax.block_until_ready((params, pools))
+    return dict(dl=dl, cfg=cfg, config=config, page=page, layout=layout, reqs=reqs, backend=backend,
+                params=params, pools=pools, runner=runner)
+
+
+def example_prompts(cfg, tokens: int, smoke: bool):
+    """The example's 8 ragged prompts of 5..24 tokens (``tokens`` 0), or 8 prompts of ``tokens`` each."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lens = rng.integers(5, 25, 8) if tokens == 0 else [tokens] * 8
+    return [rng.integers(0, cfg.vocab, n).astype(np.int32) for n in lens]
+
+
+def child_prefill(smoke: bool, tokens: int, options: str) -> dict:
+    """The example's prefill compiled alone, one stage at a time, then timed (``--parts prefill``)."""
+    import jax
+    import numpy as np
+
+    from jax_attn import compile_cache
+    from jax_attn.batch import ForwardBatch
+    from jax_attn.metadata import ForwardMode
+
+    compile_cache.enable()
+    m = _example_model(smoke, "", 8, **({"eager_compiler_options": {}} if options == "autotuned" else {}))
+    runner, reqs, backend = m["runner"], m["reqs"], m["backend"]
+    prompts = example_prompts(m["cfg"], tokens, smoke)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    rows = reqs.rows[:len(prompts)]
+    fb = ForwardBatch(ForwardMode.EXTEND, rows, lens, reqs.slots(np.zeros_like(lens), lens), extend_seq_lens=lens)
+    tok = dict(ids=np.concatenate(prompts), pos=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))
+    t0 = time.perf_counter()
+    key = backend.plan_static(fb)
+    layout, packed, targs = runner.pack(fb, tok)
+    traced = runner._eager_jit.trace(key, layout, backend.req_to_token, packed, targs, m["params"], m["pools"])
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    exe = lowered.compile()
+    t3 = time.perf_counter()
+    pools, runs = m["pools"], []
+    for _ in range(21):
+        ta = time.perf_counter()
+        out, pools = exe(backend.req_to_token, packed, targs, m["params"], pools)
+        jax.block_until_ready(out)
+        runs.append(time.perf_counter() - ta)
+    return dict(part="prefill", tokens=int(lens.sum()), options=options, trace_s=t1 - t0, lower_s=t2 - t1,
+                compile_s=t3 - t2, step_ms=1e3 * sorted(runs[1:])[10], device=jax.devices()[0].device_kind)
+
+
 def child_jax(smoke: bool, buckets, layout: str) -> dict:
     """Prefill compile and decode captures of the JAX example (its own helpers; its default layout unless
     ``--jax-layout``)."""
@@ -106,36 +186,21 @@ def child_jax(smoke: bool, buckets, layout: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import decode_llama as dl
-    import llama
-
     from jax_attn import compile_cache
-    from jax_attn.backend import FlashAttentionBackend
     from jax_attn.batch import ForwardBatch
-    from jax_attn.capture import StepRunner
     from jax_attn.metadata import ForwardMode
 
     hits = _cache_counters()
     t_start = time.perf_counter()
     cache_dir = compile_cache.enable()
-    config, page = ("tiny", 4) if smoke else ("1b", 16)
-    cfg = llama.CONFIGS[config]
-    layout = layout or dl.DEFAULT_LAYOUT
-    max_bs, prompt, max_ctx = max(buckets), 24 if smoke else 512, 64 if smoke else 1024
-    reqs = dl.PagedRequests(max_bs, max_ctx, page, 0)
-    backend = FlashAttentionBackend(reqs.req_to_token, page_size=page, max_context_len=max_ctx, impl="auto",
-                                    num_heads=(cfg.n_heads, cfg.n_kv_heads))
-    params = llama.with_layout(llama.init_params(cfg, 0), layout)
-    pools = llama.layout_pools(cfg, layout, reqs.num_slots)
-    runner = StepRunner(backend, dl.make_step(cfg, backend, layout), batch_buckets=dl.BATCH_BUCKETS,
-                        donate_argnums=(1,))
-    jax.block_until_ready((params, pools))
+    max_bs, prompt = max(buckets), 24 if smoke else 512
+    m = _example_model(smoke, layout, max(max_bs, 8))
+    dl, cfg, config, page, layout = m["dl"], m["cfg"], m["config"], m["page"], m["layout"]
+    reqs, params, pools, runner = m["reqs"], m["params"], m["pools"], m["runner"]
     setup_s = time.perf_counter() - t_start
 
     # The example's prefill: 8 ragged prompts of 5..24 tokens (its defaults) in the first rows of the table.
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab, n).astype(np.int32) for n in rng.integers(5, 25, min(8, max_bs))]
+    prompts = example_prompts(cfg, 0, smoke)
     first_rows = types.SimpleNamespace(rows=reqs.rows[:len(prompts)], slots=reqs.slots)
     _, pools, prefill_s = dl.prefill(runner, first_rows, prompts, params, pools)
 
@@ -238,7 +303,7 @@ def child_bridge(smoke: bool, buckets, layers: int, ctx: int, capture_error_mode
 
 
 # ---- parent: cold and warm subprocesses, one table ---------------------------------------------
-def run_child(part: str, cache_root: str, args) -> dict:
+def run_child(part: str, cache_root: str, args, extra=()) -> dict:
     env = dict(os.environ, JAX_ATTN_COMPILE_CACHE_DIR=cache_root, PYTHONPATH=ROOT + os.pathsep
                + os.environ.get("PYTHONPATH", ""), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     env.pop("JAX_ATTN_COMPILE_CACHE", None)
@@ -246,7 +311,7 @@ def run_child(part: str, cache_root: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", part] + (["--smoke"] if args.smoke else []) + [
         "--bridge-layers", str(args.bridge_layers), "--bridge-ctx", str(args.bridge_ctx),
         "--bridge-max-bs", str(args.bridge_max_bs), "--capture-error-mode", args.capture_error_mode] + (
-        ["--jax-layout", args.jax_layout] if args.jax_layout else [])
+        ["--jax-layout", args.jax_layout] if args.jax_layout else []) + list(extra)
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
@@ -302,17 +367,33 @@ def report(results: dict) -> str:
         rows.append(_row("bridge process: kernel builds / disk hits / XLA cache hits", br, _counts))
         rows.append(_row("  garbage collections started inside a capture", br,
                          lambda r: " ".join(f"{g}:{n}" for g, n in r["gc_in_capture"].items()) or "0"))
-    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    text = ""
+    if jx or br:
+        device = next(iter((jx or br).values()))["device"]
+        text = (f"compile and warm-up times on {device} (cold: empty cache; warm: same cache, new process)\n"
+                + _table(rows))
+    pf = results.get("prefill")
+    if pf:
+        prows = [("prompt tokens", "XLA options", "trace / lower / compile s", "step ms")]
+        prows += [(str(r["tokens"]), PREFILL_OPTIONS[r["options"]],
+                   f"{r['trace_s']:.2f} / {r['lower_s']:.2f} / {r['compile_s']:.2f}", f"{r['step_ms']:.2f}")
+                  for r in pf.values()]
+        device = next(iter(pf.values()))["device"]
+        head = f"cold prefill compile, one fresh process each, on {device}\n"
+        text += ("\n\n" if text else "") + head + _table(prows)
+    return text
+
+
+def _table(rows) -> str:
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
-    device = next(iter((jx or br).values()))["device"]
-    return (f"compile and warm-up times on {device} (cold: empty cache; warm: same cache, new process)\n"
-            + "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:]))
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny config, 3 buckets (runs on a CPU)")
-    ap.add_argument("--parts", default="jax,bridge", help="comma-separated: jax, bridge")
+    ap.add_argument("--parts", default="jax,bridge", help="comma-separated: jax, bridge, prefill")
     ap.add_argument("--jax-layout", default=None, help="weight layout of the JAX part (default: the example's)")
     ap.add_argument("--bridge-layers", type=int, default=32)
     ap.add_argument("--bridge-ctx", type=int, default=512,
@@ -325,8 +406,13 @@ def main() -> int:
     ap.add_argument("--capture-error-mode", default="thread_local", choices=["global", "thread_local", "relaxed"],
                     help="torch.cuda.graph's mode for the bridge captures: SGLang with torch_bridge.sglang_plugin "
                          "captures in thread_local; global (torch's default) shows the failures that caused that")
-    ap.add_argument("--child", choices=["jax", "bridge"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["jax", "bridge", "prefill"], help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-options", choices=sorted(PREFILL_OPTIONS), default="eager", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child == "prefill":
+        print(RESULT + json.dumps(child_prefill(args.smoke, args.prefill_tokens, args.prefill_options)), flush=True)
+        return 0
     if args.child:
         bridge_bs = tuple(bs for bs in SGLANG_CAPTURE_BS if bs <= args.bridge_max_bs)
         buckets = (1, 2, 4) if args.smoke else (JAX_BUCKETS if args.child == "jax" else bridge_bs)
@@ -339,6 +425,14 @@ def main() -> int:
         return 0
     results, phases = {}, args.phases.split(",")
     for part in args.parts.split(","):
+        if part == "prefill":  # cold only: a fresh cache per process
+            results[part] = {}
+            for tokens in ((16,) if args.smoke else PREFILL_TOKENS):
+                for options in PREFILL_OPTIONS:
+                    with tempfile.TemporaryDirectory(prefix="jax_attn_bench_compile_prefill_") as root:
+                        extra = ["--prefill-tokens", str(tokens), "--prefill-options", options]
+                        results[part][f"{tokens}/{options}"] = run_child(part, root, args, extra)
+            continue
         if args.cache_root:
             root = os.path.join(os.path.abspath(args.cache_root), part)
             if "cold" in phases:

@@ -40,7 +40,7 @@ def test_bench_attention_smoke(tmp_path):
 
 def test_bench_jax_step_smoke(tmp_path):
     """Catches a JAX decode-step benchmark broken by a change to StepRunner / capture internals it
-    calls (``_pad_tokens``, ``pack_int32``, ``executables``, ``buffers``), to the example model's
+    calls (``_pad_tokens``, ``pack``, ``executables``, ``buffers``), to the example model's
     layouts, or to the HLO text that step_analysis parses."""
     out = run_smoke("bench_jax_step.py", tmp_path)
     assert header_line(out, "| variant | leaves | device | replay |")
@@ -60,9 +60,11 @@ def test_bench_bridge_smoke(tmp_path):
 
 def test_bench_compile_smoke(tmp_path):
     """Catches a compile / warm-up benchmark whose child processes fail (an example's setup or the
-    compile cache's API changed), or whose result line the parent no longer parses."""
-    out = run_smoke("bench_compile.py", tmp_path, timeout=180)
+    compile cache's API changed, or StepRunner internals the prefill part stages by hand: ``pack``,
+    ``_eager_jit``), or whose result line the parent no longer parses."""
+    out = run_smoke("bench_compile.py", tmp_path, "--parts", "jax,bridge,prefill", timeout=240)
     assert header_line(out, "figure", "cold s", "warm s")
+    assert header_line(out, "prompt tokens", "XLA options", "trace / lower / compile s")
 
 
 def test_tune_smoke(tmp_path):
