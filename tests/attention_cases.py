@@ -3,7 +3,8 @@
 ``check_attention(attn_fn, case)`` builds a random paged cache with shuffled page ids, NaN in every
 page and slot no sequence owns, a ragged query batch with padding tokens (and optionally padded
 batch rows), runs ``attn_fn(q, k_cache, v_cache, md, **kwargs)`` and compares it in float32 with
-``jax_attn.reference.paged_attention_reference``.
+``jax_attn.reference.paged_attention_reference``. ``forbid_kernel_planning(monkeypatch)`` makes a kernel
+call that plans its own schedule (instead of using the step plan's) fail the test.
 """
 
 from __future__ import annotations
@@ -262,3 +263,18 @@ def check_attention(attn_fn, case: Case, *, seed: int = 0, tol: float | None = N
         lse_err = np.abs(lse[fin] - ref_lse[fin]).max(initial=0.0)
         assert lse_err < 20 * tol, f"{case.name}: LSE max abs error {lse_err:.3e}"
     return err
+
+
+def forbid_kernel_planning(monkeypatch):
+    """Kernel calls must use the step's planned schedules: planning inside a Triton or Mosaic call
+    raises (the planners' own ``schedule.plan_schedule`` / ``plan_mosaic_schedule`` are left alone)."""
+    from jax_attn.kernels import mosaic_paged, triton_paged
+
+    def replanned(*args, **kw):
+        raise AssertionError("the Triton kernel call planned its own schedule: the step plan has none that fits")
+
+    def replanned_mosaic(plan, *args, **kw):
+        raise AssertionError(f"the Mosaic kernel call ran {plan.__name__}: the step plan has none that fits")
+    monkeypatch.setattr(triton_paged, "plan_schedule", replanned)
+    monkeypatch.setattr(mosaic_paged, "_plan_in_call", replanned_mosaic)
+    triton_paged.paged_attention.clear_cache()  # a call traced by an earlier test would not plan again

@@ -15,6 +15,7 @@ from jax_attn.capture import StepRunner
 from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.metadata import ForwardMode
 from jax_attn.reference import paged_attention_reference
+from tests.attention_cases import forbid_kernel_planning
 from tests.paging import shuffled_table
 
 HQ, HKV, D = 4, 2, 16
@@ -103,21 +104,6 @@ KV_OFFSET = {"decode": 0, "draft_decode": 2, "verify": 3, "draft_extend": 0, "ex
 
 
 CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("verify", 4), ("draft_extend", 4)]
-
-
-def forbid_kernel_planning(monkeypatch):
-    """Kernel calls must use the step's planned schedules: planning inside a Triton or Mosaic call
-    raises (the planners' own ``schedule.plan_schedule`` / ``plan_mosaic_schedule`` are left alone)."""
-    from jax_attn.kernels import mosaic_paged, triton_paged
-
-    def replanned(*args, **kw):
-        raise AssertionError("the Triton kernel call planned its own schedule: the step plan has none that fits")
-
-    def replanned_mosaic(plan, *args, **kw):
-        raise AssertionError(f"the Mosaic kernel call ran {plan.__name__}: the step plan has none that fits")
-    monkeypatch.setattr(triton_paged, "plan_schedule", replanned)
-    monkeypatch.setattr(mosaic_paged, "_plan_in_call", replanned_mosaic)
-    triton_paged.paged_attention.clear_cache()  # a call traced by an earlier test would not plan again
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

@@ -16,7 +16,7 @@ from jax_attn.batch import ForwardBatch, SpecInfo
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from tests.paging import shuffled_table
-from tests.test_backend import forbid_kernel_planning
+from tests.attention_cases import forbid_kernel_planning
 
 HQ, HKV, D, CTX, PAGE = 4, 2, 16, 48, 4
 SCALE = 0.29

@@ -144,7 +144,7 @@ def test_jax_path_layers_take_their_schedules_from_the_plan(mode, monkeypatch):
     from the second step on, planning inside a layer call raises here, and results stay right.
 
     Bug caught: the JAX path planning the schedule again in every layer call of every step."""
-    from tests.test_backend import forbid_kernel_planning
+    from tests.attention_cases import forbid_kernel_planning
 
     rng = np.random.default_rng(hash(("jax_heads", mode)) % 2**31)
     runner, table = make_runner(16, 4, seed=2, impl="triton")
