@@ -11,8 +11,8 @@ single attention call) is composed with the planner, padded to a batch bucket an
 ``token_inputs`` / ``token_outputs`` are pytrees whose leaves have the token axis first; replay
 pads them (zeros) and slices the outputs back. Replay and the eager path run the same function.
 A step's host inputs travel in one transfer: the plan's int32 batch fields and every token input
-that is a host (numpy) int32 array at capture, such as positions, are packed into one vector
-(``pack_step``); device arrays (ids sampled on the device) are passed as they are.
+that is a host (numpy) int32 array, such as positions, are packed into one vector (``pack_step``);
+device arrays (ids sampled on the device) are passed as they are, and one executable takes either.
 """
 
 from __future__ import annotations
