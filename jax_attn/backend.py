@@ -181,26 +181,33 @@ class FlashAttentionBackend:
                 _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG, num_splits=splits))
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
+    def plan_settings(self) -> tuple:
+        """Every backend setting ``plan_static`` reads, in one tuple (``plan_static`` reads them only from
+        here, so a memo of plan keys that includes this tuple stays complete)."""
+        return (self.page_size, self.max_pages, self.max_encoder_len, self.num_slots, self.attention_chunk_size,
+                self.num_swa_slots)
+
     def plan_static(self, batch: ForwardBatch) -> "PlanKey":
         """The static part of a plan (mode, sizes): the compile-cache key of a step."""
+        page_size, max_pages, max_encoder_len, num_slots, chunk_size, num_swa_slots = self.plan_settings()
         spec = batch.spec_info
         tree = spec is not None and spec.is_tree()
         if tree and batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
             raise NotImplementedError(f"{batch.forward_mode.name} with topk={spec.topk}: only target verify and "
                                       "draft decode have a tree (cascade) form")
-        if self.num_swa_slots and batch.encoder_lens is not None:
+        if num_swa_slots and batch.encoder_lens is not None:
             raise NotImplementedError("SGLang's hybrid SWAKVPool with cross attention (encoder_lens) is not supported")
         if tree and batch.forward_mode == ForwardMode.TARGET_VERIFY and spec.draft_mask is None:
             raise ValueError("tree target verify needs spec_info.draft_mask (see spec.draft_mask_from_custom_mask)")
         return PlanKey(
             mode=batch.forward_mode, batch_size=batch.batch_size, num_tokens=batch.num_tokens,
             q_len_per_req=batch.q_len_per_req(), kv_offset=_kv_offset(batch),
-            page_size=self.page_size, max_pages=self.max_pages,
-            has_encoder=batch.encoder_lens is not None, max_encoder_len=self.max_encoder_len,
+            page_size=page_size, max_pages=max_pages,
+            has_encoder=batch.encoder_lens is not None, max_encoder_len=max_encoder_len,
             topk=spec.topk if tree else 1, num_steps=spec.num_steps if tree else 1,
-            step_id=spec.step_id if tree else 0, num_slots=self.num_slots,
-            with_swa=bool(tree and (spec.with_swa or self.num_swa_slots)),  # an SWAKVPool has SWA layers
-            attention_chunk_size=self.attention_chunk_size, num_swa_slots=self.num_swa_slots,
+            step_id=spec.step_id if tree else 0, num_slots=num_slots,
+            with_swa=bool(tree and (spec.with_swa or num_swa_slots)),  # an SWAKVPool has SWA layers
+            attention_chunk_size=chunk_size, num_swa_slots=num_swa_slots,
         )
 
     # ---- per layer ------------------------------------------------------------------------

@@ -173,9 +173,7 @@ class StepPlanner:
     def key(self, mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool = False) -> PlanKey:
         """The static plan key, through jax_attn's own rules (one place for offsets and modes)."""
         jb = self.jax_backend
-        memo = None if spec is not None else (mode, bs, tokens, has_ext, has_enc, jb.page_size, jb.max_pages,
-                                              jb.num_slots, jb.max_encoder_len, jb.attention_chunk_size,
-                                              jb.num_swa_slots)
+        memo = None if spec is not None else (mode, bs, tokens, has_ext, has_enc, jb.plan_settings())
         hit = self._plan_keys.get(memo) if memo is not None else None
         if hit is not None:
             return hit
