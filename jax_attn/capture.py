@@ -115,7 +115,7 @@ class StepRunner:
         # _full_static: (key, StepLayout, req_to_token, (packed, token arguments), token outputs, *args); the unused
         # token-output buffers are kept and donated, so XLA writes the new outputs into them.
         self._jit_static = jax.jit(self._full_static, static_argnums=(0, 1), keep_unused=True,
-                                   donate_argnums=(4,) + tuple(5 + i for i in donate_argnums),
+                                   donate_argnums=(4,) + donate,
                                    compiler_options=compiler_options)
         self._stage = jax.jit(_write_into, donate_argnums=0)
         self.buffers: dict = {}  # plan key -> [step inputs, token outputs] (static_buffers only)
@@ -320,10 +320,6 @@ class StepLayout:
         return parts[:self.num_plan], jax.tree.unflatten(self.tokens, leaves)
 
 
-def _host_int32(x) -> bool:
-    return isinstance(x, np.ndarray) and x.dtype == np.int32
-
-
 def pack_step(arrays, token_inputs, zeros: Callable):
     """A step's inputs as ``(StepLayout, packed int32 host vector, token arguments)``: one host-to-device
     transfer for the batch fields (``backend.batch_arrays``) and the token inputs that are host int32
@@ -337,11 +333,11 @@ def pack_step(arrays, token_inputs, zeros: Callable):
     arguments."""
     leaves, tree = jax.tree.flatten(token_inputs)
     slots = tuple(np.dtype(x.dtype) == np.int32 for x in leaves)
-    host = [_host_int32(x) for x in leaves]
+    host = [s and isinstance(x, np.ndarray) for x, s in zip(leaves, slots)]  # sent in the vector
     parts = [x if h else np.zeros(x.shape, np.int32) for x, s, h in zip(leaves, slots, host) if s]
     if parts:
         parts.append(np.array([h for s, h in zip(slots, host) if s], np.int32))
-    args = [zeros(x.shape) if s and h else x for x, s, h in zip(leaves, slots, host)]
+    args = [zeros(x.shape) if h else x for x, h in zip(leaves, host)]
     arrays_layout, vector = pack_int32(list(arrays) + parts)
     return StepLayout(arrays_layout, len(arrays), tree, slots), vector, args
 
