@@ -214,7 +214,7 @@ class FlashAttentionBackend:
     def check(self) -> None:
         """Raise ``ValueError`` when the current step's plan flagged bad input (reads the flag: a sync)."""
         if self.planner.step is not None:
-            safety.check(self.planner.step.plan(), "torch_bridge plan")
+            safety.check(self.planner.fresh(self.planner.step).plan(), "torch_bridge plan")
 
     @staticmethod
     def get_cuda_graph_seq_len_fill_value() -> int:

@@ -69,8 +69,12 @@ class LayerRunner:
 
     def run(self, step: Step, q, k, v, layer, forward_batch, save_kv_cache: bool, sinks):
         """``q [T, Hq * D]`` -> ``[T, Hq * Dv]``, writing this step's K/V first (unless told not to)."""
+        if step.refresh is not None:  # a graph bucket's tables, written by the first layer (``graph_tables``)
+            step.refresh.before_layer()
         hit = self.hits.get(layer.layer_id)
         if hit is not None and step.loc_steps == 1 and hit.matches(layer, step, q, forward_batch, sinks):
+            if hit.reads_plan:
+                step = self.planner.fresh(step)
             loc = None
             if save_kv_cache:
                 loc = self.safe_locs(forward_batch.out_cache_loc, step, swa_mapping(forward_batch) if hit.swa else None)
@@ -84,6 +88,7 @@ class LayerRunner:
         call = self._launch_call(lp, step, q, k_buf, v_buf, sinks, swa)
         if call is None:
             check_not_capturing()
+            step = self.planner.fresh(step)
         loc = None
         if save_kv_cache and k is not None:  # SWA layers: slots the pool's own translation keeps in the SWA pool
             loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step,
@@ -169,6 +174,7 @@ class JaxLayerHit(CheckedLayer):
     token count, q dtype, sinks and plan layout (so the same plan key and executable) skips the checks:
     KV write, then import q, the compiled call and the export."""
 
+    reads_plan = True  # the executable reads the step's plan words
     def __init__(self, layer, lp: LayerParams, exe, importer: Importer, layout, t: int, dtype, pool, buffers, views,
                  sinks, swa: bool):
         super().__init__(layer, lp, t, pool, buffers, swa)

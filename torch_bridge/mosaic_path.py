@@ -366,10 +366,11 @@ class LayerHit(CheckedLayer):
     buffers, token count and plan tables (so the same plan key) skips the checks: KV write, then
     the bound launch."""
 
+    reads_plan = False  # the launch reads the step's tables, not its plan words
+
     def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool, swa: bool = False):
         super().__init__(layer, lp, call.t, pool, buffers, swa)
         self.call, self.no_sinks, self.heads = call, no_sinks, table_key(lp, swa)
-
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
         return (step.tables.get(self.heads) is self.call.tables and (sinks is None) == self.no_sinks
                 and self.same(layer, q, forward_batch))

@@ -59,9 +59,11 @@ class PlanLayout:
         return None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Step:
-    """One step's plan, read by every layer (the interface's one piece of state)."""
+    """One step's plan, read by every layer (the interface's one piece of state). Only ``words`` changes
+    after it is made: a graph bucket's step whose tables the graph refreshes gets the planner's words
+    again when something reads them (``StepPlanner.fresh``)."""
 
     key: PlanKey
     layout: PlanLayout
@@ -73,6 +75,8 @@ class Step:
     # JAX results torch copies from: kept while the step is current, since JAX may hand a freed buffer to
     # its next computation before torch's queued copy has read it (the next plan's import orders them)
     keep: List[jax.Array] = dataclasses.field(default_factory=list)
+    # a graph bucket whose launch tables the engine's graph recomputes (``torch_bridge.graph_tables``)
+    refresh: Any = None
 
     def plan(self):
         return self.layout.unpack(self.words)

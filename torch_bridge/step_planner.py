@@ -35,6 +35,7 @@ from jax_attn.metadata import ForwardMode
 from jax_attn.multistep import plan_draft_steps
 from jax_attn.spec import draft_mask_from_custom_mask, with_swa_pool_step, with_swa_table
 from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
+from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
                                       flatten_tables)
@@ -80,6 +81,8 @@ class StepPlanner:
         self.share_graph_kernels = True  # graph buckets of one batch class share plans and kernels
         self.prebuilt: set = set()  # mosaic_path.Recipe s whose kernels for the later classes were prebuilt
         self.graph_specs: dict = {}  # batch-class plan key -> its speculative settings, from the capture hook
+        # (mode, bs) -> the bucket's in-graph table refresh (``torch_bridge.graph_tables``)
+        self.refreshes: Dict[Tuple[ForwardMode, int], graph_tables.TableRefresh] = {}
         self.prebuilt_kernels = 0
         self.step: Optional[Step] = None
         self.trace_count = 0
@@ -257,9 +260,40 @@ class StepPlanner:
         """The launch tables of a table key first seen in this step (the next plans bring them)."""
         if capturing():
             raise RuntimeError(WARM_UP_MESSAGE)
+        step = self.fresh(step)
         tables = step.tables[heads] = self.mosaic_path.tables(step, heads, None)
         self.launch_heads.add(heads)
+        r = step.refresh
+        if r is not None and not r.verify(heads):  # tables the refresh would not write as the planner does
+            self.drop_refresh(r)
         return tables
+
+    def fresh(self, step: Step) -> Step:
+        """``step`` with its plan words describing the current inputs: a graph bucket whose replay hook
+        skipped the planner (``torch_bridge.graph_tables``) runs it now, for whatever reads the words (a
+        JAX-path layer, a new table key, ``check``)."""
+        r = step.refresh
+        if r is None or not r.stale:
+            return step
+        self.bucket(r.key, r.spec, r.rows, r.lens, None, None, None)
+        words = self.step.words
+        for s in (r.step, *r.steps.values()):
+            s.words = words
+        r.stale = False
+        self.step = step
+        return step
+
+    def drop_refresh(self, r: "graph_tables.TableRefresh") -> None:
+        """The bucket's tables come from the planner from now on. A graph that recorded the refresh still
+        runs it, reading the captured input buffers: its replay hook then fills those and runs the planner."""
+        if r.recorded:
+            r.planner_too = True
+            return
+        for k, v in list(self.refreshes.items()):
+            if v is r:
+                del self.refreshes[k]
+        for s in (r.step, *r.steps.values()):
+            s.refresh = None
 
     # ---- SGLang's entry points ----------------------------------------------------------------
     def spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
@@ -317,6 +351,7 @@ class StepPlanner:
         self.graph_max = (int(max_bs), int(max_num_tokens))
         self.graph_keys = {}
         self.graph_specs = {}
+        self.refreshes = {}
 
     def capture(self, bs: int, num_tokens: int, req_pool_indices, seq_lens, encoder_lens, mode: ForwardMode,
                 spec_info) -> None:
@@ -342,6 +377,7 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
+        self.make_refresh(mode, bs, key, spec, req_pool_indices, seq_lens)
         # The engine captures next. Nothing of this step may still run on the GPU, and no kernel compile may
         # load modules. In CUDA's global capture mode an unsafe call from *any* thread invalidates the
         # capture: SGLang's 36 warm-up captures on an H100 failed at a random bucket in 4 of 8 runs in that
@@ -352,6 +388,21 @@ class StepPlanner:
         jax.block_until_ready(self.step.words)
         gc.collect()
         kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
+
+    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens) -> None:
+        """Give bucket ``bs`` an in-graph table refresh when its tables allow one and the refresh writes
+        what the planner just wrote (``torch_bridge.graph_tables``)."""
+        self.refreshes.pop((mode, bs), None)
+        if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate) is not None:
+            return
+        r2t = self.model_runner.req_to_token_pool.req_to_token
+        if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
+            return
+        r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, self.jax_backend.capacity,
+                                      self.mosaic_path.config, spec)
+        if r.verify():
+            self.step.refresh = r
+            self.refreshes[(mode, bs)] = r
 
     def prebuild_recipe(self, recipe, tables) -> None:
         """A layer's first launch on the launch path (``MosaicPath.layer_call``): in a graph bucket's warm-up,
@@ -370,6 +421,12 @@ class StepPlanner:
             raise ValueError(f"bucket bs={bs} was captured with{'' if key.has_encoder else 'out'} encoder_lens; "
                              "replay must pass the same kind of batch")
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
+        r = self.refreshes.get((mode, bs))
+        if r is not None and r.recorded:  # the graph recomputes the tables from its input buffers
+            self.step = r.take(req_pool_indices, seq_lens)
+            if r.planner_too:
+                self.fresh(self.step)
+            return
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
 
     def tokens_per_req(self, mode: ForwardMode, spec) -> int:

@@ -1,0 +1,263 @@
+"""In-graph launch tables (``torch_bridge.graph_tables``): a captured uniform bucket's replay hook skips
+the JAX planner, and the first layer (inside the engine's graph: every replay) rewrites the tables.
+
+* the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs, bit
+  for bit, over random and bad input (rows outside the table, lengths negative, past the capacity,
+  outside int32, ties), page sizes 8 / 16 / 64, decode, chain verify and chain draft decode, batch
+  buckets padded to their class;
+* after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output
+  matches the reference, and whatever reads the plan words (a JAX-path layer, ``check``) gets the
+  planner's words for the new inputs;
+* on a Hopper GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh.
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from jax_attn.safety import INT32_MAX
+from tests.paging import shuffled_table
+from tests.test_bridge_launch import HKV, HQ, InterpretedKernel, fill, reference
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
+                          ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
+from torch_bridge import graph_tables
+from torch_bridge.mosaic_path import MosaicPath
+
+D, MAX_CTX, REQS = 64, 128, 6
+N_DRAFT = 3
+
+
+def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1):
+    """A runner whose model config names the heads (the launch tables come with every plan) and a backend."""
+    table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
+    pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.fill_(float("nan"))
+        buf[0] = 0.0
+    config = ModelConfig(MAX_CTX)
+    config.hf_text_config = types.SimpleNamespace(num_attention_heads=HQ)
+    config.get_num_kv_heads = lambda tp: HKV
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, config, page_size=page,
+                         device=str(device))
+    path = MosaicPath(make_kernel=InterpretedKernel) if device == "cpu" else None
+    backend = FlashAttentionBackend(runner, mosaic_path=path, speculative_step_id=step_id,
+                                    speculative_num_steps=num_steps)
+    return runner, table, backend
+
+
+MODES = {  # name -> (mode, queries per request, spec_info, draft step)
+    "decode": (ForwardMode.DECODE, 1, None, None),
+    "verify": (ForwardMode.TARGET_VERIFY, N_DRAFT, SpecInfo(topk=1, draft_token_num=N_DRAFT), None),
+    "draft": (ForwardMode.DECODE, 1, SpecInfo(topk=1), 1),
+}
+
+
+def bad_inputs(rng, bs: int, capacity: int, trial: int):
+    """Rows and lengths for one trial: valid ones, with some entries bad or tied."""
+    rows = rng.integers(1, REQS + 1, bs)
+    lens = rng.integers(1, capacity - N_DRAFT, bs)
+    if trial % 3 == 1:  # equal lengths: the tile order breaks ties by batch index
+        lens[:] = lens[0]
+    if trial % 3 == 2:
+        i = rng.integers(0, bs)
+        rows[i] = rng.choice([-1, REQS + 1, 1 << 40, -(1 << 40)])
+        lens[(i + 1) % bs] = rng.choice([0, -3, capacity + 5, INT32_MAX, 1 << 40, -(1 << 40)])
+    return rows, lens
+
+
+@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "decode", 3), (64, "verify", 4), (16, "draft", 2),
+                                            (8, "verify", 3)])
+def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
+    mode, per_req, spec, step_id = MODES[name]
+    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0)
+    planner = backend.planner
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    r = planner.refreshes[(mode, bs)]
+    assert r.verified == {(HQ, HKV)} and not r.recorded
+    tables = r.step.tables[(HQ, HKV)]
+    rng = np.random.default_rng(page + bs)
+    capacity = backend.jax_backend.capacity
+
+    def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
+        rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
+        assert backend.step.tables[(HQ, HKV)] is tables
+        return tables.flat.clone()
+
+    for trial in range(12):
+        before = planned(bad_inputs(rng, bs, capacity, trial))
+        after = planned(bad_inputs(rng, bs, capacity, trial + 1))
+        tables.flat.copy_(before)  # the previous step's tables, then the refresh of the new inputs
+        r.serial += 1
+        r.before_layer()
+        assert torch.equal(tables.flat, after), f"trial {trial}: {rows.tolist()=} {lens.tolist()=}"
+
+
+def decode_step(runner, table, rng, rows, kv_lens):
+    fill(runner, table, rows, kv_lens - 1, rng)
+    loc = torch.tensor([table[r, n - 1] for r, n in zip(rows, kv_lens)], dtype=torch.int64)
+    q, k, v = (torch.from_numpy(rng.standard_normal((len(rows), h * D)).astype(np.float32)).to(torch.bfloat16)
+               for h in (HQ, HKV, HKV))
+    return loc, q, k, v
+
+
+def test_recorded_bucket_replays_without_the_planner(monkeypatch):
+    rng = np.random.default_rng(5)
+    runner, table, backend = make(16, seed=3)
+    planner = backend.planner
+    bs = 4
+    backend.init_cuda_graph_state(bs, bs)
+    rows = torch.tensor([1, 2, 3, 4], dtype=torch.int64)  # the engine's static buffers
+    lens = torch.tensor([9, 40, 17, 3], dtype=torch.int64)
+    loc_buf = torch.zeros(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, token_to_kv_pool=runner.token_to_kv_pool)
+    loc, q, k, v = decode_step(runner, table, rng, rows.numpy(), lens.numpy())
+    loc_buf.copy_(loc)
+    backend.forward(q, k, v, lay, fb)  # warm-up
+    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
+        m.setattr(graph_tables, "capturing", lambda: True)
+        backend.forward(q, k, v, lay, fb)
+    r = planner.refreshes[(ForwardMode.DECODE, bs)]
+    assert r.recorded
+    runs = []
+    real_run = planner._run
+    monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
+    for step_rows, step_lens, same in (([5, 1, 6, 2], [70, 33, 128, 1], True), ([3, 4, 2, 1], [12, 12, 90, 64], False),
+                                       ([6, 5, 4, 3], [100, 7, 7, 50], True)):
+        step_rows, step_lens = np.array(step_rows), np.array(step_lens)
+        loc, q, k, v = decode_step(runner, table, rng, step_rows, step_lens)
+        if same:  # SGLang: new values in the captured buffers
+            rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(step_lens))
+            args = rows, lens
+        else:  # other tensors: copied into the captured ones
+            args = torch.from_numpy(step_rows), torch.from_numpy(step_lens)
+        loc_buf.copy_(loc)
+        backend.init_forward_metadata_replay_cuda_graph(bs, *args, None, None, ForwardMode.DECODE, None, None)
+        assert not runs, "the replay hook of a recorded bucket must not run the planner"
+        assert r.stale
+        out = backend.forward(q, k, v, lay, fb)
+        ref = reference(runner, table, step_rows, step_lens, np.ones(bs, np.int64), q)
+        np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
+        assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, torch.from_numpy(step_lens))
+    # What reads the plan words gets the planner's, for the new inputs: a bad length is flagged.
+    lens[2] = backend.jax_backend.capacity + 1
+    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+    assert not runs
+    with pytest.raises(ValueError, match="bad step input"):
+        backend.check()
+    assert len(runs) == 1 and not r.stale
+
+
+def test_jax_path_layer_after_a_planner_free_replay_reads_fresh_words(monkeypatch):
+    """Sinks with packed decode rows run through JAX: after a replay hook that skipped the planner, that
+    layer must see the new inputs' plan, not the capture's."""
+    rng = np.random.default_rng(8)
+    runner, table, backend = make(16, seed=4, layers=2)
+    pool = runner.token_to_kv_pool
+    bs = 4
+    backend.init_cuda_graph_state(bs, bs)
+    rows = torch.tensor([1, 2, 3, 4], dtype=torch.int64)
+    lens = torch.tensor([20, 5, 60, 31], dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    launch, jax_layer = RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1)
+
+    def copy_layer():  # layer 1 reads what layer 0 holds (the reference reads layer 0)
+        for bufs in (pool.k_buffer, pool.v_buffer):
+            bufs[1].copy_(bufs[0])
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    loc, q, k, v = decode_step(runner, table, rng, rows.numpy(), lens.numpy())
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, launch, fb)
+    copy_layer()
+    backend.forward(q, None, None, jax_layer, fb, save_kv_cache=False, sinks=sinks)
+    with monkeypatch.context() as m:
+        m.setattr(graph_tables, "capturing", lambda: True)
+        backend.forward(q, k, v, launch, fb)
+    assert backend.planner.refreshes[(ForwardMode.DECODE, bs)].recorded
+    new_rows, new_lens = np.array([6, 5, 1, 2]), np.array([128, 77, 3, 45])
+    new_loc, q, k, v = decode_step(runner, table, rng, new_rows, new_lens)
+    rows.copy_(torch.from_numpy(new_rows)), lens.copy_(torch.from_numpy(new_lens))
+    loc.copy_(new_loc)  # the engine's forward batch and buffers, new values (the layers' checks are kept)
+    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+    calls = InterpretedKernel.calls
+    out = backend.forward(q, k, v, launch, fb)
+    assert InterpretedKernel.calls == calls + 1
+    copy_layer()
+    np.testing.assert_allclose(out.float().numpy(), reference(runner, table, new_rows, new_lens, np.ones(bs), q),
+                               atol=3e-2, rtol=3e-2)
+    out = backend.forward(q, None, None, jax_layer, fb, save_kv_cache=False, sinks=sinks)
+    assert InterpretedKernel.calls == calls + 1  # through JAX
+    ref = reference(runner, table, new_rows, new_lens, np.ones(bs), q, sinks=sinks)
+    np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
+    # Next step: a JAX-path layer not seen before runs first (the checked path, not a kept one).
+    new_rows, new_lens = np.array([3, 4, 6, 1]), np.array([14, 100, 66, 2])
+    new_loc, q, k, v = decode_step(runner, table, rng, new_rows, new_lens)
+    rows.copy_(torch.from_numpy(new_rows)), lens.copy_(torch.from_numpy(new_lens))
+    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+    pool.set_kv_buffer(launch, new_loc, k, v)  # this step's K/V (no launch-path layer runs first)
+    copy_layer()
+    out = backend.forward(q, None, None, RadixAttention(HQ, D, D**-0.5, HKV, 1), fb, save_kv_cache=False, sinks=sinks)
+    ref = reference(runner, table, new_rows, new_lens, np.ones(bs), q, sinks=sinks)
+    np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_buckets_the_refresh_does_not_cover_keep_the_planner():
+    runner, _, backend = make(16)
+    backend.init_cuda_graph_state(4, 4)
+    z = torch.zeros(4, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
+    assert (ForwardMode.DECODE, 4) in backend.planner.refreshes
+    runner2, _, validating = make(16)
+    validating.jax_backend.validate = True
+    validating.init_cuda_graph_state(4, 4)
+    validating.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
+    assert not validating.planner.refreshes  # validation reads each step's error flag from the planner
+    assert graph_tables.reason(backend.planner.graph_keys[(ForwardMode.DECODE, 4)], backend.step, True)
+
+
+@pytest.mark.gpu
+def test_refresh_replays_inside_a_torch_cuda_graph():
+    """Hopper: a decode bucket (3 requests in class 4) captured with the engine's static buffers; each
+    replay hook skips the planner, the graph's refresh writes the tables, the output matches the reference."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(21)
+    runner, table, backend = make(16, device="cuda", seed=6)
+    bs = 3
+    backend.init_cuda_graph_state(8, 8)
+    rows = torch.tensor([1, 2, 3], dtype=torch.int64, device="cuda")
+    lens = torch.ones(bs, dtype=torch.int64, device="cuda")
+    loc = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    q = torch.zeros(bs, HQ * D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.zeros(bs, HKV * D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, lay, fb)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, k, v, lay, fb)
+    r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
+    assert r.recorded
+    runs = []
+    real_run = backend.planner._run
+    backend.planner._run = lambda *a: runs.append(a) or real_run(*a)
+    for step_rows, step_lens in (([4, 1, 6], [50, 128, 9]), ([2, 3, 5], [77, 77, 1]), ([6, 4, 2], [1, 64, 100])):
+        step_rows, step_lens = np.array(step_rows), np.array(step_lens)
+        fill(runner, table, step_rows, step_lens - 1, rng)
+        rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(step_lens))
+        loc.copy_(torch.tensor([table[r_, n - 1] for r_, n in zip(step_rows, step_lens)], dtype=torch.int64))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+        for x, h in ((q, HQ), (k, HKV), (v, HKV)):
+            x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert not runs
+        ref = reference(runner, table, step_rows, step_lens, np.ones(bs, np.int64), q)
+        np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
