@@ -129,10 +129,13 @@ def decode_batch(runner, backend, batch: int, ctx: int):
     return StaticBatch(runner, backend, batch, ctx).replay()
 
 
-def capture(backend, batch: int):
+def capture(backend, batch: int, static: "StaticBatch | None" = None):
+    """The capture hook of bucket ``batch``, given ``static``'s buffers as SGLang gives its own (else
+    placeholders: a replay with other tensors copies their values in)."""
     backend.init_cuda_graph_state(batch, batch)
     z = torch.zeros(batch, dtype=torch.long, device=DEVICE)
-    backend.init_forward_metadata_capture_cuda_graph(batch, batch, z, z + 1, None, ForwardMode.DECODE, None)
+    rows, lens = (z, z + 1) if static is None else (static.rows, static.lens)
+    backend.init_forward_metadata_capture_cuda_graph(batch, batch, rows, lens, None, ForwardMode.DECODE, None)
 
 
 def one_layer(cfg, page_size: int):
@@ -157,7 +160,7 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
     kv.lens = torch.full((1,), 255, device=DEVICE)
     native = kv.decode_attend(uniform_len=256)
     q3, k3 = q.view(1, cfg.n_heads, cfg.head_dim), k.view(1, cfg.n_kv_heads, cfg.head_dim)
-    return {
+    rows = {
         "native torch attention (KV write + SDPA), same shape": host(lambda: native(0, q3, k3, k3), iters),
         "launch path (page 16): call, no KV write":
             host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
@@ -165,6 +168,42 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
         "launch path (page 16): per-step plan + tables (replay hook)": host(StaticBatch(runner, backend, 1, 256).replay,
                                                                            iters),
     }
+    rows.update(bench_graph_hook(cfg, iters))
+    return rows
+
+
+def bench_graph_hook(cfg, iters: int, rounds: int = 5) -> dict:
+    """The replay hook of a bucket captured in a CUDA graph, as SGLang's graph runner drives it (capture
+    hook and replays given the same static buffers), with the launch tables recomputed inside the graph
+    (``torch_bridge.graph_tables``: the hook runs no planner) and, in the same process, with the planner
+    run by each hook (the refresh turned off for that backend). Medians of ``rounds`` alternating rounds."""
+    if DEVICE != "cuda":
+        return {}
+    runner = make_runner(cfg, 1, 256, 16, 1)
+    layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
+    q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    fns = {}
+    for name in ("in-graph tables", "planner per hook"):
+        backend = FlashAttentionBackend(runner)
+        if backend.mosaic_path is None:
+            return {}
+        if name == "planner per hook":
+            backend.planner.make_refresh = lambda *a: None
+        static = StaticBatch(runner, backend, 1, 256)
+        capture(backend, 1, static)
+        step = graph_step(lambda b=backend, s=static: b.forward(q, k, k, layer, s.fb))
+        recorded = any(r.recorded for r in backend.planner.refreshes.values())
+        if recorded != (name == "in-graph tables"):
+            raise RuntimeError(f"{name}: the in-graph refresh is {'on' if recorded else 'off'}")
+        fns[f"launch path (page 16): replay hook, graph bucket, {name}"] = static.replay
+        fns[f"launch path (page 16): replay hook + 1-layer graph replay, {name}"] = (
+            lambda s=static, st=step: (s.replay(), st()))
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(host(fn, iters))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_host(cfg, iters: int):
@@ -250,22 +289,27 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
     # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
-    for name, path in (("bridge", None), ("bridge via JAX", False)):
+    for name, path in (("bridge", None), ("bridge via JAX", False), ("bridge, planner per hook", None)):
         backend = FlashAttentionBackend(runner, mosaic_path=path)
         if path is None and backend.mosaic_path is None:
             continue  # no launch path on this device
-        capture(backend, batch)
-
+        if name == "bridge, planner per hook":  # the launch tables from the planner at each replay hook
+            if DEVICE != "cuda":
+                continue
+            backend.planner.make_refresh = lambda *a: None
         static = StaticBatch(runner, backend, batch, ctx)
+        capture(backend, batch, static)
 
         def step(static=static):
             fb = static.replay()
             return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
-        steps[f"{name} step"] = step
+        if name != "bridge, planner per hook":
+            steps[f"{name} step"] = step
         fb = static.replay()
         q, k, v = (x.reshape(batch, -1) for x in qkv)
-        results[f"{name} attention x layers"] = wall(
-            lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
+        if name != "bridge, planner per hook":
+            results[f"{name} attention x layers"] = wall(
+                lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
         if path is None and DEVICE == "cuda":
             graphs[f"{name} step, CUDA graph"] = graph_step(
                 lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay)
@@ -279,9 +323,10 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     for name in ("bridge", "bridge via JAX"):
         if f"{name} step" in results:
             print(f"{'ratio step (' + name + '/native)':36s} {results[name + ' step'] / results['native step']:8.3f}")
-    if "bridge step, CUDA graph" in results and "native step, CUDA graph" in results:
-        print(f"{'ratio graph step (bridge/native)':36s} "
-              f"{results['bridge step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")
+    for name in ("bridge", "bridge, planner per hook"):
+        if f"{name} step, CUDA graph" in results and "native step, CUDA graph" in results:
+            print(f"{'ratio graph step (' + name + '/native)':36s} "
+                  f"{results[name + ' step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")
 
 
 # ---- --parts profile: cProfile of the host path ----------------------------------------------------

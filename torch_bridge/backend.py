@@ -52,8 +52,10 @@ Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic ke
 head dim 64/128, page size a multiple of 8, no tree step, no cross attention) skip JAX at run time:
 torch writes K/V, the kernel is launched on torch's current stream by ``torch_bridge.launcher`` with
 tables made once per step (``torch_bridge.mosaic_path``). Such a forward is captured by
-``torch.cuda.graph`` (run the bucket once before capturing, as SGLang's graph runner does); the
-replay hook refreshes the tables in the persistent buffers the graph reads.
+``torch.cuda.graph`` (run the bucket once before capturing, as SGLang's graph runner does). A uniform
+bucket's graph (decode, chain draft decode and verify) recomputes its tables itself from the engine's
+static buffers, so its replay hook runs no planner (``torch_bridge.graph_tables``); other buckets' replay
+hooks run the planner, which refreshes the tables in the persistent buffers the graph reads.
 
 Other layers run a compiled JAX executable per layer. A JAX computation cannot be captured by
 ``torch.cuda.graph``, so such a forward call during a capture raises. The capture/replay hooks

@@ -49,7 +49,7 @@ from torch_bridge.translate import UNIFORM
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
 
 
-def reason(key: PlanKey, step, validate: bool) -> Optional[str]:
+def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
     """None when the launch tables of ``step`` (a graph bucket's, planned by the capture hook) may be
     refreshed inside the graph, else why not (each table key is checked too: ``TableRefresh.verify``)."""
     if validate:
@@ -58,6 +58,8 @@ def reason(key: PlanKey, step, validate: bool) -> Optional[str]:
         return "only uniform chain steps without encoder (decode, chain draft decode and verify)"
     if key.swa_pool or plans_local(key) or step.layout.local or step.layout.swa:
         return "SWA pool and local-attention tables come from the planner"
+    if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
+        return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
 
 
@@ -90,9 +92,11 @@ class TableRefresh:
         first = torch.arange(p, dtype=torch.int64, device=dev) * page
         self.first_pos = first.to(torch.int32)[None, :]  # [1, P]
         self.pos = first.clamp(max=width - 1)[None, :]  # [1, P]: the columns read (clipped like the planner)
-        self.tie = (b - 1 - torch.arange(b, dtype=torch.int64, device=dev))  # earlier index first among equals
+        self.tie = (b - 1 - torch.arange(b, dtype=torch.int32, device=dev))  # earlier index first among equals
         self.index = torch.arange(b, dtype=torch.int64, device=dev)
-        self.capacity, self.k_cap = int(capacity), p * page
+        self.capacity = int(capacity)
+        if reason(key, step, False, capacity) is not None:
+            raise ValueError(f"no in-graph refresh for {key}: {reason(key, step, False, capacity)}")
         self.num_pages = key.num_slots // page if key.num_slots else 0
         self.serial = 0  # bumped by each replay hook: the next eager layer refreshes
         self.done: Optional[Tuple[int, bool]] = None  # (serial, capturing) of the last refresh
@@ -112,22 +116,25 @@ class TableRefresh:
             self._rows[:n].copy_(rows[:n])
             self._lens[:n].copy_(lens[:n])
             rows, lens = self._rows, self._lens
-        rows = rows.to(torch.int64).clamp(0, self.r2t.shape[0] - 1)
-        lens = (lens.to(torch.int64).clamp(INT32_MIN, INT32_MAX) + key.kv_offset).to(torch.int32)
+        rows = rows.clamp(0, self.r2t.shape[0] - 1)
+        lens = lens.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
+        if key.kv_offset:
+            lens = lens + key.kv_offset
+        lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does
         slots = self.r2t[rows[:, None], self.pos]  # [B, P]
         pages = torch.div(slots, key.page_size, rounding_mode="floor") if key.page_size > 1 else slots
         table = torch.where(self.first_pos < lens[:, None], pages, 0)
         if self.num_pages:
             table = table.clamp(0, self.num_pages - 1)
-        safe = lens.clamp(0, self.capacity)
-        order_key = safe.to(torch.int64) * key.batch_size + self.tie  # longest first, then batch order
+        safe = lens.clamp(0, self.capacity)  # also the tiles' keys: the capacity is within the page table
+        order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        k_len = safe.clamp(max=self.k_cap)[order]
-        return table.to(torch.int32), order.to(torch.int32), k_len, (order * key.q_len_per_req).to(torch.int32)
+        q_start = order if key.q_len_per_req == 1 else order * key.q_len_per_req
+        return table, order, safe[order], q_start
 
     def write(self, tables: Tables, parts) -> None:
-        table, seq, k_len, q_start = parts
+        table, seq, k_len, q_start = parts  # the copies narrow int64 to the tables' int32
         tables.args[0].copy_(table)
         info = tables.args[2]
         info[:, SEQ].copy_(seq)
@@ -139,7 +146,7 @@ class TableRefresh:
         if (len(heads) != 2 or tables.num_tiles != self.key.batch_size  # local / SWA tables; several tiles
                 or self.key.q_len_per_req * tables.pack > self.rows_per_tile):  # per sequence
             return False
-        table, seq, k_len, q_start = parts
+        table, seq, k_len, q_start = (x.to(torch.int32) for x in parts)
         b, qpr = self.key.batch_size, self.key.q_len_per_req
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=table.device)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):

@@ -12,7 +12,8 @@ over its chunked local virtual batch (``md.local``: Llama 4 ``use_irope`` layers
 over its SWA pool page table (``md.swa_page_table``: sliding-window layers of SGLang's ``SWAKVPool``).
 
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
-that every replay hook overwrites, so a captured graph reads the current step's tables.
+that every replay hook overwrites (or, for uniform buckets, the graph itself: ``torch_bridge.graph_tables``),
+so a captured graph reads the current step's tables.
 
 Dimension legend: T tokens (the step's padded count), Hq / Hkv heads, D head dim, B sequences,
 P page-table width, N work tiles.

@@ -8,6 +8,10 @@ and come back as a ``Step``, the one object every layer of the step reads. Per s
   kernel), one DLPack import, one compiled call; values outside int32 saturate inside the planner;
 * replay of a bucket whose tensors SGLang already padded (its static buffers): ``req_pool_indices`` and
   ``seq_lens`` imported as they are (no torch kernel), one compiled call;
+* replay of a uniform bucket captured on the launch path: no planner call at all. The capture's first
+  layer recorded torch ops that recompute the launch tables from SGLang's static buffers into the graph
+  (``torch_bridge.graph_tables``); the hook selects the bucket's step, and the plan words are planned
+  again only if something reads them (``fresh``);
 * on the Mosaic launch path, the launch tables of every layer shape come out of the same call, and
   one export plus one copy refreshes the persistent buffers the captured graph reads.
 
@@ -393,13 +397,14 @@ class StepPlanner:
         """Give bucket ``bs`` an in-graph table refresh when its tables allow one and the refresh writes
         what the planner just wrote (``torch_bridge.graph_tables``)."""
         self.refreshes.pop((mode, bs), None)
-        if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate) is not None:
+        capacity = self.jax_backend.capacity
+        if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate,
+                                                          capacity) is not None:
             return
         r2t = self.model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
             return
-        r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, self.jax_backend.capacity,
-                                      self.mosaic_path.config, spec)
+        r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec)
         if r.verify():
             self.step.refresh = r
             self.refreshes[(mode, bs)] = r
