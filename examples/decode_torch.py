@@ -76,8 +76,14 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
     bucket = bucket_for(batch, BUCKETS)
     backend.init_cuda_graph_state(BUCKETS[-1], BUCKETS[-1])
     zeros = torch.zeros(bucket, dtype=torch.long, device=device)
-    backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, zeros, zeros + 1, None, ForwardMode.DECODE, None)
-    cap = ForwardBatch(ForwardMode.DECODE, bucket, zeros, zeros + 1, zeros, token_to_kv_pool=pool, attn_backend=backend)
+    # The bucket's static input buffers, as SGLang's graph runner keeps them: the capture hook and every
+    # replay hook get these tensors, new values copied in (padding rows: row 0, seq_len 1). A captured
+    # decode step recomputes its attention tables from them inside the graph.
+    static_rows, static_lens = zeros.clone(), zeros + 1
+    backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, static_rows, static_lens, None,
+                                                     ForwardMode.DECODE, None)
+    cap = ForwardBatch(ForwardMode.DECODE, bucket, static_rows, static_lens, zeros, token_to_kv_pool=pool,
+                       attn_backend=backend)
     model.forward(zeros, zeros, lt.bridge_attend(model, cap))  # the capture run: compiles attention (slot 0)
     graph = capture_decode(model, cap) if launches(backend, model.cfg, runner.page_size) else None
     sync(device)
@@ -86,11 +92,15 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
         loc = slots(runner, rows, lens, torch.ones_like(lens))
         fb = ForwardBatch(ForwardMode.DECODE, batch, rows, lens + 1, loc, positions=lens,
                           token_to_kv_pool=pool, attn_backend=backend)
-        backend.init_forward_metadata_replay_cuda_graph(bucket, rows, lens + 1, None, None, ForwardMode.DECODE,
-                                                        None, None, out_cache_loc=loc)
-        if graph is None:
+        if graph is None:  # eager layers: the hook takes the real rows and pads them itself
+            backend.init_forward_metadata_replay_cuda_graph(bucket, rows, lens + 1, None, None, ForwardMode.DECODE,
+                                                            None, None, out_cache_loc=loc)
             step = model.forward(tokens[-1], lens, lt.bridge_attend(model, fb))
         else:
+            static_rows[batch:], static_lens[batch:] = 0, 1
+            static_rows[:batch], static_lens[:batch] = rows, lens + 1
+            backend.init_forward_metadata_replay_cuda_graph(bucket, static_rows, static_lens, None, None,
+                                                            ForwardMode.DECODE, None, None)
             step = graph(tokens[-1], lens, loc)
         logits.append(step)
         tokens.append(step.argmax(-1))
@@ -110,7 +120,8 @@ def capture_decode(model, cap):
     """The bucket's decode step captured whole in a ``torch.cuda.graph`` (the bridge's launch path
     is capturable). Returns ``step(ids, positions, out_cache_loc) -> logits`` for the real rows:
     it copies them into the captured inputs (padding rows: token 0, position 0, slot 0) and replays.
-    Call the replay hook first: it refreshes the tables the captured kernels read."""
+    Call the replay hook first, with the bucket's static buffers holding the step's rows and lengths: the
+    graph recomputes the tables its kernels read from those buffers."""
     ids, pos, loc = (cap.out_cache_loc.clone() for _ in range(3))
     fb = dataclasses.replace(cap, positions=pos, out_cache_loc=loc)
     model.forward(ids, pos, lt.bridge_attend(model, fb))  # warm-up outside the capture
