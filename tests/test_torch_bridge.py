@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import jax
 import jax.numpy as jnp
 
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
@@ -167,6 +168,18 @@ def test_jax_path_layers_take_their_schedules_from_the_plan(mode, monkeypatch):
 
 def test_layer_options_sinks_window_softcap_and_triton():
     """Sliding window, logit cap and sinks reach the kernel; the Pallas kernel path (interpret) agrees."""
+    _layer_options_case()
+
+
+def test_cpu_pools_run_the_pallas_kernel_interpreted_when_jax_defaults_to_a_gpu(monkeypatch):
+    """torch CPU pools on a GPU machine (JAX's default backend a GPU): the layer executable is compiled for
+    the CPU, so its Pallas kernel must run interpreted. Bug caught: the kernel choosing compiled Triton by
+    ``jax.default_backend()`` (failed on the H100 machine)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _layer_options_case()
+
+
+def _layer_options_case():
     rng = np.random.default_rng(5)
     runner, table = make_runner(6, 4, seed=9, impl="triton")
     backend = FlashAttentionBackend(runner)

@@ -30,6 +30,7 @@ import torch
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.kernel_policy import Call, select_kernel
+from jax_attn.kernels.config import tracing_for_cpu
 from jax_attn.kv_cache import KVPool
 from torch_bridge.checks import CheckedLayer, SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
 from torch_bridge.dlpack import Importer, check_not_capturing
@@ -148,8 +149,9 @@ class LayerRunner:
         ck = (lp, step.layout, sig(q), sig(k_buf), sig(v_buf), sig(sinks))
         exe = self.executables.get(ck)
         if exe is None:
-            exe = self.executables[ck] = self._jit.lower(lp, step.layout, q, k_buf, v_buf, sinks,
-                                                         step.words).compile()
+            with tracing_for_cpu(self.planner.device.type == "cpu"):  # CPU pools: kernels interpreted
+                exe = self.executables[ck] = self._jit.lower(lp, step.layout, q, k_buf, v_buf, sinks,
+                                                             step.words).compile()
         return exe
 
     def layer_params(self, layer) -> LayerParams:

@@ -5,8 +5,12 @@ A ``KernelConfig`` is frozen and hashable so it can be passed as a static argume
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+
+import jax
 
 # Streaming multiprocessors on H100 SXM and H200: the default target of the split heuristic.
 HOPPER_NUM_SMS = 132
@@ -15,6 +19,26 @@ HOPPER_NUM_SMS = 132
 def cdiv(a, b):
     """Ceiling division for Python ints and JAX integer arrays alike (the one copy)."""
     return -(-a // b)
+
+
+_CPU_TRACE = contextvars.ContextVar("jax_attn_cpu_trace", default=False)
+
+
+def interpret_default() -> bool:
+    """Whether a Pallas kernel traced now runs in the interpreter when its caller does not say: when JAX's
+    default backend is the CPU, or inside ``tracing_for_cpu`` (arrays on the CPU of a GPU machine)."""
+    return _CPU_TRACE.get() or jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def tracing_for_cpu(on: bool = True):
+    """Trace (``jit(...).lower``) for arrays that live on the CPU although JAX's default backend is a GPU
+    (a torch engine with CPU pools on a GPU machine): kernels traced inside run interpreted."""
+    token = _CPU_TRACE.set(bool(on) or _CPU_TRACE.get())
+    try:
+        yield
+    finally:
+        _CPU_TRACE.reset(token)
 
 
 def _is_pow2(x: int) -> bool:

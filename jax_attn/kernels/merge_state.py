@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, next_pow2
+from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, interpret_default, next_pow2
 
 _NEG_INF = float("-inf")
 
@@ -224,7 +224,7 @@ def merge_state(
     """
     config = DEFAULT_CONFIG if config is None else config
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = interpret_default()
     if o_a.ndim != 3 or o_a.shape != o_b.shape or o_a.dtype != o_b.dtype:
         raise ValueError(f"{o_a.shape=} {o_a.dtype=} and {o_b.shape=} {o_b.dtype=} must match and be [T, H, D]")
     if lse_a.shape != o_a.shape[:2] or lse_b.shape != o_a.shape[:2]:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.config import HOPPER_NUM_SMS
+from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
 from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
                                             kernel_call)
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
@@ -276,7 +276,7 @@ def paged_attention_mosaic(
     Raises ``NotImplementedError`` for what the kernel does not cover (see ``supports``).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
-    if interpret is None and jax.default_backend() == "cpu":
+    if interpret is None and interpret_default():
         interpret = plgpu.InterpretGPUParams()
     reason = supports(q, k_cache, v_cache, md, k_descale=k_descale, v_descale=v_descale)
     if reason is not None:
@@ -311,7 +311,7 @@ def paged_attention_mosaic(
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
             pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
         out, lse = merge_partials(part_o, lse_tiles, index, out_dtype=q.dtype,
-                                  interpret=interpret is not None or jax.default_backend() == "cpu")
+                                  interpret=interpret is not None or interpret_default())
         return (out, lse) if return_lse else out
     out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
         pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)

@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, kv_heads_per_program, tile_rows
+from jax_attn.kernels.config import (DEFAULT_CONFIG, KernelConfig, interpret_default, kv_heads_per_program,
+                                      tile_rows)
 from jax_attn.kernels.merge_state import load_rows, merge_splits, store_rows, store_vec
 from jax_attn.kernels.schedule import plan_schedule, row_num_splits
 from jax_attn.metadata import AttentionMetadata
@@ -431,7 +432,7 @@ def paged_attention(
     """
     config = DEFAULT_CONFIG if config is None else config
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = interpret_default()
     _check_inputs(q, k_cache, v_cache, md, sinks)
     _check_scale(softmax_scale)
     t, hq, d = q.shape
