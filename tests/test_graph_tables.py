@@ -93,7 +93,7 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
         after = planned(bad_inputs(rng, bs, capacity, trial + 1))
         tables.flat.copy_(before)  # the previous step's tables, then the refresh of the new inputs
         r.serial += 1
-        r.before_layer()
+        r.before_layer(0)
         assert torch.equal(tables.flat, after), f"trial {trial}: {rows.tolist()=} {lens.tolist()=}"
 
 
@@ -152,6 +152,35 @@ def test_recorded_bucket_replays_without_the_planner(monkeypatch):
     with pytest.raises(ValueError, match="bad step input"):
         backend.check()
     assert len(runs) == 1 and not r.stale
+
+
+def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatch):
+    """Two captures of one step (no hook between): each graph must hold its own table refresh and safe-slot
+    computation; reusing the first capture's would leave the second graph reading the first one's memory."""
+    from torch_bridge import checks
+
+    rng = np.random.default_rng(9)
+    runner, table, backend = make(16, seed=5)
+    bs = 4
+    backend.init_cuda_graph_state(bs, bs)
+    rows, lens = torch.tensor([1, 2, 3, 4]), torch.tensor([30, 8, 64, 17])
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    loc, q, k, v = decode_step(runner, table, rng, rows.numpy(), lens.numpy())
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=runner.token_to_kv_pool)
+    lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    backend.forward(q, k, v, lay, fb)  # warm-up
+    r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
+    computed = []
+    real_compute = r.compute
+    monkeypatch.setattr(r, "compute", lambda: computed.append(1) or real_compute())
+    with monkeypatch.context() as m:
+        m.setattr(graph_tables, "capturing", lambda: True)
+        m.setattr(checks, "capturing", lambda: True)
+        for capture in range(2):
+            safe_before = backend.runner.safe_locs._last[True][1]
+            backend.forward(q, k, v, lay, fb)  # one layer: each call is a forward
+            assert len(computed) == capture + 1, "each captured forward runs the refresh once"
+            assert backend.runner.safe_locs._last[True][1] is not safe_before
 
 
 def test_jax_path_layer_after_a_planner_free_replay_reads_fresh_words(monkeypatch):

@@ -172,9 +172,9 @@ def is_swa_layer(lp: LayerParams, key: PlanKey) -> bool:
 class SafeLocs:
     """``out_cache_loc`` with every slot outside the pool sent to the reserved slot 0 (where padding
     tokens write), so a torch KV write never lands on another slot (``-1`` would be the last one) and
-    never fails half-way. Computed once per (step, tensor version) and reused by every layer; inside a
-    CUDA-graph capture it is computed again by the capture's first layer (a warm-up's result would be
-    a constant to the graph), so the graph recomputes it from the engine's static buffer on replay.
+    never fails half-way. Computed by the first layer of each forward (``forward``: the layer runner's
+    count) and reused by the others; a capture's first layer so records it into the graph, which
+    recomputes it from the engine's static buffer on replay.
 
     ``SWAKVPool`` sliding-window layers (``mapping`` given): the pool's ``set_kv_buffer`` translates the
     slots with ``full_to_swa_index_mapping``, so a slot whose SWA slot lies outside the SWA pool
@@ -184,10 +184,10 @@ class SafeLocs:
         self.num_slots, self.num_swa_slots = num_slots, num_swa_slots
         self._last: dict = {}
 
-    def __call__(self, loc: torch.Tensor, step, mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, loc: torch.Tensor, forward: int, mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.num_slots:
             return loc
-        key = (id(step), loc.data_ptr(), tuple(loc.shape), loc._version, capturing(),
+        key = (forward, loc.data_ptr(), tuple(loc.shape), loc._version, capturing(),
                None if mapping is None else (mapping.data_ptr(), mapping._version))
         last = self._last.get(mapping is None)
         if last is not None and last[0] == key:

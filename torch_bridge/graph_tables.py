@@ -99,7 +99,7 @@ class TableRefresh:
             raise ValueError(f"no in-graph refresh for {key}: {reason(key, step, False, capacity)}")
         self.num_pages = key.num_slots // page if key.num_slots else 0
         self.serial = 0  # bumped by each replay hook: the next eager layer refreshes
-        self.done: Optional[Tuple[int, bool]] = None  # (serial, capturing) of the last refresh
+        self.done: Optional[tuple] = None  # (serial, capturing, forward when capturing) of the last refresh
         self.recorded = False  # a capture's first layer ran the refresh: the graph recomputes the tables
         self.stale = False  # the step's plan words are the capture's (a replay hook skipped the planner)
         self.steps: Dict[int, Any] = {}  # entries the replay passed -> the bucket's step for them
@@ -168,17 +168,19 @@ class TableRefresh:
         self.verified |= ok
         return len(ok) == len(todo)
 
-    def before_layer(self) -> None:
-        """Called before each attention layer of a step of this bucket: the first layer after a replay hook,
-        and the first layer inside a capture, write the tables (inside a capture: into the graph)."""
-        state = (self.serial, capturing())
+    def before_layer(self, forward: int) -> None:
+        """Called before each attention layer of a step of this bucket (``forward``: the layer runner's count
+        of forwards): the first layer after a replay hook, and the first layer of each forward inside a
+        capture, write the tables (inside a capture: into the graph)."""
+        cap = capturing()
+        state = (self.serial, cap, forward if cap else None)
         if state == self.done or not self.verified:
             return
         parts = self.compute()
         for heads in self.verified:
             self.write(self.step.tables[heads], parts)
         self.done = state
-        if state[1]:
+        if cap:
             self.recorded = True
 
     def take(self, rows: torch.Tensor, lens: torch.Tensor):

@@ -9,7 +9,7 @@ A layer call never plans: it reads the step the step planner installed. Its trip
   seen before with the same pool buffers, token count and plan layout skips every check too
   (``JaxLayerHit``), and reads the current step's plan.
 
-Both write K/V only after every check passed, at slots made safe once per step (``SafeLocs``).
+Both write K/V only after every check passed, at slots made safe once per forward (``SafeLocs``).
 SGLang's hybrid ``SWAKVPool``: a sliding-window layer (``is_swa_layer``) reads its SWA pool through the
 plan's ``md.swa_page_table`` (launch path: the ``TableKey`` ``(Hq, Hkv, 2)`` tables) and writes through
 the pool's ``set_kv_buffer``, which translates the slots; slots whose translation leaves the SWA pool
@@ -53,6 +53,11 @@ class LayerRunner:
         self.executables: Dict[tuple, Any] = {}  # (layer, plan structure, q/k/v/sinks signatures) -> compiled
         self._layers: Dict[int, Tuple[Any, LayerParams]] = {}
         self.hits: Dict[int, Any] = {}  # layer_id -> the layer's checked call (LayerHit, JaxLayerHit)
+        # Forwards seen: a layer id not above the last one starts a new forward (the model's layers run in
+        # order). Per-forward work (safe slots, a graph bucket's tables) is redone at each, so a second
+        # capture of one step records it too.
+        self.forward = 0
+        self._last_layer = -1
         self.trace_count = 0
 
     def share(self, other: "LayerRunner") -> None:
@@ -70,15 +75,19 @@ class LayerRunner:
 
     def run(self, step: Step, q, k, v, layer, forward_batch, save_kv_cache: bool, sinks):
         """``q [T, Hq * D]`` -> ``[T, Hq * Dv]``, writing this step's K/V first (unless told not to)."""
+        if layer.layer_id <= self._last_layer:
+            self.forward += 1
+        self._last_layer = layer.layer_id
         if step.refresh is not None:  # a graph bucket's tables, written by the first layer (``graph_tables``)
-            step.refresh.before_layer()
+            step.refresh.before_layer(self.forward)
         hit = self.hits.get(layer.layer_id)
         if hit is not None and step.loc_steps == 1 and hit.matches(layer, step, q, forward_batch, sinks):
             if hit.reads_plan:
                 step = self.planner.fresh(step)
             loc = None
             if save_kv_cache:
-                loc = self.safe_locs(forward_batch.out_cache_loc, step, swa_mapping(forward_batch) if hit.swa else None)
+                loc = self.safe_locs(forward_batch.out_cache_loc, self.forward,
+                                     swa_mapping(forward_batch) if hit.swa else None)
             return hit(q, k, v, loc, sinks, step)
         lp = self.layer_params(layer)
         check_layer(lp, step.key, step.layout.local)
@@ -92,7 +101,7 @@ class LayerRunner:
             step = self.planner.fresh(step)
         loc = None
         if save_kv_cache and k is not None:  # SWA layers: slots the pool's own translation keeps in the SWA pool
-            loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), step,
+            loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), self.forward,
                                  swa_mapping(forward_batch) if swa else None)
         if call is not None:
             hit = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
@@ -177,6 +186,7 @@ class JaxLayerHit(CheckedLayer):
     KV write, then import q, the compiled call and the export."""
 
     reads_plan = True  # the executable reads the step's plan words
+
     def __init__(self, layer, lp: LayerParams, exe, importer: Importer, layout, t: int, dtype, pool, buffers, views,
                  sinks, swa: bool):
         super().__init__(layer, lp, t, pool, buffers, swa)
