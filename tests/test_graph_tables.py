@@ -145,6 +145,12 @@ def test_recorded_bucket_replays_without_the_planner(monkeypatch):
         ref = reference(runner, table, step_rows, step_lens, np.ones(bs, np.int64), q)
         np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
         assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, torch.from_numpy(step_lens))
+    # A reallocated request table: the graph would read the old one, so the hook refuses.
+    pool = runner.req_to_token_pool
+    old, pool.req_to_token = pool.req_to_token, pool.req_to_token.clone()
+    with pytest.raises(ValueError, match="capture the graphs again"):
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+    pool.req_to_token = old
     # What reads the plan words gets the planner's, for the new inputs: a bad length is flagged.
     lens[2] = backend.jax_backend.capacity + 1
     backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)

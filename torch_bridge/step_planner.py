@@ -428,6 +428,9 @@ class StepPlanner:
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
         r = self.refreshes.get((mode, bs))
         if r is not None and r.recorded:  # the graph recomputes the tables from its input buffers
+            if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
+                raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
+                                 "its graph was captured with; capture the graphs again after reallocating it")
             self.step = r.take(req_pool_indices, seq_lens)
             if r.planner_too:
                 self.fresh(self.step)
