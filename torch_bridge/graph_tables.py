@@ -39,10 +39,10 @@ from jax_attn import batch as jbatch
 from jax_attn.backend import PlanKey
 from jax_attn.kernels.mosaic_io import COMPUTE_WGS
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS
+from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from jax_attn.kernels.mosaic_paged import MosaicConfig
 from torch_bridge.mosaic_path import TableKey, Tables
 from torch_bridge.translate import UNIFORM
 
@@ -108,8 +108,8 @@ class TableRefresh:
 
     # ---- the rule ----------------------------------------------------------------------------
     def compute(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page table [B, P], tile sequence [B], tile keys [B], tile query offset [B]) of the current
-        ``rows`` / ``lens``, as int32 (torch ops on the GPU, recorded into a graph when capturing)."""
+        """(page table i32[B, P], tile sequence i64[B], tile keys i32[B], tile query offset i64[B]) of the
+        current ``rows`` / ``lens`` (torch ops on the GPU, recorded into a graph when capturing)."""
         key, n = self.key, self.n
         rows, lens = self.rows, self.lens
         if n < key.batch_size or rows.shape[0] != n or lens.shape[0] != n:
