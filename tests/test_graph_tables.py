@@ -97,63 +97,70 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
         assert torch.equal(tables.flat, after), f"trial {trial}: {rows.tolist()=} {lens.tolist()=}"
 
 
-def decode_step(runner, table, rng, rows, kv_lens):
-    fill(runner, table, rows, kv_lens - 1, rng)
-    loc = torch.tensor([table[r, n - 1] for r, n in zip(rows, kv_lens)], dtype=torch.int64)
-    q, k, v = (torch.from_numpy(rng.standard_normal((len(rows), h * D)).astype(np.float32)).to(torch.bfloat16)
-               for h in (HQ, HKV, HKV))
+def decode_step(runner, table, rng, rows, kv_lens, per_req: int = 1):
+    """K/V of each request's first ``kv_lens - per_req`` positions, the slots of the last ``per_req`` (this
+    step's tokens), and random q / k / v for them."""
+    fill(runner, table, rows, kv_lens - per_req, rng)
+    loc = torch.tensor(np.concatenate([table[r, n - per_req:n] for r, n in zip(rows, kv_lens)]), dtype=torch.int64)
+    q, k, v = (torch.from_numpy(rng.standard_normal((len(rows) * per_req, h * D)).astype(np.float32))
+               .to(torch.bfloat16) for h in (HQ, HKV, HKV))
     return loc, q, k, v
 
 
-def test_recorded_bucket_replays_without_the_planner(monkeypatch):
+@pytest.mark.parametrize("name", ["decode", "verify"])
+def test_recorded_bucket_replays_without_the_planner(name, monkeypatch):
+    mode, per_req, spec, _ = MODES[name]
+    offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
     rng = np.random.default_rng(5)
     runner, table, backend = make(16, seed=3)
     planner = backend.planner
     bs = 4
-    backend.init_cuda_graph_state(bs, bs)
+    backend.init_cuda_graph_state(bs, bs * per_req)
     rows = torch.tensor([1, 2, 3, 4], dtype=torch.int64)  # the engine's static buffers
-    lens = torch.tensor([9, 40, 17, 3], dtype=torch.int64)
-    loc_buf = torch.zeros(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    kv_lens = np.array([9, 40, 17, 5])
+    lens = torch.from_numpy(kv_lens - offset)
+    loc_buf = torch.zeros(bs * per_req, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
     lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
-    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, token_to_kv_pool=runner.token_to_kv_pool)
-    loc, q, k, v = decode_step(runner, table, rng, rows.numpy(), lens.numpy())
+    fb = ForwardBatch(mode, bs, rows, lens, loc_buf, token_to_kv_pool=runner.token_to_kv_pool, spec_info=spec)
+    loc, q, k, v = decode_step(runner, table, rng, rows.numpy(), kv_lens, per_req)
     loc_buf.copy_(loc)
     backend.forward(q, k, v, lay, fb)  # warm-up
     with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
         m.setattr(graph_tables, "capturing", lambda: True)
         backend.forward(q, k, v, lay, fb)
-    r = planner.refreshes[(ForwardMode.DECODE, bs)]
+    r = planner.refreshes[(mode, bs)]
     assert r.recorded
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
-    for step_rows, step_lens, same in (([5, 1, 6, 2], [70, 33, 128, 1], True), ([3, 4, 2, 1], [12, 12, 90, 64], False),
-                                       ([6, 5, 4, 3], [100, 7, 7, 50], True)):
-        step_rows, step_lens = np.array(step_rows), np.array(step_lens)
-        loc, q, k, v = decode_step(runner, table, rng, step_rows, step_lens)
+    for step_rows, step_kv, same in (([5, 1, 6, 2], [70, 33, 128, 4], True), ([3, 4, 2, 1], [12, 12, 90, 64], False),
+                                     ([6, 5, 4, 3], [100, 7, 7, 50], True)):
+        step_rows, step_kv = np.array(step_rows), np.array(step_kv)
+        loc, q, k, v = decode_step(runner, table, rng, step_rows, step_kv, per_req)
+        step_lens = torch.from_numpy(step_kv - offset)
         if same:  # SGLang: new values in the captured buffers
-            rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(step_lens))
+            rows.copy_(torch.from_numpy(step_rows)), lens.copy_(step_lens)
             args = rows, lens
         else:  # other tensors: copied into the captured ones
-            args = torch.from_numpy(step_rows), torch.from_numpy(step_lens)
+            args = torch.from_numpy(step_rows), step_lens
         loc_buf.copy_(loc)
-        backend.init_forward_metadata_replay_cuda_graph(bs, *args, None, None, ForwardMode.DECODE, None, None)
+        backend.init_forward_metadata_replay_cuda_graph(bs, *args, None, None, mode, spec, None)
         assert not runs, "the replay hook of a recorded bucket must not run the planner"
         assert r.stale
         out = backend.forward(q, k, v, lay, fb)
-        ref = reference(runner, table, step_rows, step_lens, np.ones(bs, np.int64), q)
+        ref = reference(runner, table, step_rows, step_kv, np.full(bs, per_req), q)
         np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
-        assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, torch.from_numpy(step_lens))
+        assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, step_lens)
     # A reallocated request table: the graph would read the old one, so the hook refuses.
     pool = runner.req_to_token_pool
     old, pool.req_to_token = pool.req_to_token, pool.req_to_token.clone()
     with pytest.raises(ValueError, match="capture the graphs again"):
-        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
     pool.req_to_token = old
     # What reads the plan words gets the planner's, for the new inputs: a bad length is flagged.
     lens[2] = backend.jax_backend.capacity + 1
-    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
     assert not runs
     with pytest.raises(ValueError, match="bad step input"):
         backend.check()
