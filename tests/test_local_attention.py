@@ -118,7 +118,7 @@ def test_planner_matches_oracle_extend(data, page_size):
     chunk = page_size * data.draw(st.integers(1, 4 if page_size == 16 else 40))
     n = data.draw(st.integers(1, B_BUCKET))
     kv = rng.integers(1, 200, n)
-    q = np.minimum(rng.integers(0, 120, n), kv)
+    q = np.minimum(rng.integers(0, 512 // B_BUCKET + 1, n), kv)  # every query fits the 512-token bucket
     rows = rng.permutation(np.arange(1, NUM_ROWS))[:n]
     md = plan_extend(_table(rng, page_size), _pad(rows, 0), _pad(kv, 1), _pad(q, 0), jnp.zeros(512, jnp.int32),
                      page_size=page_size, max_pages=WIDTH // page_size, max_q_len=512)
