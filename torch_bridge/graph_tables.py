@@ -95,8 +95,9 @@ class TableRefresh:
         self.tie = (b - 1 - torch.arange(b, dtype=torch.int32, device=dev))  # earlier index first among equals
         self.index = torch.arange(b, dtype=torch.int64, device=dev)
         self.capacity = int(capacity)
-        if reason(key, step, False, capacity) is not None:
-            raise ValueError(f"no in-graph refresh for {key}: {reason(key, step, False, capacity)}")
+        why = reason(key, step, False, capacity)
+        if why is not None:
+            raise ValueError(f"no in-graph refresh for {key}: {why}")
         self.num_pages = key.num_slots // page if key.num_slots else 0
         self.serial = 0  # bumped by each replay hook: the next eager layer refreshes
         self.done: Optional[tuple] = None  # (serial, capturing, forward when capturing) of the last refresh
