@@ -13,7 +13,9 @@ import dataclasses
 import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_attn import local as local_attn
 from jax_attn import planner, safety
@@ -54,6 +56,15 @@ class LayerParams:
         return (self.sliding_window_size, 0) if self.sliding_window_size >= 0 else (-1, -1)
 
 
+def _table_copy(table) -> jax.Array:
+    """A request table as an int32 JAX array that shares no memory with ``table``: on the CPU,
+    ``jnp.asarray`` views an aligned numpy array in place, so the engine's later edits would leak in
+    (or not, depending on where numpy allocated it). A JAX array is immutable and is kept as it is."""
+    if isinstance(table, jax.Array):
+        return table.astype(jnp.int32)
+    return jnp.array(np.array(safety.check_int32("req_to_token", table), copy=True))
+
+
 class FlashAttentionBackend:
     """SGLang's FlashAttention backend for JAX model code.
 
@@ -88,7 +99,7 @@ class FlashAttentionBackend:
         if attention_chunk_size:
             local_attn.check_chunk_size(attention_chunk_size, page_size)
         self.attention_chunk_size = int(attention_chunk_size or 0)
-        self._req_to_token = jnp.asarray(req_to_token, jnp.int32)
+        self._req_to_token = _table_copy(req_to_token)
         self.page_size = page_size
         ctx = self.req_to_token.shape[1] if max_context_len is None else max_context_len
         self.max_pages = cdiv(ctx, page_size)
@@ -109,7 +120,7 @@ class FlashAttentionBackend:
 
     @req_to_token.setter
     def req_to_token(self, table):
-        table = jnp.asarray(table, jnp.int32)
+        table = _table_copy(table)
         if table.shape != self._req_to_token.shape:
             raise ValueError(f"req_to_token {table.shape=} must keep the shape {self._req_to_token.shape}")
         self._req_to_token = table

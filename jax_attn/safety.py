@@ -7,7 +7,10 @@ host sync:
 * it clamps what could send a kernel outside the pools or into a loop without end: KV lengths to
   the page table's capacity, page ids into the pool (when the pool size is known), query offsets
   into the token axis;
-* it records what it found in ``AttentionMetadata.errors`` (``i32[]``, a bitmask of ``ERRORS``).
+* it records what it found in ``AttentionMetadata.errors`` (``i32[]``, a bitmask of ``ERRORS``),
+  a stale request table included: slot 0 is reserved (padding rows read and write it) and so is
+  request row 0 (SGLang's ``ReqToTokenPool``), so page 0 inside a real row's length is a token the
+  engine never wrote into ``req_to_token``.
 
 Reading the flag needs a host sync, so it is read only where the caller asks: ``check(md)``
 (``FlashAttentionBackend.check`` in both front ends), or on every step in validation mode
@@ -41,6 +44,9 @@ ERRORS = {
     32: "a negative length (seq_lens or extend_seq_lens)",
     64: "a full_to_swa_index_mapping entry (SGLang's SWAKVPool) outside the SWA pool, for a slot the step reads "
         "or writes: map full slots to SWA slots of the pool (0 for freed ones); the write was sent to slot 0",
+    128: "a req_to_token entry inside a real request's seq_len points at the reserved slot 0 (page 0): the request "
+         "table is stale; write every token's slot into req_to_token before planning (JAX API: assign the "
+         "updated table to backend.req_to_token)",
 }
 
 
@@ -85,9 +91,11 @@ def guard(md: AttentionMetadata, *, req_pool_indices, num_rows: int, num_slots: 
     safe_lens = jnp.clip(lens, 0, cap)
     cu_q = jnp.clip(md.cu_seqlens_q, 0, t)
     table = md.page_table
+    used = jnp.arange(md.max_pages, dtype=jnp.int32)[None, :] * md.page_size < safe_lens[:, None]
+    if rows.shape[0] == table.shape[0]:  # a table of request rows (not a tree step's expand pass)
+        err |= _bit(used & (rows != 0)[:, None] & (table == 0), 128)
     if num_slots:
         num_pages = num_slots // md.page_size
-        used = jnp.arange(md.max_pages, dtype=jnp.int32)[None, :] * md.page_size < safe_lens[:, None]
         err |= _bit(used & ((table < 0) | (table >= num_pages)), 4)
         table = jnp.clip(table, 0, num_pages - 1)
         real = jnp.arange(t, dtype=jnp.int32) < cu_q[-1]

@@ -1,10 +1,49 @@
 """Test-wide settings: hypothesis draws a fixed sequence of examples under CI (CI=true), random
 examples elsewhere, so a CI run is reproducible while local runs keep exploring."""
 
+import contextlib
 import os
+import zlib
 
+import pytest
+import torch
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+# ---- the grad mode an engine calls the bridge under ------------------------------------------------
+# vLLM runs its forward under torch.inference_mode(), SGLang under inference_mode or no_grad
+# (SGLANG_ENABLE_TORCH_INFERENCE_MODE), tests and scripts often in plain mode: the bridge must behave the
+# same in all three. A test that takes the ``engine_grad_mode`` fixture runs its body in one of them:
+# JAX_ATTN_GRAD_MODES=all runs every such test in all three; the default (``rotate``) gives each test
+# function one mode, chosen by its name, so a CPU run covers the three modes at the cost of one.
+GRAD_MODES = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad, "inference": torch.inference_mode}
+
+
+def pytest_generate_tests(metafunc):
+    if "grad_mode" not in metafunc.fixturenames:
+        return
+    if any("grad_mode" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")):
+        return  # the test names its modes itself
+    which = os.environ.get("JAX_ATTN_GRAD_MODES", "rotate") or "rotate"
+    if which == "all":
+        modes = list(GRAD_MODES)
+    elif which == "rotate":
+        modes = [list(GRAD_MODES)[zlib.crc32(metafunc.definition.nodeid.encode()) % len(GRAD_MODES)]]
+    else:
+        modes = which.split(",")
+        unknown = set(modes) - set(GRAD_MODES)
+        if unknown:
+            raise ValueError(f"JAX_ATTN_GRAD_MODES={which}: {sorted(unknown)} not in {list(GRAD_MODES)} "
+                             "(or 'all' / 'rotate')")
+    metafunc.parametrize("grad_mode", modes)
+
+
+@pytest.fixture
+def engine_grad_mode(grad_mode):
+    """The test body runs under ``grad_mode`` (``GRAD_MODES``), as an engine's forward does."""
+    with GRAD_MODES[grad_mode]():
+        yield grad_mode

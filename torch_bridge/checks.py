@@ -174,7 +174,9 @@ class SafeLocs:
     tokens write), so a torch KV write never lands on another slot (``-1`` would be the last one) and
     never fails half-way. Computed by the first layer of each forward (``forward``: the layer runner's
     count) and reused by the others; a capture's first layer so records it into the graph, which
-    recomputes it from the engine's static buffer on replay.
+    recomputes it from the engine's static buffer on replay. The reuse is keyed on the forward and on
+    the very tensors (held, so their addresses cannot be handed to new ones), never on ``_version``:
+    inference tensors have none, and an engine edits ``out_cache_loc`` only between forwards.
 
     ``SWAKVPool`` sliding-window layers (``mapping`` given): the pool's ``set_kv_buffer`` translates the
     slots with ``full_to_swa_index_mapping``, so a slot whose SWA slot lies outside the SWA pool
@@ -187,17 +189,16 @@ class SafeLocs:
     def __call__(self, loc: torch.Tensor, forward: int, mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.num_slots:
             return loc
-        key = (forward, loc.data_ptr(), tuple(loc.shape), loc._version, capturing(),
-               None if mapping is None else (mapping.data_ptr(), mapping._version))
+        key = (forward, capturing())
         last = self._last.get(mapping is None)
-        if last is not None and last[0] == key:
-            return last[1]
+        if last is not None and last[0] == key and last[1] is loc and last[2] is mapping:
+            return last[3]
         ok = (loc >= 0) & (loc < self.num_slots)
         if mapping is not None:
             swa = mapping[torch.where(ok, loc, torch.zeros_like(loc)).clamp(max=mapping.shape[0] - 1).long()]
             ok &= (swa >= 0) & (swa < self.num_swa_slots)
         safe = torch.where(ok, loc, torch.zeros_like(loc))
-        self._last[mapping is None] = (key, safe)
+        self._last[mapping is None] = (key, loc, mapping, safe)
         return safe
 
 

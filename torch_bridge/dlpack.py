@@ -77,6 +77,7 @@ class Importer:
                 self.stream = None
         self._views: Dict[Tuple, jax.Array] = {}
         self._recent: Dict[Tuple, jax.Array] = {}  # recent_view's, least recently used first
+        self._twins: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # table_view's aligned copies
         self._order = _StreamOrder(self.stream, index) if self.stream is not None and device.type == "cuda" else None
 
     def __call__(self, t: torch.Tensor, ordered: bool = False) -> jax.Array:
@@ -129,6 +130,19 @@ class Importer:
                 raise RuntimeError("DLPack import copied a persistent buffer; in-place writes would be lost")
             self._views[key] = v
         return v
+
+    def table_view(self, t: torch.Tensor) -> jax.Array:
+        """``view(t)`` of a table the engine edits in place (``req_to_token``). A CPU tensor that JAX cannot
+        view in place (not 64-byte aligned, e.g. ``torch.from_numpy``) is copied into an aligned twin on
+        every call instead, so each plan still reads the engine's latest edits."""
+        if self.dl_type != _KDL_CPU or t.data_ptr() % _CPU_ALIGN == 0:
+            return self.view(t)
+        hit = self._twins.get(id(t))
+        if hit is None or hit[0] is not t:  # the tensor is held: its id cannot name another one
+            with torch.inference_mode(False):
+                hit = self._twins[id(t)] = (t, torch.empty(t.shape, dtype=t.dtype))  # torch aligns to 64 B
+        hit[1].copy_(t)
+        return self.view(hit[1])
 
     def recent_view(self, t: torch.Tensor) -> jax.Array:
         """A JAX view of ``t`` kept for its next calls while it is among the ``RECENT`` most recent (an

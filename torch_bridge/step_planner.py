@@ -144,7 +144,7 @@ class StepPlanner:
 
     def _run(self, pk: Packing, inputs):
         """(layout or layouts, words or tuple of words) of the planner call for ``pk``."""
-        r2t = self.importer.view(self.model_runner.req_to_token_pool.req_to_token)
+        r2t = self.importer.table_view(self.model_runner.req_to_token_pool.req_to_token)
         mapping = self.swa_mapping() if pk.key.swa_pool else None
         ck = (pk, r2t.shape, None if mapping is None else mapping.shape)
         hit = self.executables.get(ck)

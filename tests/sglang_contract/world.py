@@ -81,6 +81,12 @@ class World:
                  server_args: Optional[ServerArgs] = None, num_reqs: int = 6, encoder_decoder: bool = False,
                  chunk: Optional[int] = None, sliding_window: Optional[int] = None, seed: int = 0,
                  head_dim: int = D):
+        with torch.inference_mode(False):  # SGLang allocates pools and tables at start-up, in no grad mode
+            self._init(layers, page_size, dtype, server_args, num_reqs, encoder_decoder, chunk, sliding_window,
+                       seed, head_dim)
+
+    def _init(self, layers, page_size, dtype, server_args, num_reqs, encoder_decoder, chunk, sliding_window,
+              seed, head_dim) -> None:
         self.rng = np.random.default_rng(seed)
         self.specs = tuple(layers)
         self.page_size, self.dtype, self.head_dim = page_size, dtype, head_dim
