@@ -145,8 +145,9 @@ class FlashAttentionBackend:
             max_encoder_len = int(getattr(config, "max_encoder_len", 0) or r2t.shape[1])
         impl = impl or getattr(model_runner, "attention_impl", "auto")
         num_slots = pool_slots(getattr(model_runner, "token_to_kv_pool", None))
-        self.jax_backend = JaxBackend(importer.table_view(r2t), page_size=self.page_size, max_context_len=max_context_len,
-                                      impl=impl, deterministic=self.settings.deterministic,
+        self.jax_backend = JaxBackend(importer.table_view(r2t), page_size=self.page_size,
+                                      max_context_len=max_context_len, impl=impl,
+                                      deterministic=self.settings.deterministic,
                                       max_encoder_len=max_encoder_len, num_slots=num_slots, validate=validate,
                                       attention_chunk_size=self.settings.attention_chunk_size,
                                       num_swa_slots=self.settings.num_swa_slots)
