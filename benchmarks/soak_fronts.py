@@ -1,0 +1,257 @@
+"""The two front ends the soak drives (``benchmarks/soak.py``): the torch bridge and the JAX API.
+
+Both take the same engine step (``Step``: mode, request rows, lengths, slots, per-layer q / k / v as
+torch tensors) and return each layer's output as a torch tensor; both expose their pools as torch
+tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and oracle checks.
+
+* ``BridgeFront``: SGLang's interface of ``torch_bridge.FlashAttentionBackend``. Decode batches that fit
+  a captured bucket replay a real ``torch.cuda.graph`` of every layer's attention (when the bridge
+  launches the kernel from torch: Hopper, page size a multiple of 8); the rest run eagerly.
+* ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner``: uniform batches (decode, chain
+  verify, draft extend) replay its captured buckets; extend batches are padded to a batch and token
+  bucket and run through ``StepRunner.eager`` (one executable per padded shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.backend import LayerParams
+from jax_attn.batch import ForwardBatch as JaxBatch
+from jax_attn.batch import SpecInfo as JaxSpec
+from jax_attn.batch import bucket_for, pad_batch
+from jax_attn.capture import StepRunner
+from jax_attn.kv_cache import KVPool
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
+                          ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    scaling: float
+    window: int = -1  # sliding_window_size (FA (window, 0)); -1: full
+    softcap: float = 0.0
+
+
+@dataclasses.dataclass
+class Step:
+    """One engine step. ``seq_lens``: SGLang's (committed only in target verify); ``prefix`` / ``new``:
+    each request's keys before this step's tokens and this step's tokens (the oracle's view)."""
+
+    mode: str  # extend | decode | verify | draft_extend
+    rows: np.ndarray  # i64[bs]
+    seq_lens: np.ndarray  # i64[bs]
+    prefix: np.ndarray  # i64[bs]
+    new: np.ndarray  # i64[bs]
+    loc: np.ndarray  # i64[num_tokens]
+    qkv: List[tuple]  # per layer (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])
+    num_draft: int = 0
+
+
+class BridgeFront:
+    """The torch bridge over one engine's pools (``torch.int32`` request table edited in place)."""
+
+    name = "bridge"
+
+    def __init__(self, layers: Sequence[Layer], heads, page_size: int, num_slots: int, max_reqs: int,
+                 max_ctx: int, num_draft: int, dtype, device, graphs: bool):
+        self.layers, (self.hq, self.hkv, self.d), self.device = list(layers), heads, torch.device(device)
+        pool = MHATokenToKVPool.create(num_slots, len(layers), self.hkv, self.d, dtype, device)
+        self.r2t = torch.zeros(max_reqs + 1, max_ctx, dtype=torch.int32, device=device)
+        self.runner = ModelRunner(ReqToTokenPool(self.r2t), pool, ModelConfig(max_ctx), page_size=page_size,
+                                  server_args=ServerArgs(speculative_num_draft_tokens=num_draft),
+                                  device=str(device))
+        self.backend = FlashAttentionBackend(self.runner, topk=1, verbose=False)
+        self.radix = [RadixAttention(self.hq, self.d, lay.scaling, self.hkv, i, logit_cap=lay.softcap,
+                                     sliding_window_size=lay.window) for i, lay in enumerate(layers)]
+        self.graphs: dict = {}
+        if graphs and self.backend.mosaic_path is not None and page_size % 8 == 0:
+            self._capture(dtype)
+
+    def pools(self):
+        pool = self.runner.token_to_kv_pool
+        return list(zip(pool.k_buffer, pool.v_buffer))
+
+    def poison(self, slots: np.ndarray) -> None:
+        idx = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        for k, v in self.pools():
+            k[idx] = float("nan")
+            v[idx] = float("nan")
+
+    def set_rows(self, rows, table: np.ndarray) -> None:
+        """The engine's in-place edit of its request table (no assignment: the bridge views it)."""
+        self.r2t[torch.as_tensor(rows, device=self.device)] = torch.as_tensor(table, device=self.device)
+
+    def _batch(self, s: Step) -> ForwardBatch:
+        dev = self.device
+        ext, spec, mode = None, None, ForwardMode.EXTEND
+        if s.mode == "decode":
+            mode = ForwardMode.DECODE
+        elif s.mode == "verify":
+            mode, spec = ForwardMode.TARGET_VERIFY, SpecInfo(draft_token_num=s.num_draft)
+        elif s.mode == "draft_extend":
+            mode = ForwardMode.DRAFT_EXTEND
+            spec = SpecInfo(num_accepted_tokens=torch.as_tensor(s.new, dtype=torch.int32, device=dev),
+                            draft_token_num=s.num_draft)
+        else:
+            ext = torch.as_tensor(s.new, dtype=torch.int32, device=dev)
+        return ForwardBatch(mode, len(s.rows), torch.as_tensor(s.rows, device=dev),
+                            torch.as_tensor(s.seq_lens, device=dev), torch.as_tensor(s.loc, device=dev),
+                            extend_seq_lens=ext, spec_info=spec, token_to_kv_pool=self.runner.token_to_kv_pool)
+
+    def _layers(self, fb, qkv) -> list:
+        return [self.backend.forward(q.reshape(q.shape[0], -1), k, v, lay, fb)
+                for lay, (q, k, v) in zip(self.radix, qkv)]
+
+    def run(self, s: Step) -> list:
+        bs = len(s.rows)
+        if s.mode == "decode" and bs <= GRAPH_BUCKETS[-1] and self.graphs:
+            return self._replay(s, bucket_for(bs, GRAPH_BUCKETS))
+        fb = self._batch(s)
+        self.backend.init_forward_metadata(fb)
+        return [o.reshape(len(s.loc), self.hq, self.d) for o in self._layers(fb, s.qkv)]
+
+    # ---- CUDA graphs: SGLang's graph runner, one static buffer set sliced per bucket -------------------
+    def _capture(self, dtype) -> None:
+        top, dev = GRAPH_BUCKETS[-1], self.device
+        self.backend.init_cuda_graph_state(top, top)
+        self.rows = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.lens = torch.ones(top, dtype=torch.int64, device=dev)
+        self.locs = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.qkv = [tuple(torch.zeros(top, h, self.d, dtype=dtype, device=dev) for h in (self.hq, self.hkv, self.hkv))
+                    for _ in self.layers]
+        for bs in GRAPH_BUCKETS:
+            self.backend.init_forward_metadata_capture_cuda_graph(bs, bs, self.rows[:bs], self.lens[:bs], None,
+                                                                  ForwardMode.DECODE, None)
+            fb = ForwardBatch(ForwardMode.DECODE, bs, self.rows[:bs], self.lens[:bs], self.locs[:bs],
+                              token_to_kv_pool=self.runner.token_to_kv_pool)
+            qkv = [tuple(t[:bs] for t in x) for x in self.qkv]
+            self._layers(fb, qkv)  # warm-up outside the capture (builds the kernels)
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outs = self._layers(fb, qkv)
+            self.graphs[bs] = (g, outs)
+
+    def _replay(self, s: Step, bs: int) -> list:
+        n = len(s.rows)
+        self.rows.zero_()
+        self.lens.fill_(1)
+        self.locs.zero_()
+        self.rows[:n] = torch.as_tensor(s.rows, device=self.device)
+        self.lens[:n] = torch.as_tensor(s.seq_lens, device=self.device)
+        self.locs[:n] = torch.as_tensor(s.loc, device=self.device)
+        for static, new in zip(self.qkv, s.qkv):
+            for dst, src in zip(static, new):
+                dst.zero_()
+                dst[:n] = src
+        self.backend.init_forward_metadata_replay_cuda_graph(bs, self.rows[:bs], self.lens[:bs], None, None,
+                                                             ForwardMode.DECODE, None, None)
+        g, outs = self.graphs[bs]
+        g.replay()
+        return [o[:n].reshape(n, self.hq, self.d) for o in outs]
+
+    def compiles(self) -> int:
+        """Traces of the bridge's JAX functions (planner and layer executables)."""
+        return self.backend.trace_count
+
+
+class JaxFront:
+    """``jax_attn``'s JAX API over JAX pools (donated each step); the request table is assigned after edits."""
+
+    name = "jax"
+
+    def __init__(self, layers: Sequence[Layer], heads, page_size: int, num_slots: int, max_reqs: int,
+                 max_ctx: int, num_draft: int, dtype, device, graphs: bool):
+        self.layers, (self.hq, self.hkv, self.d) = list(layers), heads
+        self.num_draft, self.device = num_draft, torch.device(device)
+        self.table = np.zeros((max_reqs + 1, max_ctx), np.int32)
+        jdt = jnp.dtype(str(dtype).replace("torch.", ""))
+        self.backend = JaxBackend(self.table, page_size=page_size, max_context_len=max_ctx, num_slots=num_slots,
+                                  num_heads=(self.hq, self.hkv))
+        self.params = [LayerParams(self.hq, self.hkv, self.d, scaling=lay.scaling, logit_cap=lay.softcap,
+                                   sliding_window_size=lay.window, layer_id=i) for i, lay in enumerate(layers)]
+        nan = jnp.full((num_slots, self.hkv, self.d), jnp.nan, jdt)
+        self.kv = [KVPool(nan, nan + 0) for _ in layers]
+        self.runner = StepRunner(self.backend, self._step_fn, batch_buckets=GRAPH_BUCKETS,
+                                 donate_argnums=(0,), compile_cache=False)
+
+    def _step_fn(self, md, token_inputs, pools):
+        outs, new = [], []
+        for lp, (q, k, v), pool in zip(self.params, token_inputs, pools):
+            o, pool = self.backend.forward(q, k, v, lp, pool, md)
+            outs.append(o)
+            new.append(pool)
+        return tuple(outs), new
+
+    def pools(self):
+        return [(torch.from_dlpack(p.k), torch.from_dlpack(p.v)) for p in self.kv]
+
+    def poison(self, slots: np.ndarray) -> None:
+        idx = jnp.asarray(slots, jnp.int32)
+        self.kv = [KVPool(p.k.at[idx].set(jnp.nan), p.v.at[idx].set(jnp.nan)) for p in self.kv]
+
+    def set_rows(self, rows, table: np.ndarray) -> None:
+        self.table[rows] = table
+        self.backend.req_to_token = self.table  # the API's contract: assign the edited table
+
+    def _batch(self, s: Step) -> JaxBatch:
+        i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+        mode, ext, spec = ForwardMode.EXTEND, None, None
+        if s.mode == "decode":
+            mode = ForwardMode.DECODE
+        elif s.mode == "verify":
+            mode, spec = ForwardMode.TARGET_VERIFY, JaxSpec(num_draft_tokens=s.num_draft)
+        elif s.mode == "draft_extend":
+            mode, spec = ForwardMode.DRAFT_EXTEND, JaxSpec(num_draft_tokens=s.num_draft,
+                                                           num_accepted_tokens=i32(s.new))
+        else:
+            ext = i32(s.new)
+        return JaxBatch(mode, i32(s.rows), i32(s.seq_lens), i32(s.loc), ext, spec_info=spec)
+
+    def run(self, s: Step) -> list:
+        batch = self._batch(s)
+        tokens = tuple(tuple(jnp.asarray(t.detach().cpu().float().numpy() if t.device.type == "cpu" else
+                                         jax.dlpack.from_dlpack(t.contiguous()), dtype=self.kv[0].k.dtype)
+                             for t in x) for x in s.qkv)
+        n = len(s.loc)
+        if s.mode == "extend":
+            bs = bucket_for(len(s.rows), GRAPH_BUCKETS + (32, 64))
+            padded = pad_batch(batch, bs, bucket_for(n, TOKEN_BUCKETS))
+            tokens = jax.tree.map(lambda x: jnp.pad(x, ((0, padded.num_tokens - n),) + ((0, 0),) * (x.ndim - 1)),
+                                  tokens)
+            outs, self.kv = self.runner.eager(padded, tokens, self.kv)
+        else:
+            outs, self.kv = self.runner.replay(batch, tokens, self.kv)
+        return [torch.from_dlpack(o[:n]) for o in outs]
+
+    def capture(self) -> None:
+        """Capture every bucket of the uniform modes (decode, chain verify, draft extend)."""
+        n, dt = self.num_draft, self.kv[0].k.dtype
+        tokens = tuple((jnp.zeros((1, self.hq, self.d), dt), jnp.zeros((1, self.hkv, self.d), dt),
+                        jnp.zeros((1, self.hkv, self.d), dt)) for _ in self.layers)
+        for mode, per in (("decode", 1), ("verify", n), ("draft_extend", n)):
+            batches = []
+            for bs in GRAPH_BUCKETS:
+                ones = np.ones(bs, np.int64)
+                step = Step(mode, ones * 0, ones * n, ones * 0, ones * per, np.zeros(bs * per, np.int64), [],
+                            num_draft=n)
+                batches.append(self._batch(step))
+            self.runner.capture(batches, tokens, self.kv, verbose=False)
+
+    def compiles(self) -> int:
+        return self.runner.trace_count
+
+
+FRONTS = {"bridge": BridgeFront, "jax": JaxFront}

@@ -1,0 +1,43 @@
+"""The soak (``benchmarks/soak.py``): random engine steps through both front ends, each step's pool diffed
+and its outputs checked against a float64 oracle. The CPU run is a smoke test of the script; the ``gpu``
+run is the short soak (both front ends, page sizes 1 and 16, a target and a draft backend on two
+streams), which must finish within a minute."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOAK = os.path.join(ROOT, "benchmarks", "soak.py")
+
+
+def run_soak(*args: str, env_extra=None, timeout: int = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    proc = subprocess.run([sys.executable, SOAK, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"soak {args} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_soak_smoke_on_cpu():
+    out = run_soak("--smoke", "--device", "cpu", env_extra={"JAX_PLATFORMS": "cpu"})
+    lines = [line for line in out.splitlines() if " page " in line]
+    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), out
+    assert all("mismatches 0" in line and "corrupted slots 0" in line for line in lines), out
+
+
+@pytest.mark.gpu
+def test_short_soak_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    t0 = time.perf_counter()
+    out = run_soak("--steps", "2000", "--pair", env_extra={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    wall = time.perf_counter() - t0
+    print(out)
+    lines = [line for line in out.splitlines() if " page " in line]
+    assert len(lines) == 6 and all(line.endswith("OK") for line in lines), out  # 2 fronts x 2 pages + 2 drafts
+    assert wall <= 60, f"the short soak took {wall:.0f} s (budget 60 s)"
