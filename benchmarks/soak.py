@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import soak_fronts as fronts  # noqa: E402
 
 MODES = ("extend", "decode", "decode", "decode", "verify", "draft_extend")  # drawn uniformly
