@@ -23,20 +23,20 @@ from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, interpret_defa
 _NEG_INF = float("-inf")
 
 
-def block_cols(dim: int, width: int | None = None, *, clamp: bool = True):
+def block_cols(dim: int, width: int | None = None):
     """Columns of a block ``width`` wide (default: the next power of 2 of ``dim``, as Triton block
     shapes need) over a ``dim``-column ref: ``(cols i32[width], ok bool[width] or None)``. Columns
-    past ``dim`` are masked by ``ok`` and, with ``clamp`` (loads), clamped into range so that even an
-    unmasked read stays in bounds; stores pass ``clamp=False`` (a store to a repeated column, even a
-    masked one, may win over the real one in the interpreter). ``ok`` is None when the block is not
-    padded."""
+    past ``dim`` must be masked by ``ok`` (None when the block is not padded). They are left as
+    they are, not clamped: a clamp would hide from Triton that the columns are contiguous (no
+    vector loads), and a store to a repeated column may win over the real one in the interpreter,
+    which clamps out-of-range reads and drops out-of-range writes itself."""
     width = next_pow2(dim) if width is None else width
     if width < dim:
         raise ValueError(f"block {width=} must cover the ref's {dim} columns")
     cols = jnp.arange(width, dtype=jnp.int32)
     if width == dim:
         return cols, None
-    return (jnp.minimum(cols, dim - 1) if clamp else cols), cols < dim
+    return cols, cols < dim
 
 
 def _block_mask(ok, col_ok, shape):
@@ -70,7 +70,7 @@ def load_rows(ref, rows, ok, other=0, width: int | None = None):
 def store_rows(ref, rows, ok, val):
     """Scatters ``val [len(rows), width]`` into ``ref[rows, :]`` where ``ok``; other rows, and
     columns past ``ref.shape[1]`` (a padded block, ``block_cols``), write nothing."""
-    cols, col_ok = block_cols(ref.shape[1], val.shape[1], clamp=False)
+    cols, col_ok = block_cols(ref.shape[1], val.shape[1])
     rows = jnp.where(ok, rows, ref.shape[0])  # out of range: dropped by the interpreter too
     mask = _block_mask(ok, col_ok, val.shape)
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=mask)
@@ -175,7 +175,7 @@ def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits:
     nonempty = tot != 0.0
     safe = jnp.where(nonempty, tot, 1.0)
     out = jnp.where(nonempty, acc / safe, 0.0)
-    cols, col_ok = block_cols(o_ref.shape[1], clamp=False)
+    cols, col_ok = block_cols(o_ref.shape[1])
     plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype), mask=col_ok)
     plgpu.store(lse_ref.at[jnp.full((1,), row, jnp.int32)],
                 jnp.full((1,), jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF), jnp.float32))
