@@ -38,9 +38,11 @@ Commands (GPU machine, repository root; peers from ``bash benchmarks/fetch_peers
 Flags: ``--only KIND`` one case kind (peers: decode|prefill|extend|verify; local, wall: decode|prefill);
 ``--reps N`` timed repetitions (peers: 30, quick 8; local: 15); ``--rounds N`` (peers) time every peer
 of a case N times round-robin; ``--quick`` (peers) fewer reps, decode 64x4096 and 1x32768 only;
-``--tiny`` toy shapes (peers, local; numbers meaningless); ``--impl``, ``--page-size`` (local; ncu's
-page size, default 16); ``--batch``, ``--seq``, ``--calls``, ``--names`` (ncu); ``--smoke`` every mode
-at toy shapes on the CPU, skipping what needs a GPU (one line says what).
+``--tiny`` toy shapes (peers, local; numbers meaningless); ``--head-dim D`` (peers) every case at head
+dim D (e.g. 80, 96, 112, 192: padded inside the Triton-lowered kernel; no Mosaic peer there);
+``--impl``, ``--page-size`` (local; ncu's page size, default 16); ``--batch``, ``--seq``, ``--calls``,
+``--names`` (ncu); ``--smoke`` every mode at toy shapes on the CPU, skipping what needs a GPU (one
+line says what).
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=4096, help="ncu: sequence length")
     ap.add_argument("--calls", type=int, default=1, help="ncu: calls per kernel after the warm-up")
     ap.add_argument("--names", action="store_true", help="ncu: print the ncu kernel-name regex and exit")
+    ap.add_argument("--head-dim", type=int, default=0,
+                    help="peers: head dim of every case (default 128); 80, 96, 112, 192 run padded to the next "
+                         "power of 2 in the Triton-lowered kernel (the Mosaic peer takes only 64 / 128)")
     args = ap.parse_args(argv)
     if args.mode in ("local", "wall") and args.only not in (None, "decode", "prefill"):
         ap.error(f"--mode {args.mode} takes --only decode or --only prefill")
@@ -123,7 +128,7 @@ def peer_builders(kind: str, page_size: int, with_dense: bool, keep=None):
     """(name, builder) pairs for a case; dense peers run only in the first page-size variant.
     ``keep``: only these names (the smoke run's CPU peers)."""
     out = [("ours", peers.ours)]
-    if page_size % 8 == 0:
+    if page_size % 8 == 0 and HEADS["head_dim"] in (64, 128):  # the Mosaic kernel's head dims
         out += [("ours_mosaic", peers.ours_mosaic)]
     if kind == "decode":
         out += [(f"sglang_triton/{s}", lambda p, s=s: peers.sglang_decode(p, s)) for s in SGLANG_SPLITS]
@@ -324,6 +329,8 @@ def main_peers(args) -> int:
     device = "cuda" if on_gpu else "cpu"
     if args.tiny:
         HEADS.update(num_q_heads=8, num_kv_heads=2, head_dim=64)
+    if args.head_dim:
+        HEADS.update(head_dim=args.head_dim)
     reps = args.reps or (8 if args.quick or args.tiny else 30)
     keep, checked, checks = None, None, SELFCHECK_CASES
     if args.smoke:

@@ -2,10 +2,13 @@
 
 ``impl``:
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
-                  tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dim 64/128,
-                  page size a multiple of 8, no fp8 descale, no sinks with packed decode rows, not
-                  deterministic mode), else the Triton-lowered kernel (interpret mode on CPU);
-  ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature);
+                  tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dim 64/128 for
+                  both K and V, page size a multiple of 8, no fp8 descale, no sinks with packed
+                  decode rows, not deterministic mode), else the Triton-lowered kernel (interpret
+                  mode on CPU): every other head dim (80, 96, 112, 192, 256, Dv != D) goes there;
+  ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature, head dims
+                  that are multiples of 8 up to 256 or powers of 2, K and V alike or not; padded to a
+                  power of 2 inside the kernel: ``jax_attn.kernels.triton_paged.unsupported``);
   ``"mosaic"``    the Pallas Mosaic GPU kernel for Hopper (raises ``NotImplementedError`` for what
                   it does not cover: see ``jax_attn.kernels.mosaic_paged.supports``);
   ``"reference"`` the plain-``jnp`` float32 reference.
@@ -13,7 +16,10 @@
 The torch bridge asks ``select_kernel(..., from_torch=True)``: there the Mosaic kernel is the only
 one torch can launch (and capture in a CUDA graph), so it runs every call it covers; the rest go
 through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
-The kernels keep their own capability checks (``supports`` / ``unsupported``).
+One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
+``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
+for the Triton-lowered one, which a call the Mosaic kernel does not cover goes to (its kernel raises
+with that reason when it does not take the call either).
 """
 
 from __future__ import annotations

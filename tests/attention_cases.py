@@ -42,6 +42,7 @@ class Case:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     sinks: bool = False
+    softmax_scale: float | None = None  # None = head_dim ** -0.5
     fp8: bool = False  # float8_e4m3fn cache with per-(sequence, kv head) descale
     num_splits: int | None = 1
     return_lse: bool = True
@@ -167,6 +168,8 @@ def build_inputs(case: Case, seed: int = 0):
         batch_size=batch, num_tokens=num_tokens, page_size=ps, max_q_len=case.max_q_len, max_pages=width,
     )
     kwargs = dict(causal=case.causal, window_size=case.window, softcap=case.softcap, return_lse=case.return_lse)
+    if case.softmax_scale is not None:
+        kwargs["softmax_scale"] = case.softmax_scale
     if case.sinks:
         kwargs["sinks"] = jnp.asarray(rng.standard_normal(hq) * 2.0, jnp.float32)
     if case.fp8:

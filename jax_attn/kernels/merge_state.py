@@ -2,7 +2,9 @@
 
 A partial result is ``(o, lse)``: the softmax-weighted values over its keys and the natural-log
 sum of their exponentiated logits. An empty partial has ``lse = -inf`` and merges as a no-op;
-when every partial is empty the result is ``o = 0``, ``lse = -inf``.
+when every partial is empty the result is ``o = 0``, ``lse = -inf``. A NaN partial (NaN in its
+queries or keys) gives NaN. Any head dim: a block is the next power of 2 of D wide, its padded
+columns neither read nor written.
 
 Dimension legend: T tokens, H heads, D head dim, S partials, R = T * H rows.
 """
@@ -21,26 +23,56 @@ from jax_attn.kernels.config import DEFAULT_CONFIG, KernelConfig, interpret_defa
 _NEG_INF = float("-inf")
 
 
-def load_rows(ref, rows, ok, other=0):
-    """Gathers ``ref[rows, :]`` -> [len(rows), ref.shape[1]]; rows where ``ok`` is False read ``other``.
+def block_cols(dim: int, width: int | None = None):
+    """Columns of a block ``width`` wide (default: the next power of 2 of ``dim``, as Triton block
+    shapes need) over a ``dim``-column ref: ``(cols i32[width], ok bool[width] or None)``. Columns
+    past ``dim`` must be masked by ``ok`` (None when the block is not padded). They are left as
+    they are, not clamped: a clamp would hide from Triton that the columns are contiguous (no
+    vector loads), and a store to a repeated column may win over the real one in the interpreter,
+    which clamps out-of-range reads and drops out-of-range writes itself."""
+    width = next_pow2(dim) if width is None else width
+    if width < dim:
+        raise ValueError(f"block {width=} must cover the ref's {dim} columns")
+    cols = jnp.arange(width, dtype=jnp.int32)
+    if width == dim:
+        return cols, None
+    return cols, cols < dim
 
-    ``ok=None`` reads every row; ``other=None`` leaves masked rows undefined. ``rows`` must be in
-    range even where ``ok`` is False.
-    """
-    cols = jnp.arange(ref.shape[1], dtype=jnp.int32)
+
+def _block_mask(ok, col_ok, shape):
+    """bool[shape] from a row mask and a column mask (either may be None); None when both are."""
+    if ok is None and col_ok is None:
+        return None
+    if col_ok is None:
+        return jnp.broadcast_to(ok[:, None], shape)
     if ok is None:
-        return plgpu.load(ref.at[rows[:, None], cols[None, :]])
-    mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], ref.shape[1]))
-    if other is None:  # masked rows are undefined
-        return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask)
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=other)
+        return jnp.broadcast_to(col_ok[None, :], shape)
+    return ok[:, None] & col_ok[None, :]
+
+
+def load_rows(ref, rows, ok, other=0, width: int | None = None):
+    """Gathers ``ref[rows, :]`` -> [len(rows), width]; rows where ``ok`` is False read ``other``.
+
+    ``ok=None`` reads every row; ``other=None`` leaves masked elements undefined. ``width``: the
+    block's columns (``block_cols``); columns past ``ref.shape[1]`` are not read and hold ``other``.
+    ``rows`` must be in range even where ``ok`` is False.
+    """
+    cols, col_ok = block_cols(ref.shape[1], width)
+    at = ref.at[rows[:, None], cols[None, :]]
+    mask = _block_mask(ok, col_ok, (rows.shape[0], cols.shape[0]))
+    if mask is None:
+        return plgpu.load(at)
+    if other is None:  # masked elements are undefined
+        return plgpu.load(at, mask=mask)
+    return plgpu.load(at, mask=mask, other=other)
 
 
 def store_rows(ref, rows, ok, val):
-    """Scatters ``val`` into ``ref[rows, :]`` where ``ok``; other rows write nothing."""
-    cols = jnp.arange(ref.shape[1], dtype=jnp.int32)
+    """Scatters ``val [len(rows), width]`` into ``ref[rows, :]`` where ``ok``; other rows, and
+    columns past ``ref.shape[1]`` (a padded block, ``block_cols``), write nothing."""
+    cols, col_ok = block_cols(ref.shape[1], val.shape[1])
     rows = jnp.where(ok, rows, ref.shape[0])  # out of range: dropped by the interpreter too
-    mask = jnp.broadcast_to(ok[:, None], val.shape)
+    mask = _block_mask(ok, col_ok, val.shape)
     plgpu.store(ref.at[rows[:, None], cols[None, :]], val, mask=mask)
 
 
@@ -110,13 +142,14 @@ def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int
     m = jnp.max(lse_all, axis=0)
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
     tot = jnp.sum(jnp.exp(lse_all - m_use[None, :]), axis=0)
-    acc = jnp.zeros((block_rows, po_ref.shape[-1]), jnp.float32)
+    acc = jnp.zeros((block_rows, next_pow2(po_ref.shape[-1])), jnp.float32)
     for s in range(num_splits):
         valid_s, lse_s = split_lse(rows, s, ok, ns)
         w = jnp.exp(lse_s - m_use)
         o_s = load_rows(po_ref, jnp.where(valid_s, rows + s * num_rows, 0), valid_s, 0.0).astype(jnp.float32)
-        acc = acc + jnp.where(w[:, None] > 0.0, o_s * w[:, None], 0.0)  # empty partials may hold garbage
-    nonempty = tot > 0.0
+        # Empty partials (w == 0) may hold garbage; a NaN partial (NaN LSE, so NaN w) stays NaN.
+        acc = acc + jnp.where(w[:, None] != 0.0, o_s * w[:, None], 0.0)
+    nonempty = tot != 0.0  # NaN from a partial stays NaN
     safe = jnp.where(nonempty, tot, 1.0)
     out = jnp.where(nonempty[:, None], acc / safe[:, None], 0.0)
     store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
@@ -137,14 +170,15 @@ def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits:
     m = jnp.max(lse_all)
     m_use = jnp.where(m == _NEG_INF, 0.0, m)
     w = jnp.exp(lse_all - m_use)  # 0 for splits past the row's count
-    acc = jnp.sum(jnp.where(w[:, None] > 0.0, o_all * w[:, None], 0.0), axis=0)  # empty partials may hold garbage
+    acc = jnp.sum(jnp.where(w[:, None] != 0.0, o_all * w[:, None], 0.0), axis=0)  # as in _splits_kernel
     tot = jnp.sum(w)
-    safe = jnp.where(tot > 0.0, tot, 1.0)
-    out = jnp.where(tot > 0.0, acc / safe, 0.0)
-    cols = jnp.arange(o_ref.shape[1], dtype=jnp.int32)
-    plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype))
+    nonempty = tot != 0.0
+    safe = jnp.where(nonempty, tot, 1.0)
+    out = jnp.where(nonempty, acc / safe, 0.0)
+    cols, col_ok = block_cols(o_ref.shape[1])
+    plgpu.store(o_ref.at[row, cols], out.astype(o_ref.dtype), mask=col_ok)
     plgpu.store(lse_ref.at[jnp.full((1,), row, jnp.int32)],
-                jnp.full((1,), jnp.where(tot > 0.0, m_use + jnp.log(safe), _NEG_INF), jnp.float32))
+                jnp.full((1,), jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF), jnp.float32))
 
 
 ROW_MERGE_MAX_ELEMENTS = 64 * 128  # f32 elements of one row's partials that one program loads at once
@@ -172,7 +206,7 @@ def merge_splits(
     sel = (lse_index if indexed else row_num_splits).reshape(-1).astype(jnp.int32)
     # Few rows (one long sequence) get few rows per program, so the merge still spans the SMs.
     br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
-    if br == 1 and next_pow2(s) * d <= ROW_MERGE_MAX_ELEMENTS:
+    if br == 1 and next_pow2(s) * next_pow2(d) <= ROW_MERGE_MAX_ELEMENTS:
         kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r, indexed=indexed)
     else:
         kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br, indexed=indexed)
@@ -196,7 +230,7 @@ def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref, *, num_rows: in
             return o_s.astype(jnp.float32), lse_s.astype(jnp.float32)
         return load
 
-    out, lse = _merge_rows([part(oa_ref, la_ref), part(ob_ref, lb_ref)], block_rows, o_ref.shape[-1])
+    out, lse = _merge_rows([part(oa_ref, la_ref), part(ob_ref, lb_ref)], block_rows, next_pow2(o_ref.shape[-1]))
     store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, rows, ok, lse)
 
@@ -230,8 +264,6 @@ def merge_state(
     if lse_a.shape != o_a.shape[:2] or lse_b.shape != o_a.shape[:2]:
         raise ValueError(f"{lse_a.shape=} and {lse_b.shape=} must be {o_a.shape[:2]} ([T, H], e.g. softmax_lse.T)")
     t, h, d = o_a.shape
-    if d != next_pow2(d):
-        raise ValueError(f"head dim {d=} must be a power of 2 for the merge kernel")
     r = t * h
     br = config.merge_block_rows
     kernel = functools.partial(_pair_kernel, num_rows=r, block_rows=br)

@@ -136,7 +136,8 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
     if head_dim not in (64, 128) or head_dim_v != head_dim:
-        return f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel supports 64 and 128 (equal for K and V)"
+        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel supports 64 and 128 (equal for K and V); "
+                "impl='triton' (or 'auto') runs the others")
     if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
         return f"page_size={page_size}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
     return None

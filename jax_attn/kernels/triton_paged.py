@@ -6,6 +6,12 @@ query heads share every key block. Query rows are gathered from ``q`` seen as ``
 key rows from the cache seen as ``[num_slots * Hkv, D]`` through the page table, one row per key,
 which works for any page size including 1.
 
+Head dims: any multiple of 8 up to 256 (and any power of 2 >= 16). A head dim that is not a power of
+2 >= 16 (80, 96, 112, 192, ...) computes in a block of the next one (``head_dim_block``): q, k and v
+loads mask the padded columns (q and k read 0 there, so the logits are exact), and the output store
+skips them. The caches are read in place, never padded or copied; the padded columns cost FLOPs
+(80 computes as 128), not bytes.
+
 A split-KV decode launch may pack C kv heads into one program (``KernelConfig.split_kv_heads``):
 its rows are then the query heads of all C kv heads, each loop step gathers the C adjacent rows
 of every key (one contiguous read per key), and a logit whose key row belongs to another kv head
@@ -13,8 +19,8 @@ than its query row is masked out.
 
 Dimension legend:
   T query tokens, B sequences, P page-table width, Hq / Hkv query / kv heads, G = Hq // Hkv,
-  D / Dv key / value head dims, S kv splits (static bound), N work tiles (static bound),
-  M tile rows, R = T * Hq output rows, C kv heads per program.
+  D / Dv key / value head dims (Dp / Dvp their blocks, ``head_dim_block``), S kv splits (static bound),
+  N work tiles (static bound), M tile rows, R = T * Hq output rows, C kv heads per program.
 """
 
 from __future__ import annotations
@@ -30,14 +36,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.kernels.config import (DEFAULT_CONFIG, KernelConfig, interpret_default, kv_heads_per_program,
-                                      tile_rows)
-from jax_attn.kernels.merge_state import load_rows, merge_splits, store_rows, store_vec
+                                      next_pow2, tile_rows)
+from jax_attn.kernels.merge_state import block_cols, load_rows, merge_splits, store_rows, store_vec
 from jax_attn.kernels.schedule import plan_schedule, row_num_splits
 from jax_attn.metadata import AttentionMetadata
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
+MAX_PADDED_HEAD_DIM = 256  # head dims that are not powers of 2 are taken up to this
+
+
+def head_dim_block(d: int) -> int:
+    """The block width a head dim computes in: the next power of 2, at least 16 (Triton's dot)."""
+    return max(16, next_pow2(d))
+
+
+def unsupported(dtype, head_dim: int, head_dim_v: int) -> str | None:
+    """The Triton-lowered kernel's dtype and head-dim rules: ``None`` when they hold, else the reason.
+
+    Head dims: multiples of 8 up to 256, or powers of 2 >= 16 (K and V may differ); padded inside
+    the kernel (``head_dim_block``). Any page size, GQA group, fp8 KV with descale."""
+    for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        pow2 = d >= 16 and d & (d - 1) == 0
+        if not (pow2 or (d > 0 and d % 8 == 0 and d <= MAX_PADDED_HEAD_DIM)):
+            return (f"{name}={d}: the Triton-lowered kernel takes head dims that are multiples of 8 up to "
+                    f"{MAX_PADDED_HEAD_DIM}, or powers of 2 >= 16")
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        return f"q dtype {jnp.dtype(dtype)}: the Triton-lowered kernel takes bfloat16, float16 or float32"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +74,8 @@ class _Static:
     num_tokens: int  # T
     num_q_heads: int  # Hq
     num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    head_dim_v: int  # Dv
     page_size: int
     max_pages: int  # P
     block_q: int
@@ -69,6 +98,14 @@ class _Static:
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def d_block(self) -> int:  # Dp
+        return head_dim_block(self.head_dim)
+
+    @property
+    def dv_block(self) -> int:  # Dvp
+        return head_dim_block(self.head_dim_v)
 
 
 def _kv_range(st: _Static, q_len, k_len, q_block):
@@ -168,7 +205,7 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
     row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
     shift = k_len - q_len  # qpos = shift + query index (bottom-right aligned)
-    q = load_rows(q_ref, q_row, row_ok).astype(st.compute_dtype)
+    q = load_rows(q_ref, q_row, row_ok, width=st.d_block).astype(st.compute_dtype)  # [M, Dp]; 0 past D
 
     lo, hi = _kv_range(st, q_len, k_len, q_block)
     s_lo, s_hi = _split_range(st, lo, hi, split, seq_splits_ref[b])
@@ -242,15 +279,16 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
         return plgpu.load(pt_ref.at[jnp.where(ok, b * st.max_pages + keys // ps, 0)], mask=ok, other=0)
 
     num_pages = k_ref.shape[0] // (ps * hkv)
+    fill = None if st.fp8_kv else 0
+    _, k_col_ok = block_cols(st.head_dim, st.d_block)
 
-    def load_kv(page, keys, kv_ok):
+    def load_kv(page, keys, kv_ok):  # k [block_k * C, Dp], v [block_k * C, Dvp]; 0 past D / Dv (not fp8)
         page = jnp.clip(page, 0, num_pages - 1)  # a bad page id reads a page of the pool, never past it
         kv_row = (page * ps + keys % ps) * hkv + col_head
-        if kv_ok is None:
-            return load_rows(k_ref, kv_row, None), load_rows(v_ref, kv_row, None)
-        kv_row = jnp.where(kv_ok, kv_row, 0)
-        fill = None if st.fp8_kv else 0
-        return load_rows(k_ref, kv_row, kv_ok, fill), load_rows(v_ref, kv_row, kv_ok, fill)
+        if kv_ok is not None:
+            kv_row = jnp.where(kv_ok, kv_row, 0)
+        return (load_rows(k_ref, kv_row, kv_ok, fill, width=st.d_block),
+                load_rows(v_ref, kv_row, kv_ok, fill, width=st.dv_block))
 
     def make_body(masked: bool):
         def body(it, carry):
@@ -264,7 +302,10 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
             else:
                 page = plgpu.load(pt_ref.at[b * st.max_pages + keys // ps])
             k, v = load_kv(page, keys, kv_ok)
-            s = _dot(q, k.astype(st.compute_dtype), trans_b=True)  # [M, block_k * C] f32
+            k = k.astype(st.compute_dtype)
+            if st.fp8_kv and k_col_ok is not None:  # fp8 masked loads have no fill value
+                k = jnp.where(k_col_ok[None, :], k, 0)  # padded columns: 0 * garbage could be NaN
+            s = _dot(q, k, trans_b=True)  # [M, block_k * C] f32
             if st.softcap > 0:
                 s = jnp.tanh(s * _per_row(k_scale / st.softcap)) * (st.softcap * LOG2E)
                 c = 1.0
@@ -288,7 +329,7 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
         return body
 
     i_lo, i_hi, n = bounds
-    carry: tuple = (jnp.zeros((st.rows, v_ref.shape[-1]), jnp.float32),
+    carry: tuple = (jnp.zeros((st.rows, st.dv_block), jnp.float32),  # padded columns are never stored
              jnp.full((st.rows,), _NEG_INF, jnp.float32),
              jnp.zeros((st.rows,), jnp.float32))
     if st.prefetch_pages:  # the three loops walk consecutive blocks, so the carried ids stay in step
@@ -340,11 +381,9 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks):
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}; cast with .astype(jnp.int32)")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"{sinks.shape=} must be ({q.shape[1]},), one logit per query head")
-    dv = v_cache.shape[-1]
-    if d < 16 or dv < 16 or d & (d - 1) or dv & (dv - 1):
-        raise ValueError(f"head dims {d=} {dv=} must be powers of 2 >= 16 (Triton block shapes); pad them")
-    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise ValueError(f"{q.dtype=} must be bfloat16, float16 or float32")
+    reason = unsupported(q.dtype, d, v_cache.shape[-1])
+    if reason is not None:
+        raise ValueError(f"{q.shape=}, {v_cache.shape=}: {reason}")
 
 
 def _check_scale(softmax_scale):
@@ -448,7 +487,7 @@ def paged_attention(
     pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
     compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     st = _Static(
-        num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, page_size=ps, max_pages=max_pages,
+        num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, page_size=ps, max_pages=max_pages,
         block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, pack * hq // hkv), kv_pack=pack,
         prefetch_pages=config.prefetch_pages,
         split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
