@@ -35,6 +35,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.p
 import soak_fronts as fronts  # noqa: E402
 
 MODES = ("extend", "decode", "decode", "decode", "verify", "draft_extend")  # drawn uniformly
+EXTEND_TOKENS = 64  # tokens of a bucketed extend batch (a chunked-prefill budget)
 
 
 @dataclasses.dataclass
@@ -50,10 +51,11 @@ class Engine:
     """Requests, pages and the request table of one simulated server over one front end."""
 
     def __init__(self, front, *, page_size: int, num_pages: int, max_reqs: int, max_ctx: int, heads, layers,
-                 num_draft: int, dtype, device, seed: int, traced: int = 3):
+                 num_draft: int, dtype, device, seed: int, traced: int = 3, bucketed: bool = False):
         self.front, self.page_size, self.max_ctx, self.max_reqs = front, page_size, max_ctx, max_reqs
         self.heads, self.layers, self.num_draft, self.dtype, self.device = heads, layers, num_draft, dtype, device
         self.rng = np.random.default_rng(seed)
+        self.bucketed = bucketed
         self.free_pages = [int(p) for p in self.rng.permutation(np.arange(1, num_pages))]  # page 0 reserved
         self.free_rows = list(range(1, max_reqs + 1))
         self.running: Dict[int, Req] = {}
@@ -118,28 +120,15 @@ class Engine:
                 self._release(req, preempt=True)
         self._admit()
         mode = MODES[int(self.rng.integers(len(MODES)))]
-        fresh = [r for r in self.running.values() if r.length == 0]
-        live = [r for r in self.running.values() if r.length > 0]
-        if mode != "extend" and not live:
-            mode = "extend"
-        reqs = fresh + live if mode == "extend" else live
-        reqs = [reqs[i] for i in self.rng.permutation(len(reqs))][:int(self.rng.integers(1, 17))]
-        if not reqs:
+        picked = self._pick(mode)
+        if picked is None and mode != "extend":
+            mode, picked = "extend", self._pick("extend")
+        if picked is None:
             return None
-        n = self.num_draft
-        if mode == "extend":  # a prefill chunk, on top of what the request holds (chunked prefill)
-            new = [int(min(self.rng.integers(1, 65), r.target - r.length)) for r in reqs]
-        elif mode == "decode":
-            new = [1] * len(reqs)
-        elif mode == "verify":
-            new = [n] * len(reqs)
-        else:  # draft extend: the accepted tokens, already counted in the request's length
-            new = [int(min(self.rng.integers(1, n + 1), r.length)) for r in reqs]
-        prefix = [r.length - (k if mode == "draft_extend" else 0) for r, k in zip(reqs, new)]
-        kept = [(r, p, k) for r, p, k in zip(reqs, prefix, new) if k > 0 and self._grow(r, p + k)]
-        if not kept:
-            return None
-        reqs, prefix, new = (list(x) for x in zip(*kept))
+        reqs, prefix, new = picked
+        for r, p, k in zip(reqs, prefix, new):
+            if not self._grow(r, p + k):
+                return None  # out of pages this step (finishing requests free them)
         loc = np.concatenate([self.slots(r, p, k) for r, p, k in zip(reqs, prefix, new)])
         seq = [p + (0 if mode == "verify" else k) for p, k in zip(prefix, new)]
         t = len(loc)
@@ -147,9 +136,49 @@ class Engine:
         qkv = [tuple(torch.randn(t, h, d, generator=self.gen, device=self.device).to(self.dtype)
                      for h in (hq, hkv, hkv)) for _ in self.layers]
         step = fronts.Step(mode, np.array([r.row for r in reqs], np.int64), np.array(seq, np.int64),
-                           np.array(prefix, np.int64), np.array(new, np.int64), loc, qkv, num_draft=n)
+                           np.array(prefix, np.int64), np.array(new, np.int64), loc, qkv, num_draft=self.num_draft)
         step.reqs = reqs  # type: ignore[attr-defined]
         return step
+
+    def _pick(self, mode: str):
+        """(requests, keys before this step's tokens, this step's tokens) of a ``mode`` batch, or None.
+
+        ``bucketed`` (the bridge, whose eager plans compile per shape): extend batches hold a bucket of
+        requests and ``EXTEND_TOKENS`` tokens, draft extends a bucket of requests that all accepted N."""
+        n = self.num_draft
+        if mode == "extend":
+            cands = [r for r in self.running.values() if r.length < r.target]
+        elif mode == "draft_extend":
+            cands = [r for r in self.running.values() if r.length >= (n if self.bucketed else 1)]
+        else:
+            cands = [r for r in self.running.values() if 0 < r.length and r.length + n <= self.max_ctx]
+        cands = [cands[i] for i in self.rng.permutation(len(cands))]
+        bs = min(len(cands), int(self.rng.integers(1, fronts.GRAPH_BUCKETS[-1] + 1)))
+        if self.bucketed and mode in ("extend", "draft_extend") and bs:
+            bs = max(b for b in fronts.GRAPH_BUCKETS if b <= bs)
+        reqs = cands[:bs]
+        if not reqs:
+            return None
+        if mode == "extend":  # a prefill chunk on top of what each request holds (chunked prefill)
+            room = np.array([r.target - r.length for r in reqs])
+            if self.bucketed:
+                if room.sum() < EXTEND_TOKENS or bs > EXTEND_TOKENS:
+                    return None
+                new = np.ones(bs, np.int64)
+                for _ in range(EXTEND_TOKENS - bs):  # spread the rest at random within each request's room
+                    open_ = np.flatnonzero(new < room)
+                    new[open_[int(self.rng.integers(len(open_)))]] += 1
+            else:
+                new = np.minimum(self.rng.integers(1, 65, bs), room)
+        elif mode == "decode":
+            new = np.ones(bs, np.int64)
+        elif mode == "verify":
+            new = np.full(bs, n)
+        else:  # draft extend: the accepted tokens, already counted in each request's length
+            lens = np.array([r.length for r in reqs])
+            new = np.full(bs, n) if self.bucketed else np.minimum(self.rng.integers(1, n + 1, bs), lens)
+        prefix = [r.length - (int(k) if mode == "draft_extend" else 0) for r, k in zip(reqs, new)]
+        return reqs, prefix, [int(k) for k in new]
 
     def commit(self, step: fronts.Step) -> None:
         """The engine's bookkeeping after a step: verify accepts 1..N of its drafts."""
@@ -296,7 +325,8 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
     if front_name == "jax":
         front.capture()
     return Engine(front, page_size=page_size, num_pages=num_pages, max_reqs=args.max_reqs, max_ctx=args.max_ctx,
-                  heads=heads, layers=layers, num_draft=args.num_draft, dtype=dtype, device=args.device, seed=seed)
+                  heads=heads, layers=layers, num_draft=args.num_draft, dtype=dtype, device=args.device, seed=seed,
+                  bucketed=front_name == "bridge")
 
 
 def main(argv=None) -> int:

@@ -4,9 +4,12 @@ Both take the same engine step (``Step``: mode, request rows, lengths, slots, pe
 torch tensors) and return each layer's output as a torch tensor; both expose their pools as torch
 tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and oracle checks.
 
-* ``BridgeFront``: SGLang's interface of ``torch_bridge.FlashAttentionBackend``. Decode batches that fit
-  a captured bucket replay a real ``torch.cuda.graph`` of every layer's attention (when the bridge
-  launches the kernel from torch: Hopper, page size a multiple of 8); the rest run eagerly.
+* ``BridgeFront``: SGLang's interface of ``torch_bridge.FlashAttentionBackend``. Decode and chain verify
+  batches that fit a bucket go through the capture / replay hooks as SGLang's graph runner drives them;
+  decode buckets replay a real ``torch.cuda.graph`` of every layer's attention where the bridge launches
+  the kernel from torch (Hopper, page size a multiple of 8), other buckets run their layers eagerly
+  after the replay hook. Extend and draft extend batches are planned eagerly (one plan per shape: the
+  engine keeps their shapes to a small set, ``Engine(bucketed=True)``).
 * ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner``: uniform batches (decode, chain
   verify, draft extend) replay its captured buckets; extend batches are padded to a batch and token
   bucket and run through ``StepRunner.eager`` (one executable per padded shape).
@@ -75,9 +78,9 @@ class BridgeFront:
         self.backend = FlashAttentionBackend(self.runner, topk=1, verbose=False)
         self.radix = [RadixAttention(self.hq, self.d, lay.scaling, self.hkv, i, logit_cap=lay.softcap,
                                      sliding_window_size=lay.window) for i, lay in enumerate(layers)]
-        self.graphs: dict = {}
-        if graphs and self.backend.mosaic_path is not None and page_size % 8 == 0:
-            self._capture(dtype)
+        self.graphs: dict = {}  # decode bucket -> (torch CUDA graph, its outputs)
+        self.num_draft = num_draft
+        self._capture(dtype, graphs and self.backend.mosaic_path is not None and page_size % 8 == 0)
 
     def pools(self):
         pool = self.runner.token_to_kv_pool
@@ -116,49 +119,61 @@ class BridgeFront:
 
     def run(self, s: Step) -> list:
         bs = len(s.rows)
-        if s.mode == "decode" and bs <= GRAPH_BUCKETS[-1] and self.graphs:
+        if s.mode in ("decode", "verify") and bs <= GRAPH_BUCKETS[-1]:
             return self._replay(s, bucket_for(bs, GRAPH_BUCKETS))
         fb = self._batch(s)
         self.backend.init_forward_metadata(fb)
         return [o.reshape(len(s.loc), self.hq, self.d) for o in self._layers(fb, s.qkv)]
 
-    # ---- CUDA graphs: SGLang's graph runner, one static buffer set sliced per bucket -------------------
-    def _capture(self, dtype) -> None:
-        top, dev = GRAPH_BUCKETS[-1], self.device
-        self.backend.init_cuda_graph_state(top, top)
+    # ---- SGLang's graph runners: decode and verify buckets, one static buffer set sliced per bucket ----
+    def _capture(self, dtype, graphs: bool) -> None:
+        top, n, dev = GRAPH_BUCKETS[-1], self.num_draft, self.device
+        self.backend.init_cuda_graph_state(top, top * n)
         self.rows = torch.zeros(top, dtype=torch.int64, device=dev)
         self.lens = torch.ones(top, dtype=torch.int64, device=dev)
         self.locs = torch.zeros(top, dtype=torch.int64, device=dev)
         self.qkv = [tuple(torch.zeros(top, h, self.d, dtype=dtype, device=dev) for h in (self.hq, self.hkv, self.hkv))
                     for _ in self.layers]
-        for bs in GRAPH_BUCKETS:
-            self.backend.init_forward_metadata_capture_cuda_graph(bs, bs, self.rows[:bs], self.lens[:bs], None,
-                                                                  ForwardMode.DECODE, None)
-            fb = ForwardBatch(ForwardMode.DECODE, bs, self.rows[:bs], self.lens[:bs], self.locs[:bs],
-                              token_to_kv_pool=self.runner.token_to_kv_pool)
-            qkv = [tuple(t[:bs] for t in x) for x in self.qkv]
-            self._layers(fb, qkv)  # warm-up outside the capture (builds the kernels)
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outs = self._layers(fb, qkv)
-            self.graphs[bs] = (g, outs)
+        verify = SpecInfo(draft_token_num=n)
+        for mode, per, spec in ((ForwardMode.DECODE, 1, None), (ForwardMode.TARGET_VERIFY, n, verify)):
+            for bs in GRAPH_BUCKETS:
+                self.backend.init_forward_metadata_capture_cuda_graph(bs, bs * per, self.rows[:bs], self.lens[:bs],
+                                                                      None, mode, spec)
+                if mode != ForwardMode.DECODE or not graphs:
+                    continue  # replayed hook-only: the layers run eagerly after the replay hook
+                fb = ForwardBatch(mode, bs, self.rows[:bs], self.lens[:bs], self.locs[:bs],
+                                  token_to_kv_pool=self.runner.token_to_kv_pool)
+                qkv = [tuple(t[:bs] for t in x) for x in self.qkv]
+                self._layers(fb, qkv)  # warm-up outside the capture (builds the kernels)
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = self._layers(fb, qkv)
+                self.graphs[bs] = (g, outs)
 
     def _replay(self, s: Step, bs: int) -> list:
-        n = len(s.rows)
+        n, dev = len(s.rows), self.device
         self.rows.zero_()
         self.lens.fill_(1)
+        self.rows[:n] = torch.as_tensor(s.rows, device=dev)
+        self.lens[:n] = torch.as_tensor(s.seq_lens, device=dev)
+        graph = self.graphs.get(bs) if s.mode == "decode" else None
+        mode = ForwardMode.DECODE if s.mode == "decode" else ForwardMode.TARGET_VERIFY
+        spec = None if s.mode == "decode" else SpecInfo(draft_token_num=s.num_draft)
+        if graph is None:  # hook-only bucket: the hook pads the plan, the layers take the real tokens
+            fb = self._batch(s)
+            self.backend.init_forward_metadata_replay_cuda_graph(bs, self.rows[:bs], self.lens[:bs], None, None,
+                                                                 mode, spec, None, out_cache_loc=fb.out_cache_loc)
+            return [o.reshape(len(s.loc), self.hq, self.d) for o in self._layers(fb, s.qkv)]
         self.locs.zero_()
-        self.rows[:n] = torch.as_tensor(s.rows, device=self.device)
-        self.lens[:n] = torch.as_tensor(s.seq_lens, device=self.device)
-        self.locs[:n] = torch.as_tensor(s.loc, device=self.device)
+        self.locs[:n] = torch.as_tensor(s.loc, device=dev)
         for static, new in zip(self.qkv, s.qkv):
             for dst, src in zip(static, new):
                 dst.zero_()
                 dst[:n] = src
         self.backend.init_forward_metadata_replay_cuda_graph(bs, self.rows[:bs], self.lens[:bs], None, None,
-                                                             ForwardMode.DECODE, None, None)
-        g, outs = self.graphs[bs]
+                                                             mode, None, None)
+        g, outs = graph
         g.replay()
         return [o[:n].reshape(n, self.hq, self.d) for o in outs]
 
