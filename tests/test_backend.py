@@ -1,7 +1,5 @@
 """Backend contract: replay (padded, captured) equals eager and the reference for every mode;
-no retrace inside a bucket; bitwise in deterministic mode; idle and error paths."""
-
-import dataclasses
+no retrace inside a bucket; idle and error paths (deterministic mode: tests/test_deterministic.py)."""
 
 import numpy as np
 import pytest
@@ -194,28 +192,6 @@ def test_extend_with_prefix_eager(impl):
     got, _ = runner.eager(fb, tok, pool)
     want = expected(pool, table, rows, fb, q_lens, tok, 4, 0)
     np.testing.assert_allclose(np.asarray(got).reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
-
-
-def test_deterministic_replay_is_bitwise_batch_invariant():
-    rng = np.random.default_rng(11)
-    table, num_slots = make_table(16, 4, seed=2)
-    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="triton",
-                                    deterministic=True, num_heads=(HQ, HKV))
-    runner = StepRunner(backend, attn_step(backend), batch_buckets=(4, 8))
-    rows = np.arange(1, 9, dtype=np.int32)
-    committed = rng.integers(3, 40, 8).astype(np.int32)
-    pool = make_pool(num_slots, table, rows, committed, rng)
-    fb, _ = make_batch("decode", rows, committed, table, rng)
-    tok = rand_tokens(rng, 8)
-    runner.capture([fb, dataclasses.replace(fb, req_pool_indices=rows[:4], seq_lens=fb.seq_lens[:4],
-                                            out_cache_loc=fb.out_cache_loc[:4])],
-                   tok, pool, verbose=False)
-    full, _ = runner.replay(fb, tok, pool)
-    # Request 2 alone (bucket 4, padded with 3 dummy rows) must be bitwise the same.
-    one = dataclasses.replace(fb, req_pool_indices=rows[2:3], seq_lens=fb.seq_lens[2:3],
-                              out_cache_loc=fb.out_cache_loc[2:3])
-    alone, _ = runner.replay(one, jax.tree.map(lambda x: x[2:3], tok), pool)
-    np.testing.assert_array_equal(np.asarray(full)[2:3], np.asarray(alone))
 
 
 def test_idle_and_errors():

@@ -3,14 +3,15 @@ the JAX planner, and the first layer (inside the engine's graph: every replay) r
 
 * the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs, bit
   for bit, over random and bad input (rows outside the table, lengths negative, past the capacity,
-  outside int32, ties), page sizes 8 / 16 / 64, decode, chain verify and chain draft decode, batch
-  buckets padded to their class;
+  outside int32, ties, a ``req_to_token`` page id past the pool or below 0), page sizes 8 / 16 / 64,
+  decode, chain verify and chain draft decode, batch buckets padded to their class;
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output
   matches the reference, and whatever reads the plan words (a JAX-path layer, ``check``) gets the
   planner's words for the new inputs;
 * on a Hopper GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh.
 """
 
+import contextlib
 import types
 
 import numpy as np
@@ -54,8 +55,9 @@ MODES = {  # name -> (mode, queries per request, spec_info, draft step)
 }
 
 
-def bad_inputs(rng, bs: int, capacity: int, trial: int):
-    """Rows and lengths for one trial: valid ones, with some entries bad or tied."""
+def bad_inputs(rng, bs: int, capacity: int, trial: int, page: int, num_slots: int):
+    """Rows, lengths and a ``req_to_token`` edit ((row, position, slot) or None) for one trial: valid
+    ones, with some entries bad or tied, and every other trial a used page id outside the pool."""
     rows = rng.integers(1, REQS + 1, bs)
     lens = rng.integers(1, capacity - N_DRAFT, bs)
     if trial % 3 == 1:  # equal lengths: the tile order breaks ties by batch index
@@ -64,7 +66,28 @@ def bad_inputs(rng, bs: int, capacity: int, trial: int):
         i = rng.integers(0, bs)
         rows[i] = rng.choice([-1, REQS + 1, 1 << 40, -(1 << 40)])
         lens[(i + 1) % bs] = rng.choice([0, -3, capacity + 5, INT32_MAX, 1 << 40, -(1 << 40)])
-    return rows, lens
+    edit = None
+    ok = [i for i in range(bs) if 1 <= rows[i] <= REQS and 1 <= lens[i] <= capacity]
+    if trial % 2 == 1 and ok:  # a page this step reads: its first slot past the pool, or below 0
+        i = ok[rng.integers(0, len(ok))]
+        pos = int(rng.integers(0, -(-int(lens[i]) // page))) * page
+        edit = int(rows[i]), pos, int(rng.choice([num_slots + 3 * page, 1 << 30, -page]))
+    return rows, lens, edit
+
+
+@contextlib.contextmanager
+def edited(req_to_token: torch.Tensor, edit):
+    """``req_to_token`` with one entry changed in place (the planner and the refresh read it), then restored."""
+    if edit is None:
+        yield
+        return
+    row, pos, slot = edit
+    old = int(req_to_token[row, pos])
+    req_to_token[row, pos] = slot
+    try:
+        yield
+    finally:
+        req_to_token[row, pos] = old
 
 
 @pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "decode", 3), (64, "verify", 4), (16, "draft", 2),
@@ -82,19 +105,31 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     rng = np.random.default_rng(page + bs)
     capacity = backend.jax_backend.capacity
 
+    r2t = runner.req_to_token_pool.req_to_token
+    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    num_pages = num_slots // page
+
     def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
         rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
         assert backend.step.tables[(HQ, HKV)] is tables
+        assert 0 <= int(tables.args[0].min()) and int(tables.args[0].max()) < num_pages, "page ids outside the pool"
         return tables.flat.clone()
 
+    edits = 0
     for trial in range(12):
-        before = planned(bad_inputs(rng, bs, capacity, trial))
-        after = planned(bad_inputs(rng, bs, capacity, trial + 1))
-        tables.flat.copy_(before)  # the previous step's tables, then the refresh of the new inputs
-        r.serial += 1
-        r.before_layer(0)
-        assert torch.equal(tables.flat, after), f"trial {trial}: {rows.tolist()=} {lens.tolist()=}"
+        values = bad_inputs(rng, bs, capacity, trial, page, num_slots)
+        with edited(r2t, values[2]):
+            before = planned(values)
+        values = bad_inputs(rng, bs, capacity, trial + 1, page, num_slots)
+        edits += values[2] is not None
+        with edited(r2t, values[2]):
+            after = planned(values)
+            tables.flat.copy_(before)  # the previous step's tables, then the refresh of the new inputs
+            r.serial += 1
+            r.before_layer(0)
+            assert torch.equal(tables.flat, after), f"trial {trial}: {rows.tolist()=} {lens.tolist()=} {values[2]=}"
+    assert edits >= 4, "the trials must include bad req_to_token page ids"
 
 
 def decode_step(runner, table, rng, rows, kv_lens, per_req: int = 1):

@@ -28,14 +28,14 @@ def _c(name, seq_lens, **kw):
 
 # Row counts that cross the 64-row warpgroup and 128-row tile edges; pages shuffled, NaN in unused slots.
 MOSAIC_CPU_CASES = [
-    _c("prefill_ragged", [(70, 70), (5, 5), (130, 140)], heads=(2, 1)),
+    _c("prefill_ragged", [(70, 70), (5, 5), (130, 140)], heads=(2, 1), softmax_scale=0.05),
     # 144 rows (a multiple of 8): Q tiles starting on a multiple of 8 are loaded straight into the
     # tiled buffer, the others (sequence 3 starts at row 69) through the staging buffer
     _c("prefill_aligned", [(64, 64), (5, 20), (75, 100)], heads=(2, 1)),
     _c("decode_packed", [(1, 17), (1, 130), (1, 3)], pad_rows=1),
     # 300 padding tokens: 600 padding rows, zeroed by one padding CTA over five row blocks, both halves
     _c("decode_packed_long_pad", [(1, 17), (1, 40)], pad_tokens=300),
-    _c("verify_packed", [(4, 40), (4, 4)], heads=(8, 2)),
+    _c("verify_packed", [(4, 40), (4, 4)], heads=(8, 2), softmax_scale=0.3),  # a scale other than D ** -0.5
     _c("mixed_window", [(1, 90), (40, 60)], window=(13, 0), heads=(2, 2)),
     _c("noncausal_softcap", [(20, 50), (3, 9)], causal=False, softcap=5.0, page_size=8),
     _c("sinks_page64", [(1, 60), (66, 150)], sinks=True, page_size=64, heads=(2, 1)),

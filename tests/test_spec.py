@@ -49,24 +49,27 @@ def setup(rows, committed, n_new, page_size, seed):
     return table, KVPool(jnp.asarray(k), jnp.asarray(v)), q, kn, vn
 
 
-def dense_tree_oracle(q, keys, vals, positions, qpos, window=-1):
-    """float64 attention of one query over an explicit key list (positions for the window)."""
+def dense_tree_oracle(q, keys, vals, positions, qpos, window=-1, sinks=None):
+    """float64 attention of one query over an explicit key list (positions for the window); ``sinks[h]``
+    adds ``exp(sinks[h] - max)`` to head h's softmax denominator."""
     g = HQ // HKV
     out = np.zeros((HQ, D))
     for h in range(HQ):
         kk, vv = keys[:, h // g].astype(np.float64), vals[:, h // g].astype(np.float64)
         s = kk @ q[h].astype(np.float64) * D**-0.5
         vis = np.ones(len(s), bool) if window < 0 else positions >= qpos - window
-        p = np.exp(s[vis] - s[vis].max())
-        out[h] = p @ vv[vis] / p.sum()
+        m = s[vis].max()
+        p = np.exp(s[vis] - m)
+        out[h] = p @ vv[vis] / (p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m)))
     return out
 
 
-def run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=-1):
+def run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=-1, sinks=None):
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=CTX, impl=impl)
     md = backend.plan(fb)
     layer = LayerParams(HQ, HKV, D, sliding_window_size=window)
-    out, new_pool = backend.forward(jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), layer, pool, md)
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    out, new_pool = backend.forward(jnp.asarray(q), jnp.asarray(kn), jnp.asarray(vn), layer, pool, md, sinks=sinks)
     return np.asarray(out).reshape(-1, HQ, D), new_pool
 
 
@@ -77,7 +80,7 @@ def verify_batch(rows, committed, masks, table):
     return ForwardBatch(ForwardMode.TARGET_VERIFY, rows, committed, loc, spec_info=spec)
 
 
-def verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=-1):
+def verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=-1, sinks=None):
     k, v = np.array(pool.k), np.array(pool.v)
     n = masks[0].shape[0]
     want = []
@@ -87,7 +90,7 @@ def verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=-1):
             keys = np.concatenate([k[table[r, :c]], kn[b * n + sel]])
             vals = np.concatenate([v[table[r, :c]], vn[b * n + sel]])
             pos = np.concatenate([np.arange(c), c + np.arange(len(sel))])
-            want.append(dense_tree_oracle(q[b * n + i], keys, vals, pos, c + len(sel) - 1, window))
+            want.append(dense_tree_oracle(q[b * n + i], keys, vals, pos, c + len(sel) - 1, window, sinks))
     return np.stack(want)
 
 
@@ -108,6 +111,27 @@ def test_tree_verify_equals_full_mask(impl, tree, page_size):
     got_w, _ = run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=5)
     want_w = verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=5)
     np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verify_with_sinks():
+    """Attention sinks in a tree step (gpt-oss style, with and without a sliding window): each head's sink
+    joins the softmax once, though the cascade splits a query's keys over a prefix and an expand pass
+    (and the SWA pass) whose partial results are merged.
+
+    Bugs caught: the sink added in both passes (or in neither), the sinks not reaching the cascade."""
+    rows, committed = np.array([2, 1], np.int32), np.array([9, 17], np.int32)
+    mask = two_branches()
+    n = mask.shape[0]
+    table, pool, q, kn, vn = setup(rows, committed, 2 * n, 4, seed=11)
+    sinks = np.random.default_rng(12).standard_normal(HQ) * 2.0
+    fb = verify_batch(rows, committed, [mask, star(n)], table)
+    masks = list(fb.spec_info.draft_mask)
+    for window in (-1, 5):
+        got, _ = run_backend("triton", table, pool, fb, q, kn, vn, 4, window=window, sinks=sinks)
+        want = verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=window, sinks=sinks)
+        plain = verify_oracle(rows, committed, masks, table, pool, kn, vn, q, window=window)
+        assert np.abs(want - plain).max() > 1e-2, "the sinks must change the answer"
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{window=}")
 
 
 def test_chain_tree_equals_uniform_verify_and_batch_of_two_equals_two_runs():
