@@ -197,8 +197,7 @@ class JaxFront:
                                   num_heads=(self.hq, self.hkv))
         self.params = [LayerParams(self.hq, self.hkv, self.d, scaling=lay.scaling, logit_cap=lay.softcap,
                                    sliding_window_size=lay.window, layer_id=i) for i, lay in enumerate(layers)]
-        nan = jnp.full((num_slots, self.hkv, self.d), jnp.nan, jdt)
-        self.kv = [KVPool(nan, nan + 0) for _ in layers]
+        self.kv = [KVPool(*(jnp.full((num_slots, self.hkv, self.d), jnp.nan, jdt) for _ in "kv")) for _ in layers]
         self.runner = StepRunner(self.backend, self._step_fn, batch_buckets=GRAPH_BUCKETS,
                                  donate_argnums=(0,), compile_cache=False)
 

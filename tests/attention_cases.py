@@ -43,7 +43,6 @@ class Case:
     softcap: float = 0.0
     softmax_scale: float | None = None  # None: the kernels' default, head_dim ** -0.5
     sinks: bool = False
-    softmax_scale: float | None = None  # None = head_dim ** -0.5
     fp8: bool = False  # float8_e4m3fn cache with per-(sequence, kv head) descale
     num_splits: int | None = 1
     return_lse: bool = True
