@@ -8,8 +8,8 @@ so a backend that ignores deterministic mode fails here instead of passing by lu
 
 Bugs caught: ``deterministic`` dropped by the JAX backend or by the bridge's settings
 (``server_args.enable_deterministic_inference``), a deterministic plan with more than one split.
-Known bug (strict xfail, ``LAUNCH_PATH_BUG``): the bridge's Mosaic launch path (Hopper) changes its key
-block with the batch size, so its deterministic outputs are not bitwise batch-invariant.
+The bridge's Mosaic launch path (Hopper) in deterministic mode keeps one key block whatever the batch
+size (``MosaicConfig.batch_invariant``); a path whose key block followed the batch fails the last test.
 """
 
 from __future__ import annotations
@@ -53,12 +53,6 @@ class Setup:
 CPU = Setup((2, 1), 16, "float32", "triton", "cpu")  # interpret mode: few heads, small head dim
 GPU = Setup((32, 8), 128, "bfloat16", "auto", "cuda")
 ON_GPU = jax.default_backend() == "gpu"
-LAUNCH_PATH_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known bug: the bridge's Mosaic launch path ignores deterministic mode, and its kernel takes "
-    "decode_block_kv (64 keys, not 128) once num_tokens * Hkv >= decode_min_ctas (264 on an H100)")
-
-
 def data(s: Setup, seed: int = 0):
     """req_to_token, K/V pools (NaN in every slot no sequence owns, 0 in slot 0) and one query per sequence."""
     hq, hkv = s.heads
@@ -214,17 +208,16 @@ def test_bridge_is_bitwise_batch_and_bucket_invariant():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper GPU (the launch path)")
-@LAUNCH_PATH_BUG  # bucket 64 x 8 kv heads passes decode_min_ctas; 1 and 3 requests do not
 def test_bridge_is_bitwise_batch_and_bucket_invariant_gpu():
     run_bridge(GPU)
 
 
-@LAUNCH_PATH_BUG
 def test_bridge_launch_path_is_bitwise_batch_invariant():
     """The bridge's Mosaic launch path (Hopper; here the Mosaic GPU interpreter, ``InterpretedKernel``) in
     deterministic mode: one request alone and in a batch of four. ``decode_min_ctas=4`` puts the batch of
     four (4 tokens x 2 kv heads) past the kernel's many-CTA threshold, as 33 decode tokens x 8 kv heads are
-    on an H100 with the default config; the key block then changes from 128 to 64 keys, and so do the bits."""
+    on an H100 with the default config: a kernel that then took 64-key blocks instead of 128 (the
+    non-deterministic choice) would change the bits of request 0."""
     import types
 
     from jax_attn.kernels.mosaic_paged import MosaicConfig

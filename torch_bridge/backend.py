@@ -65,6 +65,8 @@ attention executables are compiled by the first forward of each bucket and reuse
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
@@ -153,6 +155,8 @@ class FlashAttentionBackend:
                                       num_swa_slots=self.settings.num_swa_slots)
         if mosaic_path is None:
             mosaic_path = MosaicPath.for_device(self.device, impl)
+        if mosaic_path and self.settings.deterministic:  # a request's bits must not depend on the batch
+            mosaic_path.config = dataclasses.replace(mosaic_path.config, batch_invariant=True)
         self.mosaic_path = mosaic_path or None
         self.planner = StepPlanner(model_runner, self.settings, self.jax_backend, importer, self.mosaic_path,
                                    speculative_step_id, speculative_num_steps)
