@@ -23,6 +23,9 @@ from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHAT
                           ModelRunner, RadixAttention, ReqToTokenPool)
 from torch_bridge.mosaic_path import MosaicPath
 
+# engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
 HQ, HKV, D, PAGE, MAX_CTX = 4, 2, 64, 16, 96
 
 

@@ -23,7 +23,7 @@ from tests.paging import shuffled_table
 from tests.test_bridge_launch import HKV, HQ, D, fill, reference, setup
 from torch_bridge import ForwardBatch, RadixAttention, ServerArgs, SpecInfo
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("engine_grad_mode")]  # grad modes: tests/conftest.py
 
 
 def _hopper():

@@ -26,6 +26,9 @@ from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHAT
 from torch_bridge import graph_tables
 from torch_bridge.mosaic_path import MosaicPath
 
+# engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
 D, MAX_CTX, REQS = 64, 128, 6
 N_DRAFT = 3
 

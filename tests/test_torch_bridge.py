@@ -19,6 +19,9 @@ from tests.paging import shuffled_table
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
 
+# engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
 HQ, HKV, D = 4, 2, 16
 MAX_CTX = 48
 NUM_DRAFT, STEP_ID = 3, 1

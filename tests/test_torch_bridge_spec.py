@@ -17,6 +17,9 @@ from tests.test_torch_bridge import HKV, HQ, MAX_CTX, D, fill_committed, layer, 
 from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, SpecInfo
 from torch_bridge.multistep import FlashAttentionMultiStepBackend
 
+# engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
 N = 5  # draft tokens per request in tree verify (two_branches / star)
 TOPK, STEPS = 2, 3
 
