@@ -42,7 +42,7 @@ def gguf_tokenizer(fields: dict, path: str):
     tokens = list(fields["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre in _DIGITS else []
+    steps: list = [pre_tokenizers.Digits(individual_digits=True)] if pre in _DIGITS else []
     if _SPLITS[pre] is None:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     else:
