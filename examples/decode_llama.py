@@ -163,6 +163,18 @@ def decode_overlap(runner, reqs, seq_lens, ids, steps, params, pools, copy_outpu
     return [h["logits"] for h in host], [h["next_ids"] for h in host], pools
 
 
+def kernels_used(cfg, backend, reqs, prompt_lens) -> dict:
+    """The attention kernel of layer 0 in the prefill and in the decode bucket (``backend.describe``)."""
+    layer, dtype = llama.layer_params(cfg, 0), jnp.dtype(cfg.dtype)
+    fill = ForwardBatch(ForwardMode.EXTEND, reqs.rows, prompt_lens, reqs.slots(np.zeros_like(prompt_lens), prompt_lens),
+                        extend_seq_lens=prompt_lens)
+    bucket = bucket_for(len(prompt_lens), BATCH_BUCKETS)
+    step = backend.plan(decode_batch(reqs, prompt_lens), bs=bucket, num_tokens=bucket)
+    pick = lambda d: d["local" if layer.use_irope else "attention"]  # noqa: E731
+    return dict(prefill=pick(backend.describe(backend.plan(fill), layer, dtype)),
+                decode=pick(backend.describe(step, layer, dtype)))
+
+
 def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
     """Teacher-forced dense run per sequence: same greedy tokens (ties excepted), close logits.
 
@@ -232,6 +244,7 @@ def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=
     logits, ids, pools = loop(runner, reqs, prompt_lens, first, steps, params, pools)
     decode_s = time.perf_counter() - t0
     return dict(cfg=cfg, params=params, prompts=prompts, impl=backend.impl, bucket=bucket_for(batch, BATCH_BUCKETS),
+                kernels=kernels_used(cfg, backend, reqs, prompt_lens),
                 generated=[[int(first[b])] + [int(s[b]) for s in ids] for b in range(batch)],
                 paged_logits=[[last[b]] + [s[b] for s in logits] for b in range(batch)],
                 prefill_s=prefill_s, decode_s=decode_s, steps=steps)
@@ -308,7 +321,7 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     print(f"device={jax.devices()[0].device_kind} impl={run['impl']} config={config} batch={batch} "
           f"(bucket {run['bucket']}) page_size={page_size} layout={layout} "
           f"loop={'overlap' if overlap else 'blocking'} static_buffers={static_buffers} "
-          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]}")
+          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]} kernels={run['kernels']}")
     return report(run, check)
 
 
