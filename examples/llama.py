@@ -1,4 +1,7 @@
-"""A small Llama-style model in plain JAX (RMSNorm, RoPE, GQA, SwiGLU) with random weights.
+"""A small Llama-style model in plain JAX (RMSNorm, RoPE, GQA, SwiGLU): random weights (``init_params``)
+or a real Llama-family checkpoint (``params_from_checkpoint`` of ``jax_attn.models.load_checkpoint``:
+Llama 2/3, Qwen2/2.5 with qkv biases, Mistral, SmolLM2; tied embeddings, rope theta and scaling, RMS eps
+and sliding window from its config).
 
 ``Config.attention_chunk_size > 0`` makes it Llama-4 style (iRoPE): layer i with ``(i + 1) % 4 != 0``
 is a chunked local layer with RoPE (a query sees only the keys of its own ``attention_chunk_size``
@@ -21,29 +24,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from jax_attn.backend import FlashAttentionBackend, LayerParams
 from jax_attn.kv_cache import KVPool
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    vocab: int = 32000
-    dim: int = 2048
-    n_layers: int = 16
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    head_dim: int = 128
-    ffn_dim: int = 8192
-    rope_theta: float = 500000.0
-    dtype: str = "bfloat16"
-    attention_chunk_size: int = 0  # > 0: Llama-4 iRoPE layers (see the module docstring)
-
-    def is_local(self, i: int) -> bool:
-        """Layer ``i`` is a chunked local (RoPE) layer; with a chunk size, every fourth is global NoPE."""
-        return self.attention_chunk_size > 0 and (i + 1) % 4 != 0
-
-    def uses_rope(self, i: int) -> bool:
-        return self.attention_chunk_size == 0 or self.is_local(i)
+from jax_attn.models.config import Config  # noqa: F401  (the model's shape; llama.Config as before)
 
 
 CONFIGS = {
@@ -69,8 +54,36 @@ def init_params(cfg: Config, seed: int = 0):
                    w1=w((cfg.dim, cfg.ffn_dim)), w3=w((cfg.dim, cfg.ffn_dim)), w2=w((cfg.ffn_dim, cfg.dim)),
                    n1=jnp.ones((cfg.dim,), dt), n2=jnp.ones((cfg.dim,), dt))
               for _ in range(cfg.n_layers)]
+    if cfg.qkv_bias:
+        for lp in layers:
+            lp.update(bq=w((1, qd))[0], bk=w((1, kd))[0], bv=w((1, kd))[0])
     embed = (jax.random.normal(next(keys), (cfg.vocab, cfg.dim), jnp.float32)).astype(dt)
-    return dict(embed=embed, layers=layers, norm=jnp.ones((cfg.dim,), dt), head=w((cfg.dim, cfg.vocab)))
+    params = dict(embed=embed, layers=layers, norm=jnp.ones((cfg.dim,), dt))
+    return params if cfg.tie_embeddings else dict(params, head=w((cfg.dim, cfg.vocab)))
+
+
+# Hugging Face names (``jax_attn.models.Checkpoint.tensors``) of each layer weight; ``.T``: stored [out, in].
+_HF_LAYER = dict(wq="self_attn.q_proj.weight", wk="self_attn.k_proj.weight", wv="self_attn.v_proj.weight",
+                 wo="self_attn.o_proj.weight", w1="mlp.gate_proj.weight", w3="mlp.up_proj.weight",
+                 w2="mlp.down_proj.weight", n1="input_layernorm.weight", n2="post_attention_layernorm.weight",
+                 bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias", bv="self_attn.v_proj.bias")
+
+
+def params_from_checkpoint(ckpt) -> dict:
+    """A ``jax_attn.models.Checkpoint``'s weights in the ``list`` layout (cast to ``ckpt.config.dtype``)."""
+    cfg, t = ckpt.config, ckpt.tensors
+    dt = jnp.dtype(cfg.dtype)
+
+    def get(name, transpose=False):
+        if name not in t:
+            raise ValueError(f"{ckpt.source}: weight {name!r} missing (a Llama-family checkpoint has it)")
+        a = np.asarray(t[name])
+        return jnp.asarray(a.T if transpose else a, dt)
+
+    names = [k for k in _HF_LAYER if k[0] != "b" or cfg.qkv_bias]
+    layers = [{k: get(f"model.layers.{i}.{_HF_LAYER[k]}", k[0] == "w") for k in names} for i in range(cfg.n_layers)]
+    params = dict(embed=get("model.embed_tokens.weight"), layers=layers, norm=get("model.norm.weight"))
+    return params if cfg.tie_embeddings else dict(params, head=get("lm_head.weight", True))
 
 
 # ---- weight layouts ----------------------------------------------------------------------
@@ -86,8 +99,11 @@ LAYOUTS = ("list", "fused", "scan", "flat", "perlayer")
 
 def fuse_layer(lp: dict) -> dict:
     """Unfused layer weights -> ``wqkv [dim, (Hq+2Hkv)*D]``, ``w13 [dim, 2*ffn]`` (same math)."""
-    return dict(wqkv=jnp.concatenate([lp["wq"], lp["wk"], lp["wv"]], -1), wo=lp["wo"],
-                w13=jnp.concatenate([lp["w1"], lp["w3"]], -1), w2=lp["w2"], n1=lp["n1"], n2=lp["n2"])
+    fused = dict(wqkv=jnp.concatenate([lp["wq"], lp["wk"], lp["wv"]], -1), wo=lp["wo"],
+                 w13=jnp.concatenate([lp["w1"], lp["w3"]], -1), w2=lp["w2"], n1=lp["n1"], n2=lp["n2"])
+    if "bq" in lp:
+        fused["bqkv"] = jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]], -1)
+    return fused
 
 
 def stack_layers(params):
@@ -170,7 +186,7 @@ def layout_pools(cfg: Config, layout: str, num_slots: int):
 
 def layer_params(cfg: Config, layer_id: int) -> LayerParams:
     return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                       layer_id=layer_id, use_irope=cfg.is_local(layer_id))
+                       layer_id=layer_id, use_irope=cfg.is_local(layer_id), sliding_window_size=cfg.window_left())
 
 
 # ---- layer math ---------------------------------------------------------------------------
@@ -179,10 +195,9 @@ def rms_norm(x, w, eps=1e-5):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype) * w
 
 
-def rope(x, positions, theta):  # x [T, H, D], positions i32[T]
+def rope(x, positions, inv_freq):  # x [T, H, D], positions i32[T], inv_freq f32[D // 2] (Config.rope_inv_freq)
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang = positions.astype(jnp.float32)[:, None] * freqs[None]  # [T, half]
+    ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None]  # [T, half]
     cos, sin = jnp.cos(ang)[:, None], jnp.sin(ang)[:, None]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
@@ -192,31 +207,41 @@ def _qkv(cfg, lp, h, positions, use_rope=True):  # h [T, dim] -> q [T, Hq, D], k
     t = h.shape[0]
     qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     if "wqkv" in lp:
-        q, k, v = jnp.split(h @ lp["wqkv"], [qd, qd + kd], axis=-1)
+        qkv = h @ lp["wqkv"] + lp["bqkv"] if "bqkv" in lp else h @ lp["wqkv"]
+        q, k, v = jnp.split(qkv, [qd, qd + kd], axis=-1)
     else:
         q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+        if "bq" in lp:  # Qwen2
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k = q.reshape(t, cfg.n_heads, cfg.head_dim), k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
     if use_rope:  # Llama-4's global layers are NoPE
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        inv_freq = cfg.rope_inv_freq()
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
     return q, k, v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
 
 
-def _mlp(lp, x):
-    h = rms_norm(x, lp["n2"])
+def _mlp(cfg, lp, x):
+    h = rms_norm(x, lp["n2"], cfg.rms_eps)
     gate, up = jnp.split(h @ lp["w13"], 2, axis=-1) if "w13" in lp else (h @ lp["w1"], h @ lp["w3"])
     return x + (jax.nn.silu(gate) * up) @ lp["w2"]
 
 
 def _layer(cfg, backend, lp, md, x, positions, pools, i):
     """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then)."""
-    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions, cfg.uses_rope(i if isinstance(i, int) else 0))
+    use_rope = cfg.uses_rope(i if isinstance(i, int) else 0)
+    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions, use_rope)
     layer = layer_params(cfg, i if isinstance(i, int) else 0)
     if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
         attn, pools = backend.forward(q, k, v, layer, pools, md, layer_index=i)
     else:
         attn, pool = backend.forward(q, k, v, layer, pools[i], md)
         pools = [*pools[:i], pool, *pools[i + 1:]]
-    return _mlp(lp, x + attn @ lp["wo"]), pools
+    return _mlp(cfg, lp, x + attn @ lp["wo"]), pools
+
+
+def _logits(cfg, params, x):  # x [T, dim] -> f32[T, V]; a tied head is the embedding
+    head = params["embed"].T if cfg.tie_embeddings else params["head"]
+    return (rms_norm(x, params["norm"], cfg.rms_eps) @ head).astype(jnp.float32)
 
 
 def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools, *,
@@ -243,18 +268,20 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     else:
         for i in range(cfg.n_layers):
             x, pools = _layer(cfg, backend, layer_weights(params["layers"], i), md, x, positions, pools, i)
-    return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32), pools
+    return _logits(cfg, params, x), pools
 
 
-def _dense_causal(q, k, v, chunk: int = 0):  # q [S, Hq, D], k/v [S, Hkv, D]; chunk > 0: the chunk mask
+def _dense_causal(q, k, v, chunk: int = 0, window: int = 0):  # q [S, Hq, D], k/v [S, Hkv, D]
     s_len, hq, d = q.shape
     g = hq // k.shape[1]
     qf = q.astype(jnp.float32).reshape(s_len, k.shape[1], g, d)
     s = jnp.einsum("skgd,tkd->kgst", qf, k.astype(jnp.float32)) * d**-0.5
     mask = jnp.tril(jnp.ones((s_len, s_len), bool))
+    pos = jnp.arange(s_len)
     if chunk:  # query p sees keys in [p // chunk * chunk, p]
-        pos = jnp.arange(s_len)
         mask &= (pos[None, :] // chunk) == (pos[:, None] // chunk)
+    if window:  # query p sees its last `window` keys (HF's sliding_window)
+        mask &= pos[:, None] - pos[None, :] < window
     s = jnp.where(mask, s, -jnp.inf)
     o = jnp.einsum("kgst,tkd->skgd", jax.nn.softmax(s, -1), v.astype(jnp.float32))
     return o.reshape(s_len, hq * d).astype(q.dtype)
@@ -266,12 +293,18 @@ def forward_dense(cfg: Config, params, token_ids):
     ``logits f32[S, V]``."""
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
     x = params["embed"][token_ids]
+    if isinstance(params["layers"], dict) and not cfg.attention_chunk_size:  # stacked layers: one compiled body
+        def body(x, lp):
+            q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions)
+            return _mlp(cfg, lp, x + _dense_causal(q, k, v, 0, cfg.sliding_window) @ lp["wo"]), None
+
+        return _logits(cfg, params, jax.lax.scan(body, x, params["layers"])[0])
     for i in range(cfg.n_layers):
         lp = layer_weights(params["layers"], i)
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"]), positions, cfg.uses_rope(i))
+        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions, cfg.uses_rope(i))
         chunk = cfg.attention_chunk_size if cfg.is_local(i) else 0
-        x = _mlp(lp, x + _dense_causal(q, k, v, chunk) @ lp["wo"])
-    return (rms_norm(x, params["norm"]) @ params["head"]).astype(jnp.float32)
+        x = _mlp(cfg, lp, x + _dense_causal(q, k, v, chunk, cfg.sliding_window) @ lp["wo"])
+    return _logits(cfg, params, x)
 
 
 def decode_arg_parser(doc: str) -> argparse.ArgumentParser:

@@ -1,4 +1,6 @@
-"""The Llama-style model of ``examples/llama.py`` (same configs and layer math) in torch.
+"""The Llama-style model of ``examples/llama.py`` (same configs and layer math) in torch: random weights, or
+a real checkpoint (``TorchLlama.from_checkpoint`` of ``jax_attn.models.load_checkpoint``: qkv biases, tied
+head, rope scaling, RMS eps and norm weights from its config; no sliding window here).
 
 Attention is a parameter: ``forward(ids, positions, attend)`` calls ``attend(layer_id, q, k, v)``
 with ``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` (RoPE applied) and expects ``[T, Hq * D]``. Three
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama import CONFIGS, Config  # noqa: E402,F401  (same configs as the JAX example)
+from llama import _HF_LAYER, CONFIGS, Config  # noqa: E402,F401  (same configs and weight names as the JAX example)
 
 from torch_bridge import RadixAttention  # noqa: E402
 
@@ -41,10 +43,32 @@ class TorchLlama:
                        for _ in range(cfg.n_layers)]
         self.embed = torch.randn(cfg.vocab, cfg.dim, generator=g, device=device).to(self.dtype)
         self.head = w(cfg.dim, cfg.vocab)
+        self.norm = None  # final RMSNorm weight (None: ones)
+        self._setup(device)
+
+    def _setup(self, device):
+        cfg = self.cfg
+        if cfg.sliding_window:
+            raise NotImplementedError("the torch example model has no sliding window: use examples/llama.py")
         self.attn = [RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, i)
                      for i in range(cfg.n_layers)]
-        half = cfg.head_dim // 2
-        self.freqs = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+        self.freqs = torch.from_numpy(cfg.rope_inv_freq()).to(device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, device="cpu") -> "TorchLlama":
+        """A ``jax_attn.models.Checkpoint``'s weights (cast to ``ckpt.config.dtype``), HF names mapped as
+        ``llama.params_from_checkpoint`` maps them."""
+        self = cls.__new__(cls)
+        self.cfg, self.dtype = ckpt.config, _DTYPES[ckpt.config.dtype]
+        get = lambda name, transpose=False: torch.from_numpy(  # noqa: E731
+            (ckpt.tensors[name].T if transpose else ckpt.tensors[name]).copy()).to(device, self.dtype)
+        names = [k for k in _HF_LAYER if k[0] != "b" or self.cfg.qkv_bias]
+        self.layers = [{k: get(f"model.layers.{i}.{_HF_LAYER[k]}", k[0] == "w") for k in names}
+                       for i in range(self.cfg.n_layers)]
+        self.embed, self.norm = get("model.embed_tokens.weight"), get("model.norm.weight")
+        self.head = self.embed.T if self.cfg.tie_embeddings else get("lm_head.weight", True)
+        self._setup(device)
+        return self
 
     def rope(self, x, positions):  # x [T, H, D], positions [T]
         half = x.shape[-1] // 2
@@ -53,10 +77,10 @@ class TorchLlama:
         x1, x2 = x[..., :half].float(), x[..., half:].float()
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
-    @staticmethod
-    def rms_norm(x, eps=1e-5):
+    def rms_norm(self, x, w=None):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(x.dtype)
+        return out if w is None else out * w
 
     @torch.inference_mode()
     def forward(self, ids, positions, attend):
@@ -64,14 +88,16 @@ class TorchLlama:
         cfg, t = self.cfg, ids.shape[0]
         x = self.embed[ids]
         for i, lp in enumerate(self.layers):
-            h = self.rms_norm(x)
-            q = self.rope((h @ lp["wq"]).view(t, cfg.n_heads, cfg.head_dim), positions)
-            k = self.rope((h @ lp["wk"]).view(t, cfg.n_kv_heads, cfg.head_dim), positions)
-            v = (h @ lp["wv"]).view(t, cfg.n_kv_heads, cfg.head_dim)
-            x = x + attend(i, q, k, v) @ lp["wo"]
-            h = self.rms_norm(x)
+            h = self.rms_norm(x, lp.get("n1"))
+            q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+            if "bq" in lp:  # Qwen2
+                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+            q = self.rope(q.view(t, cfg.n_heads, cfg.head_dim), positions)
+            k = self.rope(k.view(t, cfg.n_kv_heads, cfg.head_dim), positions)
+            x = x + attend(i, q, k, v.view(t, cfg.n_kv_heads, cfg.head_dim)) @ lp["wo"]
+            h = self.rms_norm(x, lp.get("n2"))
             x = x + (F.silu(h @ lp["w1"]) * (h @ lp["w3"])) @ lp["w2"]
-        return (self.rms_norm(x) @ self.head).float()
+        return (self.rms_norm(x, self.norm) @ self.head).float()
 
 
 def bridge_attend(model: TorchLlama, forward_batch):

@@ -313,6 +313,42 @@ class FlashAttentionBackend:
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
                          impl=self.impl, causal=layer.causal, window_size=layer.window_size, **kw)
 
+    def describe(self, md, layer: LayerParams, dtype=jnp.bfloat16, kv_dtype=None, *, has_sinks: bool = False) -> dict:
+        """Which kernel ``forward(q, k, v, layer, pool, md)`` runs, without running it (host only).
+
+        Args:
+          md: a plan (``plan`` or a captured step's), any mode.
+          layer: the layer's parameters; dtype: q's dtype; kv_dtype: the pool's (default ``dtype``);
+          has_sinks: whether the call passes ``sinks``.
+        Returns:
+          ``{"mode": md.mode.name, "impl": self.impl, <part>: kernel, ...}``: kernel ``"mosaic"``, ``"triton"``
+          or ``"reference"`` (``jax_attn.kernel_policy.select_kernel``, as ``auto`` decides on this device),
+          per part the call runs: ``"attention"``; a ``use_irope`` layer's ``"local"`` virtual batch; a
+          cross-attention layer's ``"cross"``; a tree (topk > 1) step's ``"prefix"`` and ``"expand"``.
+        """
+        from jax_attn.kernel_policy import select_kernel
+
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+
+        def kernel(part) -> str:
+            call = Call(max_q_len=part.max_q_len, page_size=part.page_size, num_tokens=part.num_tokens,
+                        num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+                        head_dim_v=layer.v_head_dim or layer.head_dim, dtype=dtype, kv_dtype=kv_dtype,
+                        has_sinks=has_sinks, fp8_descale=jnp.dtype(kv_dtype).itemsize == 1,
+                        deterministic=self.deterministic, num_q_heads=layer.num_q_heads)
+            return select_kernel(self.impl, call)
+
+        out = {"mode": md.mode.name, "impl": self.impl}
+        if isinstance(md, spec_plan.CascadeMetadata):
+            return {**out, "prefix": kernel(md.prefix), "expand": kernel(md.expand)}
+        if layer.is_cross_attention:
+            if md.encoder is None:
+                raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
+            return {**out, "cross": kernel(_cross_metadata(md))}
+        if layer.use_irope:
+            return {**out, "local": kernel(local_attn.local_plan_of(md))}
+        return {**out, "attention": kernel(md)}
+
 
 def _num_tokens(md) -> int:
     return md.prefix.num_tokens if isinstance(md, spec_plan.CascadeMetadata) else md.num_tokens

@@ -51,6 +51,13 @@ def test_stacked_flag_means_scan_layout(monkeypatch):
     assert decode_llama.parse()["layout"] == "scan"
 
 
+def test_model_flags(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["decode_llama.py"])
+    assert decode_llama.parse()["model"] is None and decode_llama.parse()["layout"] is None  # main: list
+    monkeypatch.setattr(sys, "argv", ["decode_llama.py", "--model", "smollm2", "--prompt", "a", "--prompt", "b"])
+    assert decode_llama.parse()["model"] == "smollm2" and decode_llama.parse()["prompts"] == ["a", "b"]
+
+
 def test_loop_flags(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["decode_llama.py"])
     assert not decode_llama.parse()["overlap"] and not decode_llama.parse()["static_buffers"]
