@@ -18,6 +18,7 @@ tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Sequence
 
 import numpy as np
@@ -131,7 +132,7 @@ class BridgeFront:
         self.backend.init_cuda_graph_state(top, top * n)
         self.rows = torch.zeros(top, dtype=torch.int64, device=dev)
         self.lens = torch.ones(top, dtype=torch.int64, device=dev)
-        self.locs = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.locs = torch.zeros(top * n, dtype=torch.int64, device=dev)
         self.qkv = [tuple(torch.zeros(top, h, self.d, dtype=dtype, device=dev) for h in (self.hq, self.hkv, self.hkv))
                     for _ in self.layers]
         verify = SpecInfo(draft_token_num=n)
@@ -160,13 +161,16 @@ class BridgeFront:
         graph = self.graphs.get(bs) if s.mode == "decode" else None
         mode = ForwardMode.DECODE if s.mode == "decode" else ForwardMode.TARGET_VERIFY
         spec = None if s.mode == "decode" else SpecInfo(draft_token_num=s.num_draft)
-        if graph is None:  # hook-only bucket: the hook pads the plan, the layers take the real tokens
-            fb = self._batch(s)
-            self.backend.init_forward_metadata_replay_cuda_graph(bs, self.rows[:bs], self.lens[:bs], None, None,
-                                                                 mode, spec, None, out_cache_loc=fb.out_cache_loc)
-            return [o.reshape(len(s.loc), self.hq, self.d) for o in self._layers(fb, s.qkv)]
+        t, real = bs * (1 if s.mode == "decode" else s.num_draft), len(s.loc)
         self.locs.zero_()
-        self.locs[:n] = torch.as_tensor(s.loc, device=dev)
+        self.locs[:real] = torch.as_tensor(s.loc, device=dev)
+        if graph is None:  # hook-only bucket: the layers run eagerly on the bucket's padded batch, as in SGLang
+            self.backend.init_forward_metadata_replay_cuda_graph(bs, self.rows[:bs], self.lens[:bs], None, None,
+                                                                 mode, spec, None)
+            fb = ForwardBatch(mode, bs, self.rows[:bs], self.lens[:bs], self.locs[:t], spec_info=spec,
+                              token_to_kv_pool=self.runner.token_to_kv_pool)
+            pad = [tuple(torch.cat([x, x.new_zeros((t - real,) + tuple(x.shape[1:]))]) for x in y) for y in s.qkv]
+            return [o[:real].reshape(real, self.hq, self.d) for o in self._layers(fb, pad)]
         for static, new in zip(self.qkv, s.qkv):
             for dst, src in zip(static, new):
                 dst.zero_()
@@ -198,6 +202,7 @@ class JaxFront:
         self.params = [LayerParams(self.hq, self.hkv, self.d, scaling=lay.scaling, logit_cap=lay.softcap,
                                    sliding_window_size=lay.window, layer_id=i) for i, lay in enumerate(layers)]
         self.kv = [KVPool(*(jnp.full((num_slots, self.hkv, self.d), jnp.nan, jdt) for _ in "kv")) for _ in layers]
+        self.num_slots, self.poison_len = num_slots, -(-max_ctx // page_size) * page_size
         self.runner = StepRunner(self.backend, self._step_fn, batch_buckets=GRAPH_BUCKETS,
                                  donate_argnums=(0,), compile_cache=False)
 
@@ -213,8 +218,16 @@ class JaxFront:
         return [(torch.from_dlpack(p.k), torch.from_dlpack(p.v)) for p in self.kv]
 
     def poison(self, slots: np.ndarray) -> None:
-        idx = jnp.asarray(slots, jnp.int32)
-        self.kv = [KVPool(p.k.at[idx].set(jnp.nan), p.v.at[idx].set(jnp.nan)) for p in self.kv]
+        """NaN into ``slots`` of every pool: one compiled update, the slots padded to a request's most with an
+        index past the pool (dropped)."""
+        idx = np.full(self.poison_len, self.num_slots, np.int32)
+        idx[:len(slots)] = slots
+        self.kv = self._poison(self.kv, idx)
+
+    @staticmethod
+    @functools.partial(jax.jit, donate_argnums=0)
+    def _poison(pools, idx):
+        return [KVPool(p.k.at[idx].set(jnp.nan, mode="drop"), p.v.at[idx].set(jnp.nan, mode="drop")) for p in pools]
 
     def set_rows(self, rows, table: np.ndarray) -> None:
         self.table[rows] = table
@@ -247,7 +260,7 @@ class JaxFront:
             outs, self.kv = self.runner.eager(padded, tokens, self.kv)
         else:
             outs, self.kv = self.runner.replay(batch, tokens, self.kv)
-        return [torch.from_dlpack(o)[:n] for o in outs]
+        return [torch.from_dlpack(o)[:n].reshape(n, self.hq, self.d) for o in outs]
 
     def capture(self) -> None:
         """Capture every bucket of the uniform modes (decode, chain verify, draft extend)."""

@@ -228,10 +228,10 @@ def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatc
         m.setattr(graph_tables, "capturing", lambda: True)
         m.setattr(checks, "capturing", lambda: True)
         for capture in range(2):
-            safe_before = backend.runner.safe_locs._last[True][1]
+            safe_before = backend.runner.safe_locs._last[True][-1]
             backend.forward(q, k, v, lay, fb)  # one layer: each call is a forward
             assert len(computed) == capture + 1, "each captured forward runs the refresh once"
-            assert backend.runner.safe_locs._last[True][1] is not safe_before
+            assert backend.runner.safe_locs._last[True][-1] is not safe_before
 
 
 def test_jax_path_layer_after_a_planner_free_replay_reads_fresh_words(monkeypatch):
