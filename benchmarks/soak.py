@@ -37,6 +37,7 @@ import soak_fronts as fronts  # noqa: E402
 
 MODES = ("extend", "decode", "decode", "decode", "verify", "draft_extend")  # drawn uniformly
 EXTEND_TOKENS = 64  # tokens of a bucketed extend batch (a chunked-prefill budget)
+PREEMPT = 0.002  # chance per step that a running request is preempted (its K/V dropped, recomputed later)
 
 
 @dataclasses.dataclass
@@ -117,7 +118,7 @@ class Engine:
         for req in list(self.running.values()):
             if req.length >= req.target:
                 self._release(req, preempt=False)
-            elif self.rng.random() < 0.01:
+            elif self.rng.random() < PREEMPT:
                 self._release(req, preempt=True)
         self._admit()
         mode = MODES[int(self.rng.integers(len(MODES)))]
@@ -333,7 +334,7 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20000, help="steps after warm-up, split over the engines")
-    ap.add_argument("--warmup", type=int, default=None, help="default: steps // 10 per engine, at least 50")
+    ap.add_argument("--warmup", type=int, default=None, help="default: a fifth of each engine's steps, at least 300")
     ap.add_argument("--fronts", default="bridge,jax")
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--pair", action="store_true", help="a draft engine beside each bridge engine, 2 streams")
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
     tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
     configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]
     per = max(args.steps // len(configs), 1)
-    warmup = args.warmup if args.warmup is not None else max(per // 10, 50)
+    warmup = args.warmup if args.warmup is not None else max(per // 5, 300)
     ok = True
     for n, (front_name, page_size) in enumerate(configs):
         engines = [make_engine(front_name, page_size, args, args.seed + n)]
