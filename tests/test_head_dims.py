@@ -28,7 +28,7 @@ from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.metadata import ForwardMode
 from jax_attn.reference import merge_state_reference, paged_attention_reference
 from tests.attention_cases import Case, build_inputs, check_attention, compare, reference_by_sequence
-from tests.paging import shuffled_table
+from tests.paging import committed_pools, shuffled_table
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -208,12 +208,7 @@ def test_jax_backend_head_dims(d, dv, mode):
     rng = np.random.default_rng(d + dv)
     table, num_slots = shuffled_table(6, MAX_CTX, PAGE, seed=1)
     rows, committed, q_lens = _step(rng, mode)
-    k = np.full((num_slots, HKV, d), np.nan, np.float32)
-    v = np.full((num_slots, HKV, dv), np.nan, np.float32)
-    k[0] = v[0] = 0.0
-    for r, n in zip(rows, committed):
-        k[table[r, :n]] = rng.standard_normal((n, HKV, d))
-        v[table[r, :n]] = rng.standard_normal((n, HKV, dv))
+    k, v = committed_pools(table, num_slots, rows, committed, HKV, d, dv, rng)
     loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
     fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
     fb = ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)

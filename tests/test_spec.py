@@ -12,7 +12,7 @@ from jax_attn.capture import StepRunner
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
 from jax_attn.spec import draft_mask_from_custom_mask
-from tests.paging import shuffled_table
+from tests.paging import committed_pools, shuffled_table
 
 HQ, HKV, D, CTX = 4, 2, 16, 40
 
@@ -37,12 +37,7 @@ def two_branches():  # 0 -> {1, 2}, 1 -> 3, 2 -> 4
 def setup(rows, committed, n_new, page_size, seed):
     rng = np.random.default_rng(seed)
     table, num_slots = shuffled_table(int(max(rows)), CTX, page_size, seed)
-    k = np.full((num_slots, HKV, D), np.nan, np.float32)
-    v = np.full((num_slots, HKV, D), np.nan, np.float32)
-    k[0] = v[0] = 0
-    for r, n in zip(rows, committed):
-        k[table[r, :n]] = rng.standard_normal((n, HKV, D))
-        v[table[r, :n]] = rng.standard_normal((n, HKV, D))
+    k, v = committed_pools(table, num_slots, rows, committed, HKV, D, D, rng)
     q = rng.standard_normal((n_new, HQ, D)).astype(np.float32)
     kn = rng.standard_normal((n_new, HKV, D)).astype(np.float32)
     vn = rng.standard_normal((n_new, HKV, D)).astype(np.float32)
