@@ -332,6 +332,7 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
 
 
 def main(argv=None) -> int:
+    global EXTEND_TOKENS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20000, help="steps after warm-up, split over the engines")
     ap.add_argument("--warmup", type=int, default=None, help="default: a fifth of each engine's steps, at least 300")
@@ -350,13 +351,17 @@ def main(argv=None) -> int:
     ap.add_argument("--num-draft", type=int, default=4)
     ap.add_argument("--no-graphs", dest="graphs", action="store_false")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--buckets", default="1,2,4,8,16", help="graph / StepRunner batch buckets")
+    ap.add_argument("--extend-tokens", type=int, default=64, help="tokens of a bucketed extend batch")
     ap.add_argument("--smoke", action="store_true",
                     help="a few CPU-sized steps per engine; compiles after warm-up are reported, not failed")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup, args.check_every = 2 * len(args.fronts.split(",")), 2, 1
         args.page_sizes, args.dtype, args.hq, args.hkv, args.head_dim = "4", "float32", 4, 2, 16
-        args.max_reqs, args.max_ctx, args.pool_tokens = 3, 48, 256
+        args.max_reqs, args.max_ctx, args.pool_tokens, args.buckets, args.extend_tokens = 3, 48, 256, "1,2", 8
+    EXTEND_TOKENS = args.extend_tokens
+    fronts.GRAPH_BUCKETS = tuple(int(b) for b in args.buckets.split(","))
     counters = Counters()
     tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
     configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]

@@ -36,7 +36,7 @@ def test_wheel_metadata(wheel):
     meta = email.message_from_bytes(wheel.read(f"{DIST}/METADATA"))
     assert meta["Name"] == "jax_attn" and meta["Version"] == jax_attn.__version__
     assert meta["Requires-Python"] == "<3.13,>=3.12"
-    assert set(meta.get_all("Provides-Extra")) == {"cuda", "torch", "test"}
+    assert set(meta.get_all("Provides-Extra")) == {"cuda", "torch", "test", "models"}
     requires = meta.get_all("Requires-Dist")
     for req in ("jax==0.11.2", "jaxlib==0.11.2", 'jax[cuda13]==0.11.2; extra == "cuda"',
                 'torch==2.11.0; extra == "torch"'):
