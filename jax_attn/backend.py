@@ -326,17 +326,18 @@ class FlashAttentionBackend:
           per part the call runs: ``"attention"``; a ``use_irope`` layer's ``"local"`` virtual batch; a
           cross-attention layer's ``"cross"``; a tree (topk > 1) step's ``"prefix"`` and ``"expand"``.
         """
+        from jax_attn.attention import call_of
         from jax_attn.kernel_policy import select_kernel
 
         kv_dtype = dtype if kv_dtype is None else kv_dtype
+        extra = {"sinks": True if has_sinks else None, "num_splits": 1 if self.deterministic else None}
 
-        def kernel(part) -> str:
-            call = Call(max_q_len=part.max_q_len, page_size=part.page_size, num_tokens=part.num_tokens,
-                        num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-                        head_dim_v=layer.v_head_dim or layer.head_dim, dtype=dtype, kv_dtype=kv_dtype,
-                        has_sinks=has_sinks, fp8_descale=jnp.dtype(kv_dtype).itemsize == 1,
-                        deterministic=self.deterministic, num_q_heads=layer.num_q_heads)
-            return select_kernel(self.impl, call)
+        def kernel(part) -> str:  # the facts forward's attention call would hand the policy (call_of)
+            shape = (1, part.page_size, layer.num_kv_heads)
+            q = jax.ShapeDtypeStruct((part.num_tokens, layer.num_q_heads, layer.head_dim), dtype)
+            k = jax.ShapeDtypeStruct(shape + (layer.head_dim,), kv_dtype)
+            v = jax.ShapeDtypeStruct(shape + (layer.v_head_dim or layer.head_dim,), kv_dtype)
+            return select_kernel(self.impl, call_of(q, k, v, part, **extra))
 
         out = {"mode": md.mode.name, "impl": self.impl}
         if isinstance(md, spec_plan.CascadeMetadata):
