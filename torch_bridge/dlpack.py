@@ -77,7 +77,7 @@ class Importer:
                 self.stream = None
         self._views: Dict[Tuple, jax.Array] = {}
         self._recent: Dict[Tuple, jax.Array] = {}  # recent_view's, least recently used first
-        self._twins: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # table_view's aligned copies
+        self._twin: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # table_view's (table, aligned copy)
         self._order = _StreamOrder(self.stream, index) if self.stream is not None and device.type == "cuda" else None
 
     def __call__(self, t: torch.Tensor, ordered: bool = False) -> jax.Array:
@@ -137,12 +137,11 @@ class Importer:
         every call instead, so each plan still reads the engine's latest edits."""
         if self.dl_type != _KDL_CPU or t.data_ptr() % _CPU_ALIGN == 0:
             return self.view(t)
-        hit = self._twins.get(id(t))
-        if hit is None or hit[0] is not t:  # the tensor is held: its id cannot name another one
+        if self._twin is None or self._twin[0] is not t:  # an engine's one table (a new one replaces it)
             with torch.inference_mode(False):
-                hit = self._twins[id(t)] = (t, torch.empty(t.shape, dtype=t.dtype))  # torch aligns to 64 B
-        hit[1].copy_(t)
-        return self.view(hit[1])
+                self._twin = (t, torch.empty(t.shape, dtype=t.dtype))  # torch aligns to 64 B
+        self._twin[1].copy_(t)
+        return self.view(self._twin[1])
 
     def recent_view(self, t: torch.Tensor) -> jax.Array:
         """A JAX view of ``t`` kept for its next calls while it is among the ``RECENT`` most recent (an
