@@ -23,6 +23,7 @@ Prints one line per engine and exits non-zero on any mismatch, corruption or ret
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -277,7 +278,7 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
             for e in engines:
                 e.front.warm_traces = e.front.compiles()
         for e, rep, stream in zip(engines, reports, streams):
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 one_step(e, check_every, tol, i)
             if i >= warmup and (i - warmup) % 100 == 0:
                 rep["mem"].append(device_memory(e.device))
@@ -287,14 +288,6 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
         rep.update(e.stats, wall=wall, xla_compiles=builds[0], kernel_builds=builds[1],
                    traces=e.front.compiles() - getattr(e.front, "warm_traces", 0))
     return reports
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def one_step(e: Engine, check_every: int, tol: float, i: int) -> None:
