@@ -38,9 +38,9 @@ Commands (GPU machine, repository root; peers from ``bash benchmarks/fetch_peers
 Flags: ``--only KIND`` one case kind (peers: decode|prefill|extend|verify; local, wall: decode|prefill);
 ``--reps N`` timed repetitions (peers: 30, quick 8; local: 15); ``--rounds N`` (peers) time every peer
 of a case N times round-robin; ``--quick`` (peers) fewer reps, decode 64x4096 and 1x32768 only;
-``--tiny`` toy shapes (peers, local; numbers meaningless); ``--head-dim D`` (peers) every case at head
-dim D (e.g. 80, 96, 112, 192: padded inside the Triton-lowered kernel; no Mosaic peer there);
-``--impl``, ``--page-size`` (local; ncu's page size, default 16); ``--batch``, ``--seq``, ``--calls``,
+``--tiny`` toy shapes (peers, local; numbers meaningless); ``--head-dim D`` / ``--heads HQ/HKV`` (peers)
+every case at that head shape (e.g. 96 with 32/32 for Phi-3); ``--page-size`` (peers: one page size;
+local; ncu's, default 16); ``--impl`` (local); ``--batch``, ``--seq``, ``--calls``,
 ``--names`` (ncu); ``--smoke`` every mode at toy shapes on the CPU, skipping what needs a GPU (one
 line says what).
 """
@@ -91,7 +91,8 @@ def parse_args(argv=None):
                          "(GPU clocks drift within a run: rounds keep peers of a case on the same footing)")
     ap.add_argument("--smoke", action="store_true", help="every mode at toy shapes on the CPU (or GPU), quickly")
     ap.add_argument("--impl", default="", choices=["", "triton", "mosaic"], help="local: one kernel")
-    ap.add_argument("--page-size", type=int, default=0, help="local: 1 or 16 (default both); ncu: default 16")
+    ap.add_argument("--page-size", type=int, default=0,
+                    help="peers: only cases of this page size; local: 1 or 16 (default both); ncu: default 16")
     ap.add_argument("--sweep", action="store_true", help="wall: time KernelConfig variants")
     ap.add_argument("--split-sweep", action="store_true", help="wall: sweep split-KV knobs at 1x32768 and 8x8192")
     ap.add_argument("--batch", type=int, default=4, help="ncu: batch")
@@ -99,8 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--calls", type=int, default=1, help="ncu: calls per kernel after the warm-up")
     ap.add_argument("--names", action="store_true", help="ncu: print the ncu kernel-name regex and exit")
     ap.add_argument("--head-dim", type=int, default=0,
-                    help="peers: head dim of every case (default 128); 80, 96, 112, 192 run padded to the next "
-                         "power of 2 in the Triton-lowered kernel (the Mosaic peer takes only 64 / 128)")
+                    help="peers: head dim of every case (default 128; e.g. 80, 96, 112, 192, 256)")
+    ap.add_argument("--heads", default="", help="peers: HQ/HKV of every case (default 32/8; e.g. 32/32 for Phi-3)")
     args = ap.parse_args(argv)
     if args.mode in ("local", "wall") and args.only not in (None, "decode", "prefill"):
         ap.error(f"--mode {args.mode} takes --only decode or --only prefill")
@@ -121,14 +122,14 @@ def case_list(args) -> list[tuple[str, int, int, int, int]]:
     cases += [("prefill", b, s, s, ps) for ps in (16, 64, 1)]
     cases += [("extend", *shapes["extend"], ps) for ps in (16, 1)]
     cases += [("verify", *shapes["verify"], ps) for ps in (16, 1)]
-    return [c for c in cases if args.only in (None, c[0])]
+    return [c for c in cases if args.only in (None, c[0]) and args.page_size in (0, c[4])]
 
 
 def peer_builders(kind: str, page_size: int, with_dense: bool, keep=None):
     """(name, builder) pairs for a case; dense peers run only in the first page-size variant.
     ``keep``: only these names (the smoke run's CPU peers)."""
     out = [("ours", peers.ours)]
-    if page_size % 8 == 0 and HEADS["head_dim"] in (64, 128):  # the Mosaic kernel's head dims
+    if page_size % 8 == 0:  # the Mosaic kernel's pages (its other rules: ``peers.ours_mosaic`` says why not)
         out += [("ours_mosaic", peers.ours_mosaic)]
     if kind == "decode":
         out += [(f"sglang_triton/{s}", lambda p, s=s: peers.sglang_decode(p, s)) for s in SGLANG_SPLITS]
@@ -331,6 +332,9 @@ def main_peers(args) -> int:
         HEADS.update(num_q_heads=8, num_kv_heads=2, head_dim=64)
     if args.head_dim:
         HEADS.update(head_dim=args.head_dim)
+    if args.heads:
+        hq, hkv = (int(x) for x in args.heads.split("/"))
+        HEADS.update(num_q_heads=hq, num_kv_heads=hkv)
     reps = args.reps or (8 if args.quick or args.tiny else 30)
     keep, checked, checks = None, None, SELFCHECK_CASES
     if args.smoke:

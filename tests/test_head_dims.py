@@ -162,20 +162,52 @@ def test_merge_kernels_propagate_nan_and_take_any_head_dim():
 
 
 # ----------------------------------------------------------------------------- kernel policy
-@pytest.mark.parametrize("d,dv", [(96, 96), (192, 128), (80, 80), (256, 256), (128, 64)])
-def test_policy_sends_other_head_dims_to_triton(d, dv, monkeypatch):
-    """On Hopper, shapes the Mosaic kernel does not take go to the Triton-lowered kernel (JAX) and,
-    from torch, to the JAX executable; 64 / 128 stay on Mosaic."""
+# (D, Dv, what the Mosaic kernel says): multiples of 16 up to 256 whose buffers fit in shared memory.
+_MOSAIC_RULE = [(96, 96, None), (192, 128, None), (80, 80, None), (112, 112, None), (128, 64, None),
+                (64, 128, None), (192, 192, None), (256, 128, None), (256, 256, "exceed"), (72, 72, "multiples of 16"),
+                (128, 40, "multiples of 16"), (264, 264, "multiples of 16")]
+
+
+@pytest.mark.parametrize("d,dv,why", _MOSAIC_RULE)
+def test_policy_head_dims(d, dv, why, monkeypatch):
+    """On Hopper, head dims the Mosaic kernel takes run there (both front ends; from torch: the
+    launch path); the others go to the Triton-lowered kernel (JAX) and, from torch, to the JAX
+    executable, with the reason naming the rule."""
     monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
     call = Call(max_q_len=512, page_size=16, num_tokens=512, num_kv_heads=8, head_dim=d, head_dim_v=dv,
                 dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, num_q_heads=32)
-    assert select_kernel("auto", call) == "triton"
-    assert select_kernel("auto", call, from_torch=True) == "jax"
-    assert select_kernel("mosaic", call, from_torch=True) == "jax"
-    mosaic = dataclasses.replace(call, head_dim=128, head_dim_v=128)
-    assert select_kernel("auto", mosaic) == "mosaic" and select_kernel("auto", mosaic, from_torch=True) == "mosaic"
-    assert "64 and 128" in mosaic_paged.unsupported(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, d, dv, 16)
-    assert triton_paged.unsupported(jnp.bfloat16, d, dv) is None
+    reason = mosaic_paged.unsupported(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, d, dv, 16)
+    if why is None:
+        assert reason is None
+        assert select_kernel("auto", call) == "mosaic" and select_kernel("auto", call, from_torch=True) == "mosaic"
+    else:
+        assert why in reason and "impl='triton'" in reason
+        assert select_kernel("auto", call) == "triton"
+        assert select_kernel("auto", call, from_torch=True) == "jax"
+        assert select_kernel("mosaic", call, from_torch=True) == "jax"
+    if d <= 256 and dv <= 256:
+        assert triton_paged.unsupported(jnp.bfloat16, d, dv) is None
+
+
+@pytest.mark.parametrize("d,dv", [(d, dv) for d, dv, why in _MOSAIC_RULE if why is None])
+@pytest.mark.parametrize("pack,max_q_len,splits", [(1, 512, 1), (4, 1, 1), (4, 1, 8), (1, 512, 4)])
+def test_mosaic_buffers_fit_shared_memory(d, dv, pack, max_q_len, splits):
+    """Every configuration the kernel takes is fitted into shared memory (its ring made shallower,
+    then its key blocks shorter), and wide value rows (Dv > 128) get 64-key blocks (registers)."""
+    from jax_attn.kernels.mosaic_kernel import SMEM_BYTES, statics_smem_bytes
+
+    for num_tokens, config in ((512, mosaic_paged.DEFAULT_MOSAIC_CONFIG),
+                               (512, mosaic_paged.MosaicConfig(block_kv=256, stages=4, decode_stages=6))):
+        st = mosaic_paged.kernel_statics(num_tokens=num_tokens, num_q_heads=32, num_kv_heads=8, head_dim=d,
+                                         head_dim_v=dv, page_size=16, pack=pack, dtype=jnp.bfloat16,
+                                         max_q_len=max_q_len, num_splits=splits, config=config)
+        assert statics_smem_bytes(st) <= SMEM_BYTES and st.stages >= 2 and st.block_kv % 64 == 0
+        if max(d, dv) > 128:
+            assert st.block_kv == 64
+    wide = mosaic_paged.kernel_statics(num_tokens=512, num_q_heads=32, num_kv_heads=8, head_dim=64, head_dim_v=64,
+                                       page_size=16, pack=1, dtype=jnp.bfloat16, max_q_len=512,
+                                       config=mosaic_paged.MosaicConfig(block_kv=256, stages=4))
+    assert (wide.block_kv, wide.stages) == (256, 3)  # 4 x 256 keys of 64 + 64 columns overflow; 3 fit
 
 
 # ----------------------------------------------------------------------------- front ends
@@ -185,12 +217,12 @@ JAX_CASES = [(96, 96, "decode"), (192, 128, "extend")]
 BRIDGE_CASES = [(96, 96, "extend"), (192, 128, "decode")]
 
 
-def _expected(k_pool, v_pool, table, rows, seq_lens, q_lens, q, d, dv, scale):
-    pt = table[rows][:, ::PAGE][:, :-(-MAX_CTX // PAGE)] // PAGE
+def _expected(k_pool, v_pool, table, rows, seq_lens, q_lens, q, d, dv, scale, page=PAGE):
+    pt = table[rows][:, ::page][:, :-(-MAX_CTX // page)] // page
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    out = paged_attention_reference(jnp.asarray(q).reshape(-1, HQ, d), paged_view(jnp.asarray(k_pool), PAGE),
-                                    paged_view(jnp.asarray(v_pool), PAGE), jnp.asarray(seq_lens, jnp.int32),
-                                    jnp.asarray(cu), jnp.asarray(pt), page_size=PAGE, softmax_scale=scale)
+    out = paged_attention_reference(jnp.asarray(q).reshape(-1, HQ, d), paged_view(jnp.asarray(k_pool), page),
+                                    paged_view(jnp.asarray(v_pool), page), jnp.asarray(seq_lens, jnp.int32),
+                                    jnp.asarray(cu), jnp.asarray(pt), page_size=page, softmax_scale=scale)
     return np.asarray(out).reshape(-1, HQ * dv)
 
 
@@ -228,40 +260,61 @@ def test_jax_backend_head_dims(d, dv, mode):
 
 @pytest.mark.parametrize("d,dv,mode", BRIDGE_CASES)
 def test_torch_bridge_head_dims(d, dv, mode):
-    """The torch bridge runs these head dims through its compiled JAX executable (the launch path is
-    Mosaic-only); K/V written by torch into pools of different head dims; equals the reference."""
+    """The torch bridge on the CPU runs these head dims through its compiled JAX executable; K/V
+    written by torch into pools of different head dims; equals the reference."""
+    got, want, _ = _bridge_step(d, dv, mode, "cpu", torch.float32, PAGE)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.skipif(not ON_GPU or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,dv,mode", [(96, 96, "extend"), (80, 80, "decode"), (112, 112, "extend"),
+                                       (192, 128, "extend"), (192, 128, "decode"), (128, 64, "decode")])
+def test_torch_bridge_head_dims_gpu(d, dv, mode):
+    """On a Hopper GPU these head dims take the launch path (the Mosaic kernel from torch), bf16."""
+    got, want, backend = _bridge_step(d, dv, mode, "cuda", torch.bfloat16, 16)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert backend.mosaic_path is not None and backend.mosaic_path.recipes, "the launch path did not run"
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
+def _bridge_step(d, dv, mode, device, dtype, page):
+    """One bridge step of ``mode`` at head dims ``d`` / ``dv``: (output, reference, backend)."""
     from torch_bridge import (FlashAttentionBackend as TorchBackend, ForwardBatch as TorchBatch,
                               ForwardMode as TorchMode, MHATokenToKVPool, ModelConfig, ModelRunner,
                               RadixAttention, ReqToTokenPool, ServerArgs)
 
     rng = np.random.default_rng(7 + d)
-    table, num_slots = shuffled_table(6, MAX_CTX, PAGE, seed=2)
-    pool = MHATokenToKVPool.create(num_slots, 1, HKV, d, torch.float32, v_head_dim=dv)
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed=2)
+    pool = MHATokenToKVPool.create(num_slots, 1, HKV, d, dtype, device, v_head_dim=dv)
     pool.k_buffer[0].fill_(float("nan"))
     pool.v_buffer[0].fill_(float("nan"))
     pool.k_buffer[0][0] = pool.v_buffer[0][0] = 0.0
-    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool, ModelConfig(MAX_CTX),
-                         page_size=PAGE, server_args=ServerArgs(), attention_impl="auto")
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, ModelConfig(MAX_CTX),
+                         page_size=page, server_args=ServerArgs(), attention_impl="auto", device=device)
+
+    def t(x, dt=None):
+        return torch.from_numpy(np.asarray(x)).to(device=device, dtype=dt)
+
     rows, committed, q_lens = _step(rng, mode)
     for r, n in zip(rows, committed):
-        s = torch.from_numpy(table[r, :n].astype(np.int64))
-        pool.k_buffer[0][s] = torch.from_numpy(rng.standard_normal((n, HKV, d)).astype(np.float32))
-        pool.v_buffer[0][s] = torch.from_numpy(rng.standard_normal((n, HKV, dv)).astype(np.float32))
+        s = t(table[r, :n].astype(np.int64))
+        pool.k_buffer[0][s] = t(rng.standard_normal((n, HKV, d)).astype(np.float32), dtype)
+        pool.v_buffer[0][s] = t(rng.standard_normal((n, HKV, dv)).astype(np.float32), dtype)
     loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)]).astype(np.int64)
     fm = TorchMode.EXTEND if mode == "extend" else TorchMode.DECODE
-    ext = torch.from_numpy(q_lens.astype(np.int64)) if mode == "extend" else None
-    seq_lens = torch.from_numpy((committed + q_lens).astype(np.int64))
-    fb = TorchBatch(fm, 3, torch.from_numpy(rows.astype(np.int64)), seq_lens, torch.from_numpy(loc),
+    ext = t(q_lens.astype(np.int64)) if mode == "extend" else None
+    fb = TorchBatch(fm, 3, t(rows.astype(np.int64)), t((committed + q_lens).astype(np.int64)), t(loc),
                     extend_seq_lens=ext, token_to_kv_pool=pool)
     n = int(q_lens.sum())
-    q = torch.from_numpy(rng.standard_normal((n, HQ * d)).astype(np.float32))
-    kn = torch.from_numpy(rng.standard_normal((n, HKV * d)).astype(np.float32))
-    vn = torch.from_numpy(rng.standard_normal((n, HKV * dv)).astype(np.float32))
+    q, kn, vn = (t(rng.standard_normal((n, h * x)).astype(np.float32), dtype)
+                 for h, x in ((HQ, d), (HKV, d), (HKV, dv)))
     backend = TorchBackend(runner)
     backend.init_forward_metadata(fb)
     got = backend.forward(q, kn, vn, RadixAttention(HQ, d, 0.11, HKV, 0, v_head_dim=dv), fb)
     assert got.shape == (n, HQ * dv)
-    np.testing.assert_array_equal(pool.v_buffer[0][torch.from_numpy(loc)].numpy(), vn.reshape(-1, HKV, dv).numpy())
-    want = _expected(pool.k_buffer[0].numpy(), pool.v_buffer[0].numpy(), table, rows, committed + q_lens, q_lens,
-                     q.numpy(), d, dv, 0.11)
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pool.v_buffer[0][t(loc)], vn.reshape(-1, HKV, dv))
+    k_pool, v_pool = (b[0].float().cpu().numpy() for b in (pool.k_buffer, pool.v_buffer))
+    want = _expected(k_pool, v_pool, table, rows, committed + q_lens, q_lens, q.float().cpu().numpy(), d, dv, 0.11,
+                     page)
+    return got.float().cpu().numpy(), want, backend

@@ -49,8 +49,45 @@ TILE_INFO_COLUMNS = ("seq", "first_row", "split", "k_len", "q_start", "q_len", "
 TILE_INFO_WORDS = 8
 
 
-def _TILED():  # the shared-memory layout wgmma reads: 8x64 tiles, 128-byte swizzle
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on a Hopper multiprocessor
+
+
+def swizzle_bytes(dim: int, itemsize: int) -> int:
+    """The widest wgmma swizzle (128, 64 or 32 bytes) whose row of elements divides ``dim``, the
+    minor (contracted or output) dimension of a tile; 0 when none does (not a multiple of 16 bf16s)."""
+    return next((b for b in (128, 64, 32) if dim % (b // itemsize) == 0), 0)
+
+
+def _tiled(dim: int, dtype) -> tuple:
+    """The shared-memory layout wgmma reads for rows of ``dim`` elements: 8-row tiles one swizzle
+    wide (128 bytes for head dims that are multiples of 64, else 64 or 32)."""
+    swizzle = swizzle_bytes(dim, jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: int, head_dim_v: int,
+               itemsize: int, split: bool = False, ring_staging: bool = False, kv_staging: bool = False) -> int:
+    """Shared memory of ``kernel_entry``'s buffers (without the interpreter's P staging): Q, the
+    key/value ring, the output/Q staging (float32 for the split kernel) and the LSE rows."""
+    q = wgs * block_q * head_dim * itemsize
+    k_ring = stages * block_kv * head_dim * itemsize
+    v_ring = stages * block_kv * head_dim_v * itemsize
+    o32 = wgs * block_q * head_dim_v * 4
+    if ring_staging:
+        k_ring, staging = max(k_ring, o32), q
+    elif kv_staging:
+        k_ring, v_ring, staging = max(k_ring + v_ring, o32), 0, q
+    elif split:
+        staging = max(q, o32)
+    else:
+        staging = max(q, wgs * block_q * head_dim_v * itemsize)
+    return q + k_ring + v_ring + staging + wgs * block_q * 4
+
+
+def statics_smem_bytes(st: "KernelStatics") -> int:
+    return smem_bytes(wgs=st.active_wgs, block_q=st.block_q, block_kv=st.block_kv, stages=st.stages,
+                      head_dim=st.head_dim, head_dim_v=st.head_dim_v, itemsize=jnp.dtype(st.dtype).itemsize,
+                      split=st.split, ring_staging=st.ring_staging, kv_staging=st.kv_staging)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +117,7 @@ class KernelStatics:
     solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
     store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
+    kv_staging: bool = False  # split kernel, two warpgroups: the float32 output shares the key and value rings
 
     @property
     def active_wgs(self) -> int:
@@ -155,9 +193,11 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
     if st.ring_staging:  # see ``kernel_entry``
         (k_smem, o_smem2), q_stage2 = k_smem, staging
+    elif st.kv_staging:
+        ((k_smem, v_smem), o_smem2), q_stage2 = k_smem, staging
     else:
-        q_stage2, o_smem2 = tuple(staging) if st.split else (staging, staging)
-    (k_bar, v_bar, q_bar), (k_used, v_used) = bars, used
+        q_stage2, o_smem2 = tuple(staging) if st.split or st.head_dim != st.head_dim_v else (staging, staging)
+    (k_bar, v_bar, q_bar, done), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
@@ -195,7 +235,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
             _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out, lse_ref,
                         sinks_ref, q_smem2.at[wg], k_smem, v_smem, q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
                         q_bar.at[wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
-                        None if p_smem2 is None else p_smem2.at[wg])
+                        None if p_smem2 is None else p_smem2.at[wg], done)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -205,7 +245,8 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
-                v_smem, q_stage, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, split, p_smem):
+                v_smem, q_stage, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, split, p_smem,
+                done):
     """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
@@ -344,6 +385,9 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     carry = lax.fori_loop(f_hi, hi, masked_step, carry)
     lax.fori_loop(hi, cta_hi, skip, None)
     pl.when(wg == 0)(sched_barrier)
+    if st.kv_staging:  # the output buffer is the rings: both warpgroups' key loops must be over
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
     epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
               lse_smem2)
 
@@ -376,34 +420,42 @@ def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
 def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     """The ``plgpu.kernel`` body: allocates shared memory and barriers, then runs ``_kernel`` on every
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
-    tiled = _TILED()
+    tiled, tiled_v = _tiled(st.head_dim, st.dtype), _tiled(st.head_dim_v, st.dtype)
     wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
     k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
-    # Q is staged through the output buffer. The split kernel's float32 output buffer shares its
-    # memory with the key ring when one warpgroup runs (``ring_staging``: the ring is idle by its
-    # epilogue), else with a Q staging buffer (a ``RefUnion`` either way).
+    # Q is staged through the output buffer (their union when D != Dv). The split kernel's float32
+    # output buffer shares its memory with the key ring when one warpgroup runs (``ring_staging``:
+    # the ring is idle by its epilogue), with both rings when two warpgroups run and a Q staging
+    # buffer beside it would not fit (``kv_staging``: wide heads; the warpgroups meet at a barrier
+    # before their epilogues), else with a Q staging buffer (a ``RefUnion`` each time).
     o32 = plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32)
     q_stage = plgpu.SMEM((wgs, bq, st.head_dim), st.dtype)
+    v_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled_v)
     if st.ring_staging:
         k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
+    elif st.kv_staging:
+        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), o32), None, q_stage
     elif st.split:
         staging = plgpu.RefUnion(q_stage, o32)
+    elif st.head_dim != st.head_dim_v:
+        staging = plgpu.RefUnion(q_stage, plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype))
     else:
-        staging = plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype)
+        staging = q_stage
     smem = (
         plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled),
         k_ring,
-        plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled),
+        v_ring,
         staging,
         plgpu.SMEM((wgs, bq), jnp.float32),
-        # P staging for the interpreter only (see ``_pv``).
-        plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled) if st.interpret else None,
+        # P staging for the interpreter only (see ``_pv``): P @ V's operands share V's swizzle.
+        plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled_v) if st.interpret else None,
     )
     ppb = st.pages_per_block
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=st.pack if st.token_major else 1, num_barriers=wgs),  # Q: one copy per head
+        plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # key loops over (``kv_staging``)
     )
     used = (plgpu.Barrier(num_arrivals=st.active_wgs, num_barriers=st.stages),) * 2
     sched = plgpu.Barrier(num_arrivals=wgs)

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
-from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
-                                            kernel_call)
+from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, SMEM_BYTES, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
+                                            KernelStatics, kernel_call, smem_bytes, statics_smem_bytes,
+                                            swizzle_bytes)
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
@@ -140,9 +141,14 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
-    if head_dim not in (64, 128) or head_dim_v != head_dim:
-        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel supports 64 and 128 (equal for K and V); "
-                "impl='triton' (or 'auto') runs the others")
+    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > 256 for d in (head_dim, head_dim_v)):
+        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to 256 "
+                "(wgmma's swizzled tiles); impl='triton' (or 'auto') runs the others")
+    need = smem_bytes(wgs=COMPUTE_WGS, block_q=DEFAULT_MOSAIC_CONFIG.block_q, block_kv=64, stages=2,
+                      head_dim=head_dim, head_dim_v=head_dim_v, itemsize=dtype.itemsize)
+    if need > SMEM_BYTES:
+        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel's smallest buffers ({need // 1024} KiB) "
+                f"exceed {SMEM_BYTES // 1024} KiB of shared memory; impl='triton' (or 'auto') runs them")
     if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
         return f"page_size={page_size}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
     return None
@@ -225,10 +231,12 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     elif solo:
         block_kv = config.solo_block_kv or block_kv
         stages = config.solo_stages or stages
+    if max(head_dim, head_dim_v) > 128:
+        block_kv = 64  # 64 x Dv float32 accumulators leave registers for 64 keys of scores, not 128
     if has_sinks and pack > 1:
         raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
                                   f"{config.pack_max_q_len}); use impl='triton'")
-    return KernelStatics(
+    st = KernelStatics(
         num_rows=num_tokens * pack, num_heads=num_q_heads if pack == 1 else num_kv_heads, kv_group=g // pack,
         pack=pack, page_size=page_size, block_q=config.block_q, block_kv=block_kv, stages=stages,
         head_dim=head_dim, head_dim_v=head_dim_v, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
@@ -237,6 +245,21 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
         solo=solo, spread_copies=config.spread_copies, store_read_wait=config.store_read_wait,
     )
+    return fit_shared_memory(st)
+
+
+def fit_shared_memory(st: KernelStatics) -> KernelStatics:
+    """``st`` with its ring made shallower (then its key blocks shorter, 64 at least) until the
+    kernel's buffers fit in shared memory (wide head dims; ``unsupported`` rejects what never fits).
+    A split kernel of two warpgroups first moves its float32 output into the rings (``kv_staging``)."""
+    if st.split and not st.solo and statics_smem_bytes(st) > SMEM_BYTES:
+        st = dataclasses.replace(st, kv_staging=True)
+    while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
+        if st.stages > 2:
+            st = dataclasses.replace(st, stages=st.stages - 1)
+        else:
+            st = dataclasses.replace(st, block_kv=st.block_kv - 64)
+    return st
 
 
 def pack_rows(q, pack: int, num_kv_heads: int):
