@@ -92,12 +92,13 @@ def mosaic_wanted(call: Call) -> bool:
 
 def mosaic_covers(call: Call) -> bool:
     """Whether the Mosaic kernel takes this call at all (its capability rules)."""
-    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, unsupported
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, pack_for, unsupported
 
     if call.fp8_descale or (call.has_sinks and call.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len):
         return False  # fp8 descale; sinks with packed decode rows
+    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 1
     return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
-                       call.page_size) is None
+                       call.page_size, packed_group=pack_for(group, call.max_q_len)) is None
 
 
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False) -> str:

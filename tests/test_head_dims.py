@@ -168,6 +168,23 @@ _MOSAIC_RULE = [(96, 96, None), (192, 128, None), (80, 80, None), (112, 112, Non
                 (128, 40, "multiples of 16"), (264, 264, "multiples of 16")]
 
 
+@pytest.mark.parametrize("d,hq,covered", [(80, 32, True), (80, 64, True), (80, 256, False), (96, 256, True),
+                                          (96, 512, False), (112, 256, False), (128, 512, True)])
+def test_policy_packed_rows_stay_aligned(d, hq, covered, monkeypatch):
+    """Packed decode rows of G query heads put a head's 64 / G rows at one offset of the Q and output
+    staging buffers: TMA copies need it 128-byte aligned (head dim 80, G = 32: 2 rows of 160 bytes
+    are not), so such calls go to the Triton-lowered kernel; prefill rows of the same heads stay."""
+    monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
+    decode = Call(max_q_len=1, page_size=16, num_tokens=8, num_kv_heads=8, head_dim=d, head_dim_v=d,
+                  dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, num_q_heads=hq)
+    assert kernel_policy.mosaic_covers(decode) is covered
+    assert kernel_policy.mosaic_covers(dataclasses.replace(decode, max_q_len=512))
+    if not covered:
+        with pytest.raises(NotImplementedError, match="packed query heads"):
+            mosaic_paged.kernel_statics(num_tokens=8, num_q_heads=hq, num_kv_heads=8, head_dim=d, head_dim_v=d,
+                                        page_size=16, pack=hq // 8, dtype=jnp.bfloat16, max_q_len=1)
+
+
 @pytest.mark.parametrize("d,dv,why", _MOSAIC_RULE)
 def test_policy_head_dims(d, dv, why, monkeypatch):
     """On Hopper, head dims the Mosaic kernel takes run there (both front ends; from torch: the

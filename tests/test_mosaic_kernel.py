@@ -44,7 +44,7 @@ MOSAIC_CPU_CASES = [
     # output staging differ); 192 / 128 gets 64-key blocks; a split tile of two warpgroups at
     # D = 192 keeps its float32 output in the key and value rings (``kv_staging``).
     _c("d96_prefill_softcap", [(70, 70), (5, 5)], head_dim=96, heads=(2, 1), softcap=4.0),
-    _c("d80_decode_packed", [(1, 17), (1, 70)], head_dim=80, pad_rows=1),
+    _c("d80_packed_tails", [(1, 17), (7, 70)], head_dim=80, pad_rows=1),  # 7 tokens: 4 + a 3-row tail
     _c("d192_v128_extend_window", [(20, 50), (3, 9)], head_dim=192, head_dim_v=128, heads=(2, 1), window=(13, 0)),
     _c("d192_split2_two_wgs", [(70, 90)], head_dim=192, heads=(2, 1), num_splits=2),
 ]

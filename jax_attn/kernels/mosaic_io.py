@@ -183,21 +183,37 @@ def zero_tail_values(st, v_slot, blk, k_len):
 def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
     """TMA-stores rows ``[0, n)`` of ``o_smem`` to ``out_ref[row0:row0 + n, head]`` (n <= block_q):
     one copy per binary digit of ``n``, so no row outside the range is written. ``token_major``:
-    ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G)."""
+    ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G).
+
+    A TMA copy's shared-memory address is 128-byte aligned: when a row is not a multiple of 128
+    bytes (head dims 80, 96, 112, ...), copies start on multiples of ``aligned_rows`` rows only, and
+    the last ``n % aligned_rows`` rows go as one copy of that many rows."""
     g = st.pack if token_major else 1
     tpb = st.block_q // g  # rows (tokens) per query head in the buffer
     row0, n = (row0 // g, n // g) if token_major else (row0, n)
+    step = aligned_rows(o_smem.shape[-1] * o_smem.dtype.itemsize)
     off: Any = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
-    size = tpb
-    while size >= 1:
-        take = (n & size) != 0
+
+    def copy(at, size):
         for j in range(g):
-            src = o_smem.at[pl.ds(j * tpb + off, size)]
-            rows = pl.ds(row0 + off, size)
+            src = o_smem.at[pl.ds(j * tpb + at, size)]
+            rows = pl.ds(row0 + at, size)
             dst = out_ref.at[rows, head, j] if token_major else out_ref.at[rows, head]
-            pl.when(take)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
+            plgpu.copy_smem_to_gmem(src, dst)
+
+    size = tpb
+    while size >= step:
+        take = (n & size) != 0
+        pl.when(take)(functools.partial(copy, off, size))
         off = off + jnp.where(take, size, 0)
         size //= 2
+    for tail in range(1, step):  # rows [off, n): fewer than ``step``, from an aligned row
+        pl.when(n - off == tail)(functools.partial(copy, off, tail))
+
+
+def aligned_rows(row_bytes: int) -> int:
+    """Rows whose bytes are a multiple of 128 (the alignment of a TMA copy's shared-memory address)."""
+    return 128 // math.gcd(row_bytes, 128)
 
 
 def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):

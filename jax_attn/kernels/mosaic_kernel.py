@@ -58,7 +58,7 @@ def swizzle_bytes(dim: int, itemsize: int) -> int:
     return next((b for b in (128, 64, 32) if dim % (b // itemsize) == 0), 0)
 
 
-def _tiled(dim: int, dtype) -> tuple:
+def _tiled(dim, dtype):  # (untyped: mypy sees the transforms as abstract)
     """The shared-memory layout wgmma reads for rows of ``dim`` elements: 8-row tiles one swizzle
     wide (128 bytes for head dims that are multiples of 64, else 64 or 32)."""
     swizzle = swizzle_bytes(dim, jnp.dtype(dtype).itemsize)

@@ -29,6 +29,7 @@ from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
 from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, SMEM_BYTES, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
                                             KernelStatics, kernel_call, smem_bytes, statics_smem_bytes,
                                             swizzle_bytes)
+from jax_attn.kernels.mosaic_io import aligned_rows
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
@@ -132,12 +133,15 @@ def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_de
     """``None`` if the Mosaic kernel runs this call, else the reason it does not."""
     if k_descale is not None or v_descale is not None or k_cache.dtype.itemsize == 1:
         return "fp8 KV with k/v descale is not in the Mosaic kernel"
-    return unsupported(q.dtype, k_cache.dtype, v_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], md.page_size)
+    return unsupported(q.dtype, k_cache.dtype, v_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], md.page_size,
+                       packed_group=choose_pack(md, q.shape[1], k_cache.shape[2], DEFAULT_MOSAIC_CONFIG))
 
 
-def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_size: int) -> str | None:
+def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_size: int,
+                packed_group: int = 1) -> str | None:
     """The kernel's dtype, head-dim and page-size rules (``supports``; the torch launch path):
-    ``None`` when they hold, else the reason. Dtypes are anything ``jnp.dtype`` accepts."""
+    ``None`` when they hold, else the reason. Dtypes are anything ``jnp.dtype`` accepts.
+    ``packed_group``: the call's rows pack this many query heads (``choose_pack``)."""
     dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
@@ -149,16 +153,33 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     if need > SMEM_BYTES:
         return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel's smallest buffers ({need // 1024} KiB) "
                 f"exceed {SMEM_BYTES // 1024} KiB of shared memory; impl='triton' (or 'auto') runs them")
+    if packed_group > 1 and not packed_rows_aligned(head_dim, head_dim_v, dtype.itemsize, packed_group):
+        return (f"packed rows of {packed_group} query heads at head dims {head_dim}/{head_dim_v}: a head's "
+                f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
+                "boundaries; impl='triton' (or 'auto') runs them")
     if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
         return f"page_size={page_size}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
     return None
 
 
+def packed_rows_aligned(head_dim: int, head_dim_v: int, itemsize: int, group: int,
+                        config: MosaicConfig = DEFAULT_MOSAIC_CONFIG) -> bool:
+    """Whether packed rows keep every TMA copy aligned: a query head's ``block_q // group`` rows of
+    Q, of the output and of the split kernel's float32 partials start on 128-byte boundaries."""
+    rows = config.block_q // group
+    return all(rows % aligned_rows(d * size) == 0 for d, size in ((head_dim, itemsize), (head_dim_v, itemsize),
+                                                                 (head_dim_v, 4)))
+
+
 def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, config: MosaicConfig) -> int:
-    """Rows per query token: the kv head's G query heads packed for short query runs (G dividing
-    ``block_q``, so a row block is whole tokens), else 1."""
-    g = num_q_heads // num_kv_heads
-    return g if (g > 1 and config.block_q % g == 0 and md.max_q_len <= config.pack_max_q_len) else 1
+    """Rows per query token of this call (``pack_for``)."""
+    return pack_for(num_q_heads // num_kv_heads, md.max_q_len, config)
+
+
+def pack_for(group: int, max_q_len: int, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG) -> int:
+    """Rows per query token: the kv head's ``group`` query heads packed for short query runs (a group
+    dividing ``block_q``, so a row block is whole tokens), else 1."""
+    return group if (group > 1 and config.block_q % group == 0 and max_q_len <= config.pack_max_q_len) else 1
 
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
@@ -233,6 +254,9 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         stages = config.solo_stages or stages
     if max(head_dim, head_dim_v) > 128:
         block_kv = 64  # 64 x Dv float32 accumulators leave registers for 64 keys of scores, not 128
+    if pack > 1 and not packed_rows_aligned(head_dim, head_dim_v, jnp.dtype(dtype).itemsize, pack, config):
+        raise NotImplementedError(f"impl='mosaic': {pack} packed query heads at head dims {head_dim}/{head_dim_v} "
+                                  "(unaligned TMA copies); use impl='triton'")
     if has_sinks and pack > 1:
         raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
                                   f"{config.pack_max_q_len}); use impl='triton'")
