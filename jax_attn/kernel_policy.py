@@ -2,10 +2,10 @@
 
 ``impl``:
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
-                  tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dim 64/128 for
-                  both K and V, page size a multiple of 8, no fp8 descale, no sinks with packed
-                  decode rows, not deterministic mode), else the Triton-lowered kernel (interpret
-                  mode on CPU): every other head dim (80, 96, 112, 192, 256, Dv != D) goes there;
+                  tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dims that are
+                  multiples of 16 up to 256 but 256/256, page size a multiple of 8, no fp8 descale,
+                  no sinks with packed decode rows, not deterministic mode), else the Triton-lowered
+                  kernel (interpret mode on CPU): every other head dim goes there;
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature, head dims
                   that are multiples of 8 up to 256 or powers of 2, K and V alike or not; padded to a
                   power of 2 inside the kernel: ``jax_attn.kernels.triton_paged.unsupported``);
