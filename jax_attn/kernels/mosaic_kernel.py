@@ -75,8 +75,8 @@ def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: 
     o32 = wgs * block_q * head_dim_v * 4
     if ring_staging:
         k_ring, staging = max(k_ring, o32), q
-    elif kv_staging:
-        k_ring, v_ring, staging = max(k_ring + v_ring, o32), 0, q
+    elif kv_staging:  # Q staging and the output buffer (float32 when split) share the rings
+        k_ring, v_ring, staging = max(k_ring + v_ring, q, o32 if split else wgs * block_q * head_dim_v * itemsize), 0, 0
     elif split:
         staging = max(q, o32)
     else:
@@ -117,7 +117,7 @@ class KernelStatics:
     solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
     store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
-    kv_staging: bool = False  # split kernel, two warpgroups: the float32 output shares the key and value rings
+    kv_staging: bool = False  # two warpgroups, wide heads: Q staging and the output buffer share the key/value rings
 
     @property
     def active_wgs(self) -> int:
@@ -194,10 +194,10 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     if st.ring_staging:  # see ``kernel_entry``
         (k_smem, o_smem2), q_stage2 = k_smem, staging
     elif st.kv_staging:
-        ((k_smem, v_smem), o_smem2), q_stage2 = k_smem, staging
+        (k_smem, v_smem), q_stage2, o_smem2 = k_smem
     else:
         q_stage2, o_smem2 = tuple(staging) if st.split or st.head_dim != st.head_dim_v else (staging, staging)
-    (k_bar, v_bar, q_bar, done), (k_used, v_used) = bars, used
+    (k_bar, v_bar, q_bar, q_staged, done), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
@@ -235,18 +235,20 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
             _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out, lse_ref,
                         sinks_ref, q_smem2.at[wg], k_smem, v_smem, q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
                         q_bar.at[wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
-                        None if p_smem2 is None else p_smem2.at[wg], done)
+                        None if p_smem2 is None else p_smem2.at[wg], q_staged, done)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
+            if st.kv_staging:  # the rings hold the Q staging until both warpgroups have their Q
+                plgpu.barrier_wait(q_staged)
             memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
                        k_used, v_used)
 
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
                 v_smem, q_stage, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, split, p_smem,
-                done):
+                q_staged, done):
     """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
@@ -255,6 +257,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     # arrival, which follows its Q load. A ``solo`` kernel has no such wait, and no second
     # warpgroup loading Q either.)
     load_q(st, q_ref, q_smem, q_stage, q_bar, seq_row0 + r0, head)
+    if st.kv_staging:
+        plgpu.barrier_arrive(q_staged)
 
     def sched_barrier():
         sched_arrive()
@@ -385,7 +389,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     carry = lax.fori_loop(f_hi, hi, masked_step, carry)
     lax.fori_loop(hi, cta_hi, skip, None)
     pl.when(wg == 0)(sched_barrier)
-    if st.kv_staging:  # the output buffer is the rings: both warpgroups' key loops must be over
+    if st.kv_staging:  # the output buffer is in the rings: both warpgroups' key loops must be over
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
     epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
@@ -425,16 +429,18 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
     # Q is staged through the output buffer (their union when D != Dv). The split kernel's float32
     # output buffer shares its memory with the key ring when one warpgroup runs (``ring_staging``:
-    # the ring is idle by its epilogue), with both rings when two warpgroups run and a Q staging
-    # buffer beside it would not fit (``kv_staging``: wide heads; the warpgroups meet at a barrier
-    # before their epilogues), else with a Q staging buffer (a ``RefUnion`` each time).
+    # the ring is idle by its epilogue), else with a Q staging buffer (a ``RefUnion`` each time).
+    # Wide heads whose buffers would not fit otherwise (``kv_staging``, two warpgroups) keep the Q
+    # staging and the output buffer in the key/value rings: the producer starts once both
+    # warpgroups hold their Q, and the warpgroups meet at a barrier before their epilogues.
     o32 = plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32)
     q_stage = plgpu.SMEM((wgs, bq, st.head_dim), st.dtype)
     v_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled_v)
     if st.ring_staging:
         k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
     elif st.kv_staging:
-        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), o32), None, q_stage
+        o_buf = o32 if st.split else plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype)
+        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, o_buf), None, None
     elif st.split:
         staging = plgpu.RefUnion(q_stage, o32)
     elif st.head_dim != st.head_dim_v:
@@ -455,6 +461,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=st.pack if st.token_major else 1, num_barriers=wgs),  # Q: one copy per head
+        plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # key loops over (``kv_staging``)
     )
     used = (plgpu.Barrier(num_arrivals=st.active_wgs, num_barriers=st.stages),) * 2

@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
 from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, SMEM_BYTES, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
-                                            KernelStatics, kernel_call, smem_bytes, statics_smem_bytes,
+                                            KernelStatics, kernel_call, statics_smem_bytes,
                                             swizzle_bytes)
 from jax_attn.kernels.mosaic_io import aligned_rows
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
@@ -148,11 +148,6 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > 256 for d in (head_dim, head_dim_v)):
         return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to 256 "
                 "(wgmma's swizzled tiles); impl='triton' (or 'auto') runs the others")
-    need = smem_bytes(wgs=COMPUTE_WGS, block_q=DEFAULT_MOSAIC_CONFIG.block_q, block_kv=64, stages=2,
-                      head_dim=head_dim, head_dim_v=head_dim_v, itemsize=dtype.itemsize)
-    if need > SMEM_BYTES:
-        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel's smallest buffers ({need // 1024} KiB) "
-                f"exceed {SMEM_BYTES // 1024} KiB of shared memory; impl='triton' (or 'auto') runs them")
     if packed_group > 1 and not packed_rows_aligned(head_dim, head_dim_v, dtype.itemsize, packed_group):
         return (f"packed rows of {packed_group} query heads at head dims {head_dim}/{head_dim_v}: a head's "
                 f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
@@ -274,16 +269,22 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
 
 def fit_shared_memory(st: KernelStatics) -> KernelStatics:
     """``st`` with its ring made shallower (then its key blocks shorter, 64 at least) until the
-    kernel's buffers fit in shared memory (wide head dims; ``unsupported`` rejects what never fits).
-    A split kernel of two warpgroups first moves its float32 output into the rings (``kv_staging``)."""
-    if st.split and not st.solo and statics_smem_bytes(st) > SMEM_BYTES:
-        st = dataclasses.replace(st, kv_staging=True)
-    while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
-        if st.stages > 2:
-            st = dataclasses.replace(st, stages=st.stages - 1)
-        else:
-            st = dataclasses.replace(st, block_kv=st.block_kv - 64)
-    return st
+    kernel's buffers fit in shared memory (wide head dims). When even the smallest ring does not
+    leave room for the staging buffers, two warpgroups keep them in the rings (``kv_staging``)."""
+    def shrink(st):
+        while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
+            if st.stages > 2:
+                st = dataclasses.replace(st, stages=st.stages - 1)
+            else:
+                st = dataclasses.replace(st, block_kv=st.block_kv - 64)
+        return st
+
+    fitted = shrink(st)
+    if statics_smem_bytes(fitted) > SMEM_BYTES and not st.solo:
+        fitted = shrink(dataclasses.replace(st, kv_staging=True))
+    if statics_smem_bytes(fitted) > SMEM_BYTES:
+        raise ValueError(f"the Mosaic kernel's buffers ({statics_smem_bytes(fitted)} bytes) exceed {SMEM_BYTES}: {st}")
+    return fitted
 
 
 def pack_rows(q, pack: int, num_kv_heads: int):
