@@ -42,13 +42,11 @@ MOSAIC_CPU_CASES = [
     _c("f16_dv128", [(9, 30), (1, 70)], dtype="float16", head_dim=128, heads=(2, 1)),
     # Head dims other than 64 / 128: 64-byte (96) and 32-byte (80) swizzled tiles; D != Dv (Q and
     # output staging differ); 192 / 128 gets 64-key blocks; a split tile of two warpgroups at
-    # D = 192 keeps its Q staging and float32 output in the key and value rings (``kv_staging``), as
-    # does an unsplit tile at D = 256 (the second sequence's Q starts off an 8-row boundary: staged).
+    # D = 192 keeps its Q staging and float32 output in the key and value rings (``kv_staging``).
     _c("d96_prefill_softcap", [(70, 70), (5, 5)], head_dim=96, heads=(2, 1), softcap=4.0),
     _c("d80_packed_tails", [(1, 17), (7, 70)], head_dim=80, pad_rows=1),  # 7 tokens: 4 + a 3-row tail
     _c("d192_v128_extend_window", [(20, 50), (3, 9)], head_dim=192, head_dim_v=128, heads=(2, 1), window=(13, 0)),
     _c("d192_split2_two_wgs", [(70, 90)], head_dim=192, heads=(2, 1), num_splits=2),
-    _c("d256_staged_in_rings", [(5, 5), (70, 75)], head_dim=256, heads=(2, 1), num_splits=1),
 ]
 
 INTERPRET = dict(interpret=plgpu.InterpretGPUParams())

@@ -49,7 +49,7 @@ The SGLang 0.5.11 attributes read, and those that raise ``NotImplementedError``,
 ``docs/sglang_contract.md``; ``torch_bridge.checks.RunnerSettings`` reads the model runner's.
 
 Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic kernel covers (bf16/f16,
-head dims that are multiples of 16 up to 256, page size a multiple of 8, no tree step, no cross
+head dims that are multiples of 16 up to 192, page size a multiple of 8, no tree step, no cross
 attention) skip JAX at run time:
 torch writes K/V, the kernel is launched on torch's current stream by ``torch_bridge.launcher`` with
 tables made once per step (``torch_bridge.mosaic_path``). Such a forward is captured by

@@ -75,8 +75,8 @@ def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: 
     o32 = wgs * block_q * head_dim_v * 4
     if ring_staging:
         k_ring, staging = max(k_ring, o32), q
-    elif kv_staging:  # Q staging and the output buffer (float32 when split) share the rings
-        k_ring, v_ring, staging = max(k_ring + v_ring, q, o32 if split else wgs * block_q * head_dim_v * itemsize), 0, 0
+    elif kv_staging:  # the split kernel's Q staging and float32 output share the rings
+        k_ring, v_ring, staging = max(k_ring + v_ring, q, o32), 0, 0
     elif split:
         staging = max(q, o32)
     else:
@@ -117,7 +117,7 @@ class KernelStatics:
     solo: bool = False  # only the first compute warpgroup ever has rows: the second sits the kernel out
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
     store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
-    kv_staging: bool = False  # two warpgroups, wide heads: Q staging and the output buffer share the key/value rings
+    kv_staging: bool = False  # split kernel, two warpgroups, wide heads: Q staging and float32 output in the rings
 
     @property
     def active_wgs(self) -> int:
@@ -430,17 +430,16 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     # Q is staged through the output buffer (their union when D != Dv). The split kernel's float32
     # output buffer shares its memory with the key ring when one warpgroup runs (``ring_staging``:
     # the ring is idle by its epilogue), else with a Q staging buffer (a ``RefUnion`` each time).
-    # Wide heads whose buffers would not fit otherwise (``kv_staging``, two warpgroups) keep the Q
-    # staging and the output buffer in the key/value rings: the producer starts once both
-    # warpgroups hold their Q, and the warpgroups meet at a barrier before their epilogues.
+    # A split kernel of two warpgroups whose buffers would not fit otherwise (``kv_staging``: head
+    # dim 192) keeps the Q staging and the float32 output in the key/value rings: the producer
+    # starts once both warpgroups hold their Q, and they meet at a barrier before their epilogues.
     o32 = plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32)
     q_stage = plgpu.SMEM((wgs, bq, st.head_dim), st.dtype)
     v_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled_v)
     if st.ring_staging:
         k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
     elif st.kv_staging:
-        o_buf = o32 if st.split else plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype)
-        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, o_buf), None, None
+        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, o32), None, None
     elif st.split:
         staging = plgpu.RefUnion(q_stage, o32)
     elif st.head_dim != st.head_dim_v:

@@ -145,9 +145,10 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
-    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > 256 for d in (head_dim, head_dim_v)):
-        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to 256 "
-                "(wgmma's swizzled tiles); impl='triton' (or 'auto') runs the others")
+    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > MAX_HEAD_DIM for d in (head_dim, head_dim_v)):
+        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to {MAX_HEAD_DIM} "
+                "(wgmma's swizzled tiles; at 256 the 64 x 256 float32 accumulator leaves too few registers: its "
+                "kernels did not finish within 55 s on an H100); impl='triton' (or 'auto') runs the others")
     if packed_group > 1 and not packed_rows_aligned(head_dim, head_dim_v, dtype.itemsize, packed_group):
         return (f"packed rows of {packed_group} query heads at head dims {head_dim}/{head_dim_v}: a head's "
                 f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
@@ -155,6 +156,9 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
         return f"page_size={page_size}: the Mosaic kernel needs a multiple of 8 dividing or divided by 64"
     return None
+
+
+MAX_HEAD_DIM = 192  # the widest K and V rows the kernel takes
 
 
 def packed_rows_aligned(head_dim: int, head_dim_v: int, itemsize: int, group: int,
@@ -270,7 +274,8 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
 def fit_shared_memory(st: KernelStatics) -> KernelStatics:
     """``st`` with its ring made shallower (then its key blocks shorter, 64 at least) until the
     kernel's buffers fit in shared memory (wide head dims). When even the smallest ring does not
-    leave room for the staging buffers, two warpgroups keep them in the rings (``kv_staging``)."""
+    leave room for the staging buffers, a split kernel of two warpgroups keeps them in the rings
+    (``kv_staging``: head dim 192)."""
     def shrink(st):
         while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
             if st.stages > 2:
@@ -280,7 +285,7 @@ def fit_shared_memory(st: KernelStatics) -> KernelStatics:
         return st
 
     fitted = shrink(st)
-    if statics_smem_bytes(fitted) > SMEM_BYTES and not st.solo:
+    if statics_smem_bytes(fitted) > SMEM_BYTES and st.split and not st.solo:
         fitted = shrink(dataclasses.replace(st, kv_staging=True))
     if statics_smem_bytes(fitted) > SMEM_BYTES:
         raise ValueError(f"the Mosaic kernel's buffers ({statics_smem_bytes(fitted)} bytes) exceed {SMEM_BYTES}: {st}")
