@@ -56,6 +56,9 @@ def gemma3_text_config(hf: dict) -> dict:
     text = dict(hf.get("text_config") or {})
     if text.get("model_type", "gemma3_text") != "gemma3_text":
         raise NotImplementedError(f"gemma3 text_config of model_type {text['model_type']!r} (gemma3_text expected)")
+    if text.get("final_logit_softcapping") is not None:
+        raise NotImplementedError(f"final_logit_softcapping {text['final_logit_softcapping']} in a gemma3 text_config "
+                                  "(transformers' Gemma3ForConditionalGeneration ignores it; its causal LM does not)")
     text["model_type"] = "gemma3_text"
     if "tie_word_embeddings" in hf:  # Gemma3ForConditionalGeneration ties by the outer config
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
