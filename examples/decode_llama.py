@@ -219,6 +219,7 @@ def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=
     compile_cache.enable()  # executables and kernels kept across runs (JAX_ATTN_COMPILE_CACHE=0: off)
     batch = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts], np.int32)
+    cfg.check_context(int(prompt_lens.max()) + new_tokens - 1)  # LongRoPE: raises past its short factors
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
@@ -251,13 +252,15 @@ def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=
 
 
 def generate_text(model="smollm2", prompts=DEMO_PROMPTS, new_tokens=32, page_size=16, impl="auto",
-                  layout=DEFAULT_LAYOUT, dtype=None, **loop) -> dict:
+                  layout=None, dtype=None, **loop) -> dict:
     """Greedy replies of a real checkpoint (``model``: ``"smollm2"``, a Hugging Face directory or a .gguf
     file) to ``prompts``, decoded as one ragged batch. ``dtype``: default float32 on the CPU, bfloat16
-    on a GPU. ``loop``: ``overlap``, ``static_buffers``, ``command_buffers``. Returns ``generate``'s dict
-    plus ``texts`` (each reply up to its stop token)."""
+    on a GPU. ``layout``: default ``scan`` (``fused`` for a model with local and global layers).
+    ``loop``: ``overlap``, ``static_buffers``, ``command_buffers``. Returns ``generate``'s dict plus
+    ``texts`` (each reply up to its stop token) and ``layout``."""
     dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     ckpt = load_checkpoint(smollm2_gguf() if model == "smollm2" else model, dtype)
+    layout = layout or ("scan" if ckpt.config.uniform_layers() else "fused")
     params = llama.with_layout(llama.params_from_checkpoint(ckpt), layout)
     ids = [ckpt.prompt_ids(p) for p in prompts]
     run = run_batch(ckpt.config, params, ids, new_tokens=new_tokens, page_size=page_size, impl=impl, layout=layout,
@@ -265,7 +268,7 @@ def generate_text(model="smollm2", prompts=DEMO_PROMPTS, new_tokens=32, page_siz
     stop = ckpt.stop_ids()
     cut = [next((i for i, t in enumerate(g) if t in stop), len(g)) for g in run["generated"]]
     run["texts"] = [ckpt.tokenizer.decode(g[:n]) for g, n in zip(run["generated"], cut)]
-    run["questions"] = list(prompts)
+    run["questions"], run["layout"] = list(prompts), layout
     return run
 
 
@@ -302,19 +305,21 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
       new_tokens: greedy tokens per request (the first from the prefill); page_size: KV page size;
       impl: attention kernels (``FlashAttentionBackend``); seed: prompts, weights and page order;
       check: run the dense check; layout: ``llama.LAYOUTS`` (default ``list``, with ``model`` ``scan``:
-      a real model's 30-odd layers compile as one); overlap: the overlap decode loop;
+      a real model's 30-odd layers compile as one; ``fused`` where its layers differ, Gemma 2/3);
+      overlap: the overlap decode loop;
       static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=...)``;
       model: a real checkpoint instead of ``config`` (``generate_text``; ``batch``, ``min_prompt``, ``max_prompt``
       and ``seed`` unused); prompts: its prompts (default ``DEMO_PROMPTS``); dtype: its compute dtype.
     Returns:
       0 when the check passes (or is skipped), 1 when it fails.
     """
-    layout = layout or ("scan" if model else DEFAULT_LAYOUT)
+    layout = layout or (None if model else DEFAULT_LAYOUT)  # a real model's default: generate_text's
     loop = dict(overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers)
     if model:
         run = generate_text(model, tuple(prompts or DEMO_PROMPTS), new_tokens=new_tokens, page_size=page_size,
                             impl=impl, layout=layout, dtype=dtype, **loop)
         config, batch = f"{model} ({run['cfg'].n_layers} layers, {run['cfg'].dtype})", len(run["prompts"])
+        layout = run["layout"]
     else:
         run = generate(config=config, batch=batch, min_prompt=min_prompt, max_prompt=max_prompt,
                        new_tokens=new_tokens, page_size=page_size, impl=impl, seed=seed, layout=layout, **loop)
@@ -329,7 +334,7 @@ def parse():
     ap = llama.decode_arg_parser(__doc__)
     ap.add_argument("--layout", choices=llama.LAYOUTS,
                     help="how weights and KV pools are passed to the step (see llama.LAYOUTS; default list, "
-                    "with --model scan)")
+                    "with --model scan, or fused for local and global layers)")
     ap.add_argument("--stacked", dest="layout", action="store_const", const="scan",
                     help="same as --layout scan (layer-stacked weights and pool under lax.scan)")
     ap.add_argument("--overlap", action="store_true",

@@ -62,6 +62,7 @@ def sync(device):
 def run_bridge(model, runner, backend, prompts, new_tokens, device):
     """Prefill (eager plan) + decode (capture the bucket once, replay per step). Greedy tokens/logits."""
     batch = len(prompts)
+    model.cfg.check_context(max(len(p) for p in prompts) + new_tokens - 1)  # LongRoPE: raises past its short factors
     pool = runner.token_to_kv_pool
     rows = torch.arange(1, batch + 1, device=device)
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -164,7 +165,7 @@ def check_dense(model, prompts, tokens, logits, tol):
     worst, mismatches = 0.0, 0
     for b, p in enumerate(prompts):
         seq = torch.cat([p, tokens[b, :-1]])
-        dense = model.forward(seq, torch.arange(len(seq), device=seq.device), lt.dense_attend)[len(p) - 1:]
+        dense = model.forward(seq, torch.arange(len(seq), device=seq.device), model.dense_attend)[len(p) - 1:]
         worst = max(worst, float((dense - logits[b]).abs().max() / (dense.abs().max() + 1e-9)))
         top2 = dense.topk(2, -1).values
         decisive = (top2[:, 0] - top2[:, 1]) > tol * top2[:, 0].abs()

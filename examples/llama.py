@@ -3,6 +3,11 @@ or a real Llama-family checkpoint (``params_from_checkpoint`` of ``jax_attn.mode
 Llama 2/3, Qwen2/2.5 with qkv biases, Mistral, SmolLM2; tied embeddings, rope theta and scaling, RMS eps
 and sliding window from its config).
 
+Gemma 2/3 and Phi-3 are the same forward with the switches of ``Config``: (1 + w) RMSNorm, norms after
+attention and after the MLP, q/k norms, a sqrt(dim) embedding scale, GeLU-tanh, attention softcap and
+softmax scale (``LayerParams.logit_cap`` / ``scaling``), a final logit softcap, sliding-window layers
+chosen per layer, a second rope base for local layers, partial rotary and LongRoPE's attention factor.
+
 ``Config.attention_chunk_size > 0`` makes it Llama-4 style (iRoPE): layer i with ``(i + 1) % 4 != 0``
 is a chunked local layer with RoPE (a query sees only the keys of its own ``attention_chunk_size``
 chunk: ``LayerParams(use_irope=True)``), every fourth layer is global and NoPE (no rotary
@@ -50,15 +55,20 @@ def init_params(cfg: Config, seed: int = 0):
         return (jax.random.normal(next(keys), shape, jnp.float32) / shape[0] ** 0.5).astype(dt)
 
     qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    unit = functools.partial(jnp.zeros if cfg.norm_plus_one else jnp.ones, dtype=dt)  # an identity norm weight
     layers = [dict(wq=w((cfg.dim, qd)), wk=w((cfg.dim, kd)), wv=w((cfg.dim, kd)), wo=w((qd, cfg.dim)),
                    w1=w((cfg.dim, cfg.ffn_dim)), w3=w((cfg.dim, cfg.ffn_dim)), w2=w((cfg.ffn_dim, cfg.dim)),
-                   n1=jnp.ones((cfg.dim,), dt), n2=jnp.ones((cfg.dim,), dt))
+                   n1=unit((cfg.dim,)), n2=unit((cfg.dim,)))
               for _ in range(cfg.n_layers)]
-    if cfg.qkv_bias:
-        for lp in layers:
+    for lp in layers:
+        if cfg.qkv_bias:
             lp.update(bq=w((1, qd))[0], bk=w((1, kd))[0], bv=w((1, kd))[0])
+        if cfg.sandwich_norms:
+            lp.update(n1p=unit((cfg.dim,)), n2p=unit((cfg.dim,)))
+        if cfg.qk_norm:
+            lp.update(qn=unit((cfg.head_dim,)), kn=unit((cfg.head_dim,)))
     embed = (jax.random.normal(next(keys), (cfg.vocab, cfg.dim), jnp.float32)).astype(dt)
-    params = dict(embed=embed, layers=layers, norm=jnp.ones((cfg.dim,), dt))
+    params = dict(embed=embed, layers=layers, norm=unit((cfg.dim,)))
     return params if cfg.tie_embeddings else dict(params, head=w((cfg.dim, cfg.vocab)))
 
 
@@ -67,6 +77,21 @@ _HF_LAYER = dict(wq="self_attn.q_proj.weight", wk="self_attn.k_proj.weight", wv=
                  wo="self_attn.o_proj.weight", w1="mlp.gate_proj.weight", w3="mlp.up_proj.weight",
                  w2="mlp.down_proj.weight", n1="input_layernorm.weight", n2="post_attention_layernorm.weight",
                  bq="self_attn.q_proj.bias", bk="self_attn.k_proj.bias", bv="self_attn.v_proj.bias")
+# Gemma 2/3: ``post_attention_layernorm`` normalizes the attention output (n1p); the MLP's input norm is
+# ``pre_feedforward_layernorm`` (n2) and its output norm ``post_feedforward_layernorm`` (n2p).
+_HF_SANDWICH = dict(n2="pre_feedforward_layernorm.weight", n1p="post_attention_layernorm.weight",
+                    n2p="post_feedforward_layernorm.weight")
+_HF_QK_NORM = dict(qn="self_attn.q_norm.weight", kn="self_attn.k_norm.weight")  # Gemma 3, over each head
+
+
+def hf_layer_names(cfg: Config) -> dict:
+    """Our name -> Hugging Face name of each weight of a layer of ``cfg`` (``w*``: linear, stored [out, in])."""
+    names = {k: v for k, v in _HF_LAYER.items() if k[0] != "b" or cfg.qkv_bias}
+    if cfg.sandwich_norms:
+        names.update(_HF_SANDWICH)
+    if cfg.qk_norm:
+        names.update(_HF_QK_NORM)
+    return names
 
 
 def params_from_checkpoint(ckpt) -> dict:
@@ -80,8 +105,8 @@ def params_from_checkpoint(ckpt) -> dict:
         a = np.asarray(t[name])
         return jnp.asarray(a.T if transpose else a, dt)
 
-    names = [k for k in _HF_LAYER if k[0] != "b" or cfg.qkv_bias]
-    layers = [{k: get(f"model.layers.{i}.{_HF_LAYER[k]}", k[0] == "w") for k in names} for i in range(cfg.n_layers)]
+    names = hf_layer_names(cfg)
+    layers = [{k: get(f"model.layers.{i}.{hf}", k[0] == "w") for k, hf in names.items()} for i in range(cfg.n_layers)]
     params = dict(embed=get("model.embed_tokens.weight"), layers=layers, norm=get("model.norm.weight"))
     return params if cfg.tie_embeddings else dict(params, head=get("lm_head.weight", True))
 
@@ -103,7 +128,11 @@ def fuse_layer(lp: dict) -> dict:
                  w13=jnp.concatenate([lp["w1"], lp["w3"]], -1), w2=lp["w2"], n1=lp["n1"], n2=lp["n2"])
     if "bq" in lp:
         fused["bqkv"] = jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]], -1)
+    fused.update({k: a for k, a in lp.items() if k not in _FUSED_AWAY})  # Gemma's extra norms as they are
     return fused
+
+
+_FUSED_AWAY = ("wq", "wk", "wv", "w1", "w3", "bq", "bk", "bv")
 
 
 def stack_layers(params):
@@ -185,25 +214,39 @@ def layout_pools(cfg: Config, layout: str, num_slots: int):
 
 
 def layer_params(cfg: Config, layer_id: int) -> LayerParams:
+    """Layer ``layer_id``'s attention knobs: its window (sliding layers), softcap and softmax scale."""
     return LayerParams(num_q_heads=cfg.n_heads, num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                       layer_id=layer_id, use_irope=cfg.is_local(layer_id), sliding_window_size=cfg.window_left())
+                       layer_id=layer_id, use_irope=cfg.is_local(layer_id),
+                       sliding_window_size=cfg.window_left(layer_id), scaling=cfg.query_scale or None,
+                       logit_cap=cfg.attn_softcap)
 
 
 # ---- layer math ---------------------------------------------------------------------------
-def rms_norm(x, w, eps=1e-5):
+def rms_norm(x, w, eps=1e-5, plus_one=False):
+    """RMSNorm; ``plus_one`` (Gemma): scale by ``1 + w`` in float32, then cast (Llama: cast, then ``* w``)."""
     xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype) * w
+    n = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
+    if plus_one:
+        return (n * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return n.astype(x.dtype) * w
 
 
-def rope(x, positions, inv_freq):  # x [T, H, D], positions i32[T], inv_freq f32[D // 2] (Config.rope_inv_freq)
-    half = x.shape[-1] // 2
+def _norm(cfg, x, w):
+    return rms_norm(x, w, cfg.rms_eps, cfg.norm_plus_one)
+
+
+def rope(x, positions, inv_freq, scale=1.0):  # x [T, H, D], positions i32[T], inv_freq f32[R // 2] (R <= D)
+    """Rotate-half RoPE over the leading ``R = 2 * len(inv_freq)`` dims (partial rotary: the rest pass);
+    cos and sin times ``scale`` (LongRoPE's attention factor)."""
+    half = len(inv_freq)
     ang = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None]  # [T, half]
-    cos, sin = jnp.cos(ang)[:, None], jnp.sin(ang)[:, None]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    cos, sin = jnp.cos(ang)[:, None] * scale, jnp.sin(ang)[:, None] * scale
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:2 * half].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    return out if 2 * half == x.shape[-1] else jnp.concatenate([out, x[..., 2 * half:]], -1)
 
 
-def _qkv(cfg, lp, h, positions, use_rope=True):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv, D]
+def _qkv(cfg, lp, h, positions, i=0):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv, D]; i: the layer (static)
     t = h.shape[0]
     qd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     if "wqkv" in lp:
@@ -214,34 +257,54 @@ def _qkv(cfg, lp, h, positions, use_rope=True):  # h [T, dim] -> q [T, Hq, D], k
         if "bq" in lp:  # Qwen2
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k = q.reshape(t, cfg.n_heads, cfg.head_dim), k.reshape(t, cfg.n_kv_heads, cfg.head_dim)
-    if use_rope:  # Llama-4's global layers are NoPE
-        inv_freq = cfg.rope_inv_freq()
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    if cfg.qk_norm:  # Gemma 3: per head, before RoPE
+        q, k = _norm(cfg, q, lp["qn"]), _norm(cfg, k, lp["kn"])
+    if cfg.uses_rope(i):  # Llama-4's global layers are NoPE
+        inv_freq, scale = cfg.rope_inv_freq(i), cfg.rope_scale(i)
+        q, k = rope(q, positions, inv_freq, scale), rope(k, positions, inv_freq, scale)
     return q, k, v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
 
 
 def _mlp(cfg, lp, x):
-    h = rms_norm(x, lp["n2"], cfg.rms_eps)
+    h = _norm(cfg, x, lp["n2"])
     gate, up = jnp.split(h @ lp["w13"], 2, axis=-1) if "w13" in lp else (h @ lp["w1"], h @ lp["w3"])
-    return x + (jax.nn.silu(gate) * up) @ lp["w2"]
+    act = jax.nn.silu(gate) if cfg.act == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = (act * up) @ lp["w2"]
+    return x + (_norm(cfg, out, lp["n2p"]) if cfg.sandwich_norms else out)
+
+
+def _block(cfg, lp, x, positions, i, attend):
+    """One decoder layer (``i`` static) around ``attend(q, k, v) -> (out [T, Hq * D], state)``: ``(x, state)``."""
+    q, k, v = _qkv(cfg, lp, _norm(cfg, x, lp["n1"]), positions, i)
+    out, state = attend(q, k, v)
+    out = out @ lp["wo"]
+    return _mlp(cfg, lp, x + (_norm(cfg, out, lp["n1p"]) if cfg.sandwich_norms else out)), state
 
 
 def _layer(cfg, backend, lp, md, x, positions, pools, i):
-    """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then)."""
-    use_rope = cfg.uses_rope(i if isinstance(i, int) else 0)
-    q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions, use_rope)
-    layer = layer_params(cfg, i if isinstance(i, int) else 0)
-    if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
-        attn, pools = backend.forward(q, k, v, layer, pools, md, layer_index=i)
-    else:
+    """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then: identical
+    layers, so layer 0's knobs)."""
+    static_i = i if isinstance(i, int) else 0
+    layer = layer_params(cfg, static_i)
+
+    def attend(q, k, v):
+        if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
+            return backend.forward(q, k, v, layer, pools, md, layer_index=i)
         attn, pool = backend.forward(q, k, v, layer, pools[i], md)
-        pools = [*pools[:i], pool, *pools[i + 1:]]
-    return _mlp(cfg, lp, x + attn @ lp["wo"]), pools
+        return attn, [*pools[:i], pool, *pools[i + 1:]]
+
+    return _block(cfg, lp, x, positions, static_i, attend)
+
+
+def _embed(cfg, params, token_ids):  # Gemma: times sqrt(dim), the scale rounded to the model dtype (as HF)
+    x = params["embed"][token_ids]
+    return x * jnp.asarray(cfg.dim**0.5, x.dtype) if cfg.embed_scale else x
 
 
 def _logits(cfg, params, x):  # x [T, dim] -> f32[T, V]; a tied head is the embedding
     head = params["embed"].T if cfg.tie_embeddings else params["head"]
-    return (rms_norm(x, params["norm"], cfg.rms_eps) @ head).astype(jnp.float32)
+    logits = (_norm(cfg, x, params["norm"]) @ head).astype(jnp.float32)
+    return cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap) if cfg.final_softcap else logits
 
 
 def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools, *,
@@ -252,13 +315,13 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     as an unrolled loop (static layer index), or under ``lax.scan`` with ``scan=True`` (stacked
     weights and pool only).
     """
-    x = params["embed"][token_ids]
+    x = _embed(cfg, params, token_ids)
     if scan:
         if not isinstance(params["layers"], dict) or not isinstance(pools, KVPool):
             raise ValueError("scan=True needs layer-stacked weights (with_layout(params, 'scan')) and a stacked pool")
-        if cfg.attention_chunk_size:
-            raise ValueError("scan=True needs identical layers; a Llama-4 style config (local and global layers) "
-                             "needs an unrolled layout")
+        if not cfg.uniform_layers():
+            raise ValueError("scan=True needs identical layers; a config with local and global layers (Llama 4, "
+                             "Gemma 2/3) needs an unrolled layout (fused)")
 
         def body(carry, xs):
             return _layer(cfg, backend, xs[0], md, carry[0], positions, carry[1], xs[1]), None
@@ -271,11 +334,14 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     return _logits(cfg, params, x), pools
 
 
-def _dense_causal(q, k, v, chunk: int = 0, window: int = 0):  # q [S, Hq, D], k/v [S, Hkv, D]
+def _dense_causal(q, k, v, chunk: int = 0, window: int = 0, scale=None, softcap: float = 0.0):
+    """q [S, Hq, D], k/v [S, Hkv, D] -> [S, Hq * D]: causal softmax over whole sequences."""
     s_len, hq, d = q.shape
     g = hq // k.shape[1]
     qf = q.astype(jnp.float32).reshape(s_len, k.shape[1], g, d)
-    s = jnp.einsum("skgd,tkd->kgst", qf, k.astype(jnp.float32)) * d**-0.5
+    s = jnp.einsum("skgd,tkd->kgst", qf, k.astype(jnp.float32)) * (scale or d**-0.5)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     mask = jnp.tril(jnp.ones((s_len, s_len), bool))
     pos = jnp.arange(s_len)
     if chunk:  # query p sees keys in [p // chunk * chunk, p]
@@ -289,21 +355,22 @@ def _dense_causal(q, k, v, chunk: int = 0, window: int = 0):  # q [S, Hq, D], k/
 
 @functools.partial(jax.jit, static_argnums=0)
 def forward_dense(cfg: Config, params, token_ids):
-    """Whole-sequence forward with dense causal attention (no cache; local layers: the chunk mask):
-    ``logits f32[S, V]``."""
+    """Whole-sequence forward with dense causal attention (no cache; local layers: the chunk mask, sliding
+    layers: the window): ``logits f32[S, V]``."""
+    cfg.check_context(token_ids.shape[0])
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    x = params["embed"][token_ids]
-    if isinstance(params["layers"], dict) and not cfg.attention_chunk_size:  # stacked layers: one compiled body
-        def body(x, lp):
-            q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions)
-            return _mlp(cfg, lp, x + _dense_causal(q, k, v, 0, cfg.sliding_window) @ lp["wo"]), None
+    x = _embed(cfg, params, token_ids)
 
+    def dense(i):
+        chunk = cfg.attention_chunk_size if cfg.is_local(i) else 0
+        window = cfg.sliding_window if cfg.is_sliding(i) else 0
+        return lambda q, k, v: (_dense_causal(q, k, v, chunk, window, cfg.softmax_scale(), cfg.attn_softcap), None)
+
+    if isinstance(params["layers"], dict) and cfg.uniform_layers():  # stacked layers: one compiled body
+        body = lambda x, lp: _block(cfg, lp, x, positions, 0, dense(0))  # noqa: E731
         return _logits(cfg, params, jax.lax.scan(body, x, params["layers"])[0])
     for i in range(cfg.n_layers):
-        lp = layer_weights(params["layers"], i)
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp["n1"], cfg.rms_eps), positions, cfg.uses_rope(i))
-        chunk = cfg.attention_chunk_size if cfg.is_local(i) else 0
-        x = _mlp(cfg, lp, x + _dense_causal(q, k, v, chunk, cfg.sliding_window) @ lp["wo"])
+        x, _ = _block(cfg, layer_weights(params["layers"], i), x, positions, i, dense(i))
     return _logits(cfg, params, x)
 
 

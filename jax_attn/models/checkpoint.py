@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jax_attn.models.config import Config, from_hf_config
+from jax_attn.models.config import Config
+from jax_attn.models.hf_config import from_hf_config
 from jax_attn.models.tokenizer import chat_prompt, gguf_tokenizer
 
 
@@ -71,6 +72,7 @@ def _load_hf_dir(path: str, dtype: str) -> Checkpoint:
     tensors = {}
     for name in files:
         tensors.update(load_file(name))
+    tensors = hf_tensor_names(hf, config, tensors)
     tokenizer, template, special = None, None, {}
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         from tokenizers import Tokenizer
@@ -84,6 +86,45 @@ def _load_hf_dir(path: str, dtype: str) -> Checkpoint:
         special = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token")}
     return Checkpoint(config, tensors, tokenizer, template if isinstance(template, str) else None,
                       special.get("bos_token"), special.get("eos_token"), path)
+
+
+# Gemma 3 image-text checkpoints: where the text model's weights live (transformers 5, then 4) -> our names
+_GEMMA3_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
+_GEMMA3_OTHER = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def hf_tensor_names(hf: dict, config: Config, tensors: dict) -> dict:
+    """A checkpoint's tensors under the Llama-family names the example models read: Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj`` split into ``q/k/v_proj`` and ``gate/up_proj``; a ``gemma3`` image-text
+    checkpoint's text model renamed to a causal LM's names (its vision tower and projector dropped)."""
+    if hf.get("model_type") == "gemma3":
+        out = {}
+        for name, w in tensors.items():
+            new = next((to + name[len(frm):] for frm, to in _GEMMA3_PREFIXES if name.startswith(frm)), None)
+            if new is not None:
+                out[new] = w
+            elif not name.startswith(_GEMMA3_OTHER):
+                raise NotImplementedError(f"gemma3 checkpoint tensor {name!r} is neither the text model's nor the "
+                                          "vision tower's")
+        tensors = out
+    out = {}
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for name, w in tensors.items():
+        if name.endswith("self_attn.qkv_proj.weight"):  # rows: q, then k, then v
+            if w.shape[0] != q + 2 * kv:
+                raise ValueError(f"{name}: {w.shape[0]} rows, expected {q} + 2 * {kv} (q, k, v heads * head_dim)")
+            stem = name[:-len("qkv_proj.weight")]
+            out.update({stem + "q_proj.weight": w[:q], stem + "k_proj.weight": w[q:q + kv],
+                        stem + "v_proj.weight": w[q + kv:]})
+        elif name.endswith("mlp.gate_up_proj.weight"):  # rows: gate, then up (transformers' chunk(2))
+            stem, half = name[:-len("gate_up_proj.weight")], w.shape[0] // 2
+            out.update({stem + "gate_proj.weight": w[:half], stem + "up_proj.weight": w[half:]})
+        elif name.endswith(("qkv_proj.bias", "gate_up_proj.bias")):
+            raise NotImplementedError(f"{name}: fused projection biases are not implemented in the example model")
+        else:
+            out[name] = w
+    return out
 
 
 def _token_text(tok) -> Optional[str]:
