@@ -50,15 +50,16 @@ def _block_mask(ok, col_ok, shape):
     return ok[:, None] & col_ok[None, :]
 
 
-def load_rows(ref, rows, ok, other=0, width: int | None = None):
-    """Gathers ``ref[rows, :]`` -> [len(rows), width]; rows where ``ok`` is False read ``other``.
+def load_rows(ref, rows, ok, other=0, width: int | None = None, col0: int = 0, dim: int | None = None):
+    """Gathers ``ref[rows, col0:col0 + dim]`` -> [len(rows), width]; rows where ``ok`` is False read
+    ``other``.
 
     ``ok=None`` reads every row; ``other=None`` leaves masked elements undefined. ``width``: the
-    block's columns (``block_cols``); columns past ``ref.shape[1]`` are not read and hold ``other``.
-    ``rows`` must be in range even where ``ok`` is False.
+    block's columns (``block_cols``); columns past ``dim`` (default: the rest of the row) are not
+    read and hold ``other``. ``rows`` must be in range even where ``ok`` is False.
     """
-    cols, col_ok = block_cols(ref.shape[1], width)
-    at = ref.at[rows[:, None], cols[None, :]]
+    cols, col_ok = block_cols(ref.shape[1] - col0 if dim is None else dim, width)
+    at = ref.at[rows[:, None], (cols if col0 == 0 else cols + col0)[None, :]]
     mask = _block_mask(ok, col_ok, (rows.shape[0], cols.shape[0]))
     if mask is None:
         return plgpu.load(at)

@@ -52,12 +52,19 @@ def head_dim_block(d: int) -> int:
     return max(16, next_pow2(d))
 
 
-def unsupported(dtype, head_dim: int, head_dim_v: int) -> str | None:
+def unsupported(dtype, head_dim: int, head_dim_v: int, latent: bool = False) -> str | None:
     """The Triton-lowered kernel's dtype and head-dim rules: ``None`` when they hold, else the reason.
 
     Head dims: multiples of 8 up to 256, or powers of 2 >= 16 (K and V may differ); padded inside
-    the kernel (``head_dim_block``). Any page size, GQA group, fp8 KV with descale."""
-    for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+    the kernel (``head_dim_block``). Any page size, GQA group, fp8 KV with descale. ``latent`` (MLA):
+    a key row is the value row (``head_dim_v`` columns) then the rope part (the rest): each part
+    follows the head-dim rule (DeepSeek: 512 + 64)."""
+    parts = (("head_dim", head_dim), ("head_dim_v", head_dim_v))
+    if latent:
+        if not 0 < head_dim_v < head_dim:
+            return f"latent (MLA) cache: {head_dim_v=} must be below {head_dim=} (the rope part is the rest)"
+        parts = (("the latent part (head_dim_v)", head_dim_v), ("the rope part", head_dim - head_dim_v))
+    for name, d in parts:
         pow2 = d >= 16 and d & (d - 1) == 0
         if not (pow2 or (d > 0 and d % 8 == 0 and d <= MAX_PADDED_HEAD_DIM)):
             return (f"{name}={d}: the Triton-lowered kernel takes head dims that are multiples of 8 up to "
@@ -94,6 +101,7 @@ class _Static:
     compute_dtype: jnp.dtype  # dtype of the dot operands
     fast_exp2: bool  # ex2.approx through inline PTX (compiled GPU kernels only)
     fp8_kv: bool  # 1-byte caches: masked loads get no fill value (Triton cannot cast one)
+    latent: bool = False  # MLA: V is the first Dv columns of each key row; the rest is the rope part
 
     @property
     def group(self) -> int:
@@ -106,6 +114,10 @@ class _Static:
     @property
     def dv_block(self) -> int:  # Dvp
         return head_dim_block(self.head_dim_v)
+
+    @property
+    def rope_block(self) -> int:  # latent (MLA) caches: the block of a key row's rope part
+        return head_dim_block(self.head_dim - self.head_dim_v)
 
 
 def _kv_range(st: _Static, q_len, k_len, q_block):
@@ -205,7 +217,11 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
     row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
     shift = k_len - q_len  # qpos = shift + query index (bottom-right aligned)
-    q = load_rows(q_ref, q_row, row_ok, width=st.d_block).astype(st.compute_dtype)  # [M, Dp]; 0 past D
+    if st.latent:  # (the latent part [M, Dvp], the rope part [M, rope block])
+        q = tuple(load_rows(q_ref, q_row, row_ok, width=w, col0=c0, dim=dim).astype(st.compute_dtype)
+                  for w, c0, dim in _latent_parts(st))
+    else:
+        q = load_rows(q_ref, q_row, row_ok, width=st.d_block).astype(st.compute_dtype)  # [M, Dp]; 0 past D
 
     lo, hi = _kv_range(st, q_len, k_len, q_block)
     s_lo, s_hi = _split_range(st, lo, hi, split, seq_splits_ref[b])
@@ -229,6 +245,13 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
         out_row = q_row + split * (st.num_tokens * hq)
     store_rows(o_ref, out_row, row_ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, out_row, row_ok, lse)
+
+
+def _latent_parts(st: _Static):
+    """(block width, first column, columns) of a latent row's two parts: the latent (the value row)
+    and the rope part."""
+    dv = st.head_dim_v
+    return ((st.dv_block, 0, dv), (st.rope_block, dv, st.head_dim - dv))
 
 
 def _head_descale(st: _Static, ref, first, row_kvh):
@@ -287,6 +310,10 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
         kv_row = (page * ps + keys % ps) * hkv + col_head
         if kv_ok is not None:
             kv_row = jnp.where(kv_ok, kv_row, 0)
+        if st.latent:  # one read of the row: the latent part is the value row too
+            k = tuple(load_rows(k_ref, kv_row, kv_ok, fill, width=w, col0=c0, dim=dim)
+                      for w, c0, dim in _latent_parts(st))
+            return k, k[0]
         return (load_rows(k_ref, kv_row, kv_ok, fill, width=st.d_block),
                 load_rows(v_ref, kv_row, kv_ok, fill, width=st.dv_block))
 
@@ -302,10 +329,13 @@ def _key_loop(st: _Static, q, qpos, row_kvh, kv, k_scale, s_lo, s_hi, bounds):
             else:
                 page = plgpu.load(pt_ref.at[b * st.max_pages + keys // ps])
             k, v = load_kv(page, keys, kv_ok)
-            k = k.astype(st.compute_dtype)
-            if st.fp8_kv and k_col_ok is not None:  # fp8 masked loads have no fill value
-                k = jnp.where(k_col_ok[None, :], k, 0)  # padded columns: 0 * garbage could be NaN
-            s = _dot(q, k, trans_b=True)  # [M, block_k * C] f32
+            if st.latent:  # scores over both parts: q_latent . c_kv + q_rope . k_rope
+                s = sum(_dot(qp, kp.astype(st.compute_dtype), trans_b=True) for qp, kp in zip(q, k))
+            else:
+                k = k.astype(st.compute_dtype)
+                if st.fp8_kv and k_col_ok is not None:  # fp8 masked loads have no fill value
+                    k = jnp.where(k_col_ok[None, :], k, 0)  # padded columns: 0 * garbage could be NaN
+                s = _dot(q, k, trans_b=True)  # [M, block_k * C] f32
             if st.softcap > 0:
                 s = jnp.tanh(s * _per_row(k_scale / st.softcap)) * (st.softcap * LOG2E)
                 c = 1.0
@@ -358,7 +388,15 @@ def _finish(acc, m, l, sink, v_scale):
     return acc * inv[:, None], lse
 
 
-def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks):
+def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks, latent_dim=None):
+    if v_cache is None:  # an MLA latent cache: values are the first latent_dim columns of each key row
+        if latent_dim is None:
+            raise ValueError("v_cache=None (an MLA latent cache) needs latent_dim, the value columns of a key row")
+        if k_cache.dtype.itemsize == 1:
+            raise NotImplementedError("an fp8 latent (MLA) cache is not supported by the Triton-lowered kernel")
+        v_cache = jax.ShapeDtypeStruct(k_cache.shape[:3] + (latent_dim,), k_cache.dtype)
+    elif latent_dim is not None:
+        raise ValueError(f"{latent_dim=} is for v_cache=None (an MLA latent cache)")
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4:
         raise ValueError(
             f"{q.shape=} must be [T, Hq, D] and {k_cache.shape=}, {v_cache.shape=} must be "
@@ -381,7 +419,7 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, sinks):
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}; cast with .astype(jnp.int32)")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"{sinks.shape=} must be ({q.shape[1]},), one logit per query head")
-    reason = unsupported(q.dtype, d, v_cache.shape[-1])
+    reason = unsupported(q.dtype, d, v_cache.shape[-1], latent=latent_dim is not None)
     if reason is not None:
         raise ValueError(f"{q.shape=}, {v_cache.shape=}: {reason}")
 
@@ -427,12 +465,12 @@ def _descale_rows(descale, batch: int, hkv: int):
 @functools.partial(
     jax.jit,
     static_argnames=("causal", "window_size", "softcap", "softmax_scale", "return_lse", "num_splits",
-                     "config", "interpret"),
+                     "config", "interpret", "latent_dim"),
 )
 def paged_attention(
     q,  # [T, Hq, D]
     k_cache,  # [num_pages, page_size, Hkv, D]
-    v_cache,  # [num_pages, page_size, Hkv, Dv]
+    v_cache,  # [num_pages, page_size, Hkv, Dv], or None: an MLA latent cache (``latent_dim``)
     md: AttentionMetadata,
     *,
     causal: bool = True,
@@ -446,6 +484,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: KernelConfig | None = None,
     interpret: bool | None = None,
+    latent_dim: int | None = None,
 ):
     """Ragged-query attention over a paged KV cache (SGLang / FA3 semantics: ``docs/semantics.md``).
 
@@ -464,6 +503,9 @@ def paged_attention(
         n > 1 = exactly n kv splits per sequence.
       config: tile sizes and compiler knobs.
       interpret: run the Pallas interpreter; None = only on CPU.
+      latent_dim: with ``v_cache=None``, absorbed MLA over one latent cache: a key row is the latent
+        (``latent_dim`` columns, also the value row) then the rope part; ``q`` rows are the absorbed
+        ``q_nope`` then ``q_rope`` (SGLang's ``kv_lora_rank`` + ``qk_rope_head_dim``, 512 + 64).
 
     Returns:
       ``out [T, Hq, Dv]`` in ``q.dtype`` (zeros for padding tokens), and ``lse f32[T, Hq]``
@@ -472,10 +514,12 @@ def paged_attention(
     config = DEFAULT_CONFIG if config is None else config
     if interpret is None:
         interpret = interpret_default()
-    _check_inputs(q, k_cache, v_cache, md, sinks)
+    _check_inputs(q, k_cache, v_cache, md, sinks, latent_dim)
     _check_scale(softmax_scale)
     t, hq, d = q.shape
-    num_pages, ps, hkv, dv = v_cache.shape
+    latent = v_cache is None
+    num_pages, ps, hkv, _ = k_cache.shape
+    dv = latent_dim if latent else v_cache.shape[-1]
     batch, max_pages = md.page_table.shape
     sched = md.schedule
     if sched is None or not sched.fits_heads(hq, hkv):  # none planned for these heads: plan here
@@ -494,11 +538,12 @@ def paged_attention(
         softcap=float(softcap), scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=sinks is not None, has_k_descale=k_descale is not None,
         has_v_descale=v_descale is not None, compute_dtype=jnp.dtype(compute_dtype),
-        fast_exp2=config.fast_exp2 and not interpret, fp8_kv=k_cache.dtype.itemsize == 1,
+        fast_exp2=config.fast_exp2 and not interpret, fp8_kv=k_cache.dtype.itemsize == 1, latent=latent,
     )
     inputs = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
               md.cache_seqlens, md.cu_seqlens_q, md.page_table.reshape(-1),
-              q.reshape(t * hq, d), k_cache.reshape(-1, d), v_cache.reshape(-1, dv)]
+              q.reshape(t * hq, d), k_cache.reshape(-1, d),
+              k_cache.reshape(-1, d) if latent else v_cache.reshape(-1, dv)]  # latent: values come from the keys
     for extra in (_descale_rows(k_descale, batch, hkv), _descale_rows(v_descale, batch, hkv)):
         if extra is not None:
             inputs.append(extra)
