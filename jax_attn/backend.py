@@ -46,10 +46,16 @@ class LayerParams:
     v_scale: Optional[float] = None
     layer_id: int = 0
     use_irope: bool = False  # Llama-4 chunked local layer: keys of its own chunk only (the backend's chunk size)
+    mla: bool = False  # absorbed MLA (SGLang's AttentionArch.MLA): one latent pool (KVPool.mla), one kv head,
+    # head_dim = kv_lora_rank + qk_rope_head_dim, v_head_dim = kv_lora_rank
 
     def __post_init__(self):
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+        if self.mla and (self.num_kv_heads != 1 or not 0 < (self.v_head_dim or 0) < self.head_dim):
+            raise ValueError(f"an MLA layer has one kv head and v_head_dim (kv_lora_rank) below head_dim "
+                             f"(kv_lora_rank + qk_rope_head_dim): got {self.num_kv_heads=}, {self.v_head_dim=}, "
+                             f"{self.head_dim=}")
 
     @property
     def window_size(self):
@@ -223,11 +229,17 @@ class FlashAttentionBackend:
 
     # ---- per layer ------------------------------------------------------------------------
     def forward(self, q, k, v, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *,
-                sinks=None, save_kv_cache: bool = True, return_lse: bool = False, layer_index=None):
+                sinks=None, save_kv_cache: bool = True, return_lse: bool = False, layer_index=None,
+                q_rope=None, k_rope=None):
         """Write this step's K/V (optional) and attend. ``q [T, Hq*D]`` or ``[T, Hq, D]``.
 
         ``pool`` is one layer's pool, or a layer-stacked pool with ``layer_index`` (may be traced:
         a model can ``lax.scan`` over layers and pass two pool leaves instead of 2·L).
+
+        An MLA layer (``layer.mla``, absorbed; pool ``KVPool.mla``) takes ``q`` rows of the absorbed
+        ``q_nope`` then ``q_rope`` per head and ``k`` rows of the latent then ``k_rope`` (``v`` is not
+        used: the values are the latent part), or, as SGLang passes them, the latent parts in ``q`` /
+        ``k`` with ``q_rope`` ``[T, Hq * rope]`` and ``k_rope`` ``[T, rope]`` beside them.
 
         Returns ``(out [T, Hq * Dv], new_pool)`` (and LSE ``f32[T, Hq]`` when ``return_lse``).
         """
@@ -235,6 +247,7 @@ class FlashAttentionBackend:
             dv = layer.v_head_dim or layer.head_dim
             out = jnp.zeros((0, layer.num_q_heads * dv), q.dtype)
             return (out, pool, jnp.zeros((0, layer.num_q_heads), jnp.float32)) if return_lse else (out, pool)
+        q, k = _mla_rows(layer, pool, md, q, k, q_rope, k_rope)
         t = q.shape[0]
         if q.size != t * layer.num_q_heads * layer.head_dim or t != _num_tokens(md):
             raise ValueError(f"{q.shape=} must be [{_num_tokens(md)} planned tokens, {layer.num_q_heads} * "
@@ -260,7 +273,7 @@ class FlashAttentionBackend:
                                           "pass save_kv_cache=False")
             loc = _write_slots(layer, md, k)
             k = k.reshape(loc.shape[0], layer.num_kv_heads, layer.head_dim)
-            v = v.reshape(loc.shape[0], layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
+            v = None if layer.mla else v.reshape(loc.shape[0], layer.num_kv_heads, layer.v_head_dim or layer.head_dim)
             pool = set_kv_buffer(pool, loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale,
                                  layer_index=layer_index)
         view, amd = pool, md
@@ -310,6 +323,9 @@ class FlashAttentionBackend:
                              causal=False, **kw)
         if layer.sliding_window_size >= 0 and md.swa_page_table is not None:  # the SWAKVPool's SWA pool
             md = dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
+        if layer.mla:  # values: the latent part of each key row (one read of the pool)
+            return attention(q, paged_view(pool.k, md.page_size), None, md, impl=self.impl, causal=layer.causal,
+                             window_size=layer.window_size, latent_dim=layer.v_head_dim, **kw)
         return attention(q, paged_view(pool.k, md.page_size), paged_view(pool.v, md.page_size), md,
                          impl=self.impl, causal=layer.causal, window_size=layer.window_size, **kw)
 
@@ -337,6 +353,8 @@ class FlashAttentionBackend:
             q = jax.ShapeDtypeStruct((part.num_tokens, layer.num_q_heads, layer.head_dim), dtype)
             k = jax.ShapeDtypeStruct(shape + (layer.head_dim,), kv_dtype)
             v = jax.ShapeDtypeStruct(shape + (layer.v_head_dim or layer.head_dim,), kv_dtype)
+            if layer.mla:
+                return select_kernel(self.impl, call_of(q, k, None, part, latent_dim=layer.v_head_dim, **extra))
             return select_kernel(self.impl, call_of(q, k, v, part, **extra))
 
         out = {"mode": md.mode.name, "impl": self.impl}
@@ -363,6 +381,34 @@ def _cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
         md, cache_seqlens=enc.encoder_lens, cu_seqlens_k=enc.encoder_cu_seqlens_k, page_table=enc.encoder_page_table,
         page_size=1, max_pages=enc.max_encoder_len, schedule=enc.schedule, mosaic_schedule=None, local=None,
         encoder=None)
+
+
+def _mla_rows(layer: LayerParams, pool: KVPool, md, q, k, q_rope, k_rope):
+    """``(q, k)`` of an MLA layer as whole rows (latent, then rope; see ``forward``); checks what an
+    MLA layer does not run here. Other layers must not get ``q_rope`` / ``k_rope``."""
+    if not layer.mla:
+        if q_rope is not None or k_rope is not None:
+            raise NotImplementedError("q_rope / k_rope are for absorbed MLA layers (LayerParams(mla=True))")
+        if pool.v is None:
+            raise ValueError("an MLA latent pool (KVPool.mla, v=None) needs an MLA layer (LayerParams(mla=True))")
+        return q, k
+    if pool.v is not None:
+        raise ValueError("an MLA layer reads one latent pool: KVPool.mla(num_slots, kv_lora_rank, "
+                         "qk_rope_head_dim, dtype)")
+    for name, bad in (("is_cross_attention", layer.is_cross_attention), ("use_irope", layer.use_irope),
+                      ("a tree (topk > 1) speculative step", isinstance(md, spec_plan.CascadeMetadata)),
+                      ("an SWAKVPool plan", getattr(md, "swa_page_table", None) is not None)):
+        if bad:
+            raise NotImplementedError(f"an MLA (absorbed latent) layer with {name} is not supported")
+    t, h, dv = q.shape[0], layer.num_q_heads, layer.v_head_dim
+    rope = layer.head_dim - dv
+    if q_rope is not None:
+        q = jnp.concatenate([q.reshape(t, h, dv), q_rope.reshape(t, h, rope).astype(q.dtype)], axis=-1)
+    if k_rope is not None:
+        if k is None:
+            raise ValueError("k_rope without k (the latent part): pass both, or neither with save_kv_cache=False")
+        k = jnp.concatenate([k.reshape(-1, 1, dv), k_rope.reshape(-1, 1, rope).astype(k.dtype)], axis=-1)
+    return q, k
 
 
 def _write_slots(layer: LayerParams, md, k):

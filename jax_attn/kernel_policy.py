@@ -63,6 +63,7 @@ class Call:
     fp8_descale: bool = False
     deterministic: bool = False  # one KV split per sequence (SGLang's deterministic inference)
     num_q_heads: int = 0  # 0: unknown
+    latent: bool = False  # absorbed MLA over one latent cache (values = the latent part of each key row)
 
 
 def mosaic_wanted(call: Call) -> bool:
@@ -94,8 +95,8 @@ def mosaic_covers(call: Call) -> bool:
     """Whether the Mosaic kernel takes this call at all (its capability rules)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, pack_for, unsupported
 
-    if call.fp8_descale or (call.has_sinks and call.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len):
-        return False  # fp8 descale; sinks with packed decode rows
+    if call.latent or call.fp8_descale or (call.has_sinks and call.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len):
+        return False  # MLA latent caches; fp8 descale; sinks with packed decode rows
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 1
     return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
                        call.page_size, packed_group=pack_for(group, call.max_q_len)) is None

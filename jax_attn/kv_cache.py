@@ -27,7 +27,7 @@ class KVPool:
     """One layer's KV pool (functional: a write returns a new pool)."""
 
     k: jax.Array  # [num_slots, Hkv, D], or [L, num_slots, Hkv, D] for a layer-stacked pool
-    v: jax.Array  # [num_slots, Hkv, Dv], or [L, num_slots, Hkv, Dv]
+    v: Optional[jax.Array]  # [num_slots, Hkv, Dv], or [L, num_slots, Hkv, Dv]; None: an MLA latent pool (``mla``)
 
     @property
     def num_slots(self) -> int:
@@ -42,7 +42,8 @@ class KVPool:
         """A stacked pool seen as one pool of ``L * num_slots`` slots (free reshape)."""
         if not self.stacked:
             return self
-        return KVPool(self.k.reshape(-1, *self.k.shape[2:]), self.v.reshape(-1, *self.v.shape[2:]))
+        v = None if self.v is None else self.v.reshape(-1, *self.v.shape[2:])
+        return KVPool(self.k.reshape(-1, *self.k.shape[2:]), v)
 
     @classmethod
     def zeros(cls, num_slots: int, num_kv_heads: int, head_dim: int, dtype, v_head_dim: Optional[int] = None):
@@ -51,6 +52,13 @@ class KVPool:
             jnp.zeros((num_slots, num_kv_heads, head_dim), dtype),
             jnp.zeros((num_slots, num_kv_heads, v_head_dim), dtype),
         )
+
+    @classmethod
+    def mla(cls, num_slots: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> "KVPool":
+        """SGLang's ``MLATokenToKVPool`` for one layer: one latent buffer ``[num_slots, 1, kv_lora_rank +
+        qk_rope_head_dim]`` (the latent ``c_kv``, then ``k_rope``), no value buffer: the values are the
+        latent part of each row."""
+        return cls(jnp.zeros((num_slots, 1, kv_lora_rank + qk_rope_head_dim), dtype), None)
 
 
 def paged_view(buf: jax.Array, page_size: int) -> jax.Array:
@@ -80,7 +88,7 @@ def set_kv_buffer(
     pool: KVPool,
     out_cache_loc: jax.Array,  # i32[T]
     k: jax.Array,  # [T, Hkv, D]
-    v: jax.Array,  # [T, Hkv, Dv]
+    v: Optional[jax.Array],  # [T, Hkv, Dv]; None for an MLA latent pool
     *,
     k_scale: Optional[float] = None,
     v_scale: Optional[float] = None,
@@ -110,6 +118,10 @@ def set_kv_buffer(
     if pool.stacked != (layer_index is not None):
         raise ValueError(f"{pool.k.shape=}: a layer-stacked pool needs layer_index, a single pool must not get one")
     loc = jnp.where(out_cache_loc < 0, pool.num_slots, out_cache_loc)
+    if pool.v is None:  # an MLA latent pool: ``k`` holds the whole row (latent, then rope); no values
+        if v is not None:
+            raise ValueError("an MLA latent pool (KVPool.mla) takes k only: [T, 1, kv_lora_rank + rope], v=None")
+        return KVPool(_store(pool.k, loc, k, k_scale, layer_index), None)
     return KVPool(_store(pool.k, loc, k, k_scale, layer_index), _store(pool.v, loc, v, v_scale, layer_index))
 
 

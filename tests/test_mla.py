@@ -91,3 +91,87 @@ def test_latent_rules():
     q, k, _, md, _ = build_inputs(fp8)
     with pytest.raises(NotImplementedError, match="fp8 latent"):
         paged_attention(q, k.astype(jnp.float8_e4m3fn), None, md, latent_dim=LATENT)
+
+
+# ----------------------------------------------------------------------------- JAX backend
+HQ, MAX_CTX = 4, 48
+
+
+@pytest.mark.parametrize("mode,page,split_inputs", [("extend", 1, True), ("decode", 16, False),
+                                                    ("extend", 16, False)])
+def test_jax_backend_mla_layer(mode, page, split_inputs):
+    """``FlashAttentionBackend.forward`` on an MLA layer (``KVPool.mla``): writes each new token's
+    latent + rope row, attends with the latent part as values; equals the float64 reference over the
+    updated pool; no slot outside the step's writes changes (NaN in every unused slot). Inputs either
+    whole rows or SGLang's split form (latent ``q`` / ``k`` with ``q_rope`` / ``k_rope``)."""
+    from jax_attn.backend import FlashAttentionBackend, LayerParams
+    from jax_attn.batch import ForwardBatch
+    from jax_attn.kv_cache import KVPool, paged_view
+    from jax_attn.metadata import ForwardMode
+    from tests.paging import committed_pools, shuffled_table
+
+    rng = np.random.default_rng(page)
+    d = LATENT + ROPE
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed=3)
+    rows = np.array([3, 1, 5], np.int32)
+    committed = np.array([0, 9, 20]) if mode == "extend" else np.array([4, 9, 30])
+    q_lens = (rng.integers(1, 6, 3) if mode == "extend" else np.ones(3, np.int64)).astype(np.int32)
+    k_pool, _ = committed_pools(table, num_slots, rows, committed, 1, d, 1, rng)
+    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
+    fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
+    fb = ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)
+    n = int(q_lens.sum())
+    q = rng.standard_normal((n, HQ * d)).astype(np.float32)
+    k_new = rng.standard_normal((n, d)).astype(np.float32)
+    backend = FlashAttentionBackend(table, page_size=page, max_context_len=MAX_CTX)
+    layer = LayerParams(HQ, 1, d, v_head_dim=LATENT, scaling=0.19, mla=True)
+    pool = KVPool(jnp.asarray(k_pool), None)
+    if split_inputs:
+        q3 = q.reshape(n, HQ, d)
+        args = (jnp.asarray(q3[..., :LATENT].reshape(n, -1)), jnp.asarray(k_new[:, :LATENT]), None)
+        kw = dict(q_rope=jnp.asarray(q3[..., LATENT:].reshape(n, -1)), k_rope=jnp.asarray(k_new[:, LATENT:]))
+    else:
+        args, kw = (jnp.asarray(q), jnp.asarray(k_new), None), {}
+    out, new_pool = backend.forward(*args, layer, pool, backend.plan(fb), **kw)
+    assert new_pool.v is None and out.shape == (n, HQ * LATENT)
+    k_pool[loc, 0] = k_new
+    after = np.asarray(new_pool.k)
+    np.testing.assert_array_equal(np.isnan(after), np.isnan(k_pool))  # no other slot written
+    np.testing.assert_array_equal(after[~np.isnan(after)], k_pool[~np.isnan(k_pool)])
+    pt = table[rows][:, ::page][:, :-(-MAX_CTX // page)] // page
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    paged = paged_view(jnp.asarray(k_pool), page)
+    want = paged_attention_reference(jnp.asarray(q).reshape(n, HQ, d), paged, paged[..., :LATENT],
+                                     jnp.asarray(committed + q_lens, jnp.int32), jnp.asarray(cu), jnp.asarray(pt),
+                                     page_size=page, softmax_scale=0.19)
+    compare_per_sequence(np.asarray(out).reshape(n, HQ, LATENT), np.asarray(want), cu, tol=2e-5, what=mode)
+
+
+def test_jax_backend_mla_rules():
+    from jax_attn.backend import FlashAttentionBackend, LayerParams
+    from jax_attn.batch import ForwardBatch
+    from jax_attn.kv_cache import KVPool
+    from jax_attn.metadata import ForwardMode
+    from tests.paging import shuffled_table
+
+    with pytest.raises(ValueError, match="one kv head"):
+        LayerParams(4, 2, 48, v_head_dim=32, mla=True)
+    with pytest.raises(ValueError, match="one kv head"):
+        LayerParams(4, 1, 48, mla=True)  # no kv_lora_rank
+    table, num_slots = shuffled_table(2, 16, 4, seed=0)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=16)
+    md = backend.plan(ForwardBatch(ForwardMode.DECODE, np.array([1], np.int32), np.array([3]),
+                                   table[1, 2:3].astype(np.int32)))
+    q, k = jnp.zeros((1, 4 * 48)), jnp.zeros((1, 48))
+    mla = LayerParams(4, 1, 48, v_head_dim=32, mla=True)
+    with pytest.raises(ValueError, match="KVPool.mla"):
+        backend.forward(q, k, k, mla, KVPool.zeros(num_slots, 1, 48, jnp.float32), md)
+    latent = KVPool.mla(num_slots, 32, 16, jnp.float32)
+    with pytest.raises(ValueError, match="needs an MLA layer"):
+        backend.forward(q, k, k, LayerParams(4, 1, 48), latent, md)
+    with pytest.raises(NotImplementedError, match="q_rope"):
+        backend.forward(q, k, k, LayerParams(4, 1, 48), KVPool.zeros(num_slots, 1, 48, jnp.float32), md,
+                        q_rope=q)
+    with pytest.raises(NotImplementedError, match="use_irope"):
+        backend.forward(q, k, None, dataclasses.replace(mla, use_irope=True), latent, md)
+    assert backend.describe(md, mla, jnp.bfloat16)["attention"] == "triton"
