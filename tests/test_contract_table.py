@@ -18,7 +18,8 @@ import torch
 from tests.test_spec import star, two_branches
 from tests.test_torch_bridge import HKV, HQ, D, layer, make_runner, rand_qkv
 from tests.test_torch_bridge_spec import N, TOPK, pool_np, verify_case
-from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool
+from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, MLATokenToKVPool,
+                          RadixAttention)
 
 TABLE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sglang_contract.md"
 
@@ -113,18 +114,34 @@ CASES = {
         (tree_verify_layer(LOCAL, use_irope=True), "use_irope"),
     ("layer", "`use_irope` (cross attention, `ENCODER_ONLY`)"):
         (decode_layer({"use_irope": True, "attn_type": "ENCODER_ONLY"}, LOCAL), "use_irope"),
-    ("forward call", "`q_rope`, `k_rope`"): (decode_layer(call_kw={"q_rope": "q"}), "q_rope"),
+    ("forward call", "`q_rope`, `k_rope` (not MLA)"): (decode_layer(call_kw={"q_rope": "q"}), "q_rope"),
     ("model_runner", "`attn_cp_size`"): (construct(attn_cp_size=2), "attn_cp_size"),
     ("model_runner", "`token_to_kv_pool` (a stand-in without `swa_layer_nums`; `SWAKVPool` with `encoder_lens`)"):
         (None, "SWAKVPool"),  # filled below (needs the runner's pool)
     ("model_runner", "`attention_chunk_size` (not a multiple of `page_size`)"):  # page size 4
         (construct(is_local_attention_model=True, attention_chunk_size=6), "attention_chunk_size"),
-    ("model_config", "`attention_arch`"): (construct(attention_arch=Arch("MLA")), "attention_arch"),
+    ("model_config", "`attention_arch` (MLA with topk > 1, local attention, sliding window, `SWAKVPool`)"):
+        (construct(attention_arch=Arch("MLA"), **LOCAL), "attention_arch == MLA with a local-attention model"),
     ("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)"): (None, "forward_mode"),
     ("forward_batch", "`attn_cp_metadata`"): (construct(attn_cp_size=2), "attn_cp_size"),
     ("forward_batch", "`attn_attend_prefix_cache`, `mha_return_lse`, `mha_one_shot`, `prefix_chunk_*`"):
-        (construct(attention_arch=Arch("MLA")), "MLA"),
+        (None, "attn_attend_prefix_cache"),  # filled below (an MLA runner)
 }
+
+
+def mla_chunked_prefix(rng):
+    """An MLA extend step carrying the seed's chunked-prefix MHA flag."""
+    runner, table = _runner(attention_arch=Arch("MLA"))
+    slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    pool = runner.token_to_kv_pool = MLATokenToKVPool.create(slots, 1, 16, 8, torch.float32)
+    backend = FlashAttentionBackend(runner, impl="reference")
+    loc = torch.from_numpy(table[2, :5].astype(np.int64))
+    fb = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor([2]), torch.tensor([5]), loc,
+                      extend_seq_lens=torch.tensor([5]), token_to_kv_pool=pool)
+    fb.attn_attend_prefix_cache = False  # set (False: the extend part without the prefix)
+    backend.init_forward_metadata(fb)
+    q, k = torch.from_numpy(rng.standard_normal((5, HQ * 24)).astype(np.float32)), torch.zeros(5, 24)
+    backend.forward(q, k, k[:, :16], RadixAttention(HQ, 24, 0.2, 1, 0, v_head_dim=16), fb)
 
 
 def hybrid_pool(rng):
@@ -147,6 +164,12 @@ def unknown_mode(rng):
 CASES[("model_runner", "`token_to_kv_pool` (a stand-in without `swa_layer_nums`; `SWAKVPool` with `encoder_lens`)")] = (
     hybrid_pool, "SWAKVPool")
 CASES[("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)")] = (unknown_mode, "forward_mode")
+CASES[("forward_batch", "`attn_attend_prefix_cache`, `mha_return_lse`, `mha_one_shot`, `prefix_chunk_*`")] = (
+    mla_chunked_prefix, "attn_attend_prefix_cache")
+
+
+def _buffers(pool):
+    return pool.kv_buffer if isinstance(pool, MLATokenToKVPool) else pool.k_buffer + pool.v_buffer
 
 
 def test_every_raises_row_has_a_case():
@@ -163,15 +186,14 @@ def test_raises_row_raises_naming_it_and_writes_nothing(row, monkeypatch):
     real_init = FlashAttentionBackend.init_forward_metadata
 
     def snapshot(self, fb):
-        pools.append([b.clone() for b in fb.token_to_kv_pool.k_buffer + fb.token_to_kv_pool.v_buffer]
-                     + [fb.token_to_kv_pool])
+        pools.append([b.clone() for b in _buffers(fb.token_to_kv_pool)] + [fb.token_to_kv_pool])
         return real_init(self, fb)
     monkeypatch.setattr(FlashAttentionBackend, "init_forward_metadata", snapshot)
     with pytest.raises(NotImplementedError, match=re.escape(words)):
         case(np.random.default_rng(0))
     for snap in pools:
         pool, before = snap[-1], snap[:-1]
-        after = pool.k_buffer + pool.v_buffer
+        after = _buffers(pool)
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, after)), \
             f"{row}: the rejected call changed the cache"
 

@@ -175,3 +175,102 @@ def test_jax_backend_mla_rules():
     with pytest.raises(NotImplementedError, match="use_irope"):
         backend.forward(q, k, None, dataclasses.replace(mla, use_irope=True), latent, md)
     assert backend.describe(md, mla, jnp.bfloat16)["attention"] == "triton"
+
+
+# ----------------------------------------------------------------------------- torch bridge
+@pytest.mark.parametrize("mode,page,split_inputs", [("extend", 1, True), ("decode", 16, False)])
+def test_torch_bridge_mla(mode, page, split_inputs):
+    """An MLA model through the bridge (``model_config.attention_arch == "MLA"``, SGLang's
+    ``MLATokenToKVPool``): the write goes through the pool's ``set_mla_kv_buffer``, attention reads the
+    latent rows; equals the float64 reference over the updated pool; no other slot changes (NaN in every
+    unused slot); a second step reuses the checked layer."""
+    import torch
+
+    from tests.paging import shuffled_table
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+
+    rng = np.random.default_rng(11 + page)
+    d = LATENT + ROPE
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed=4)
+    pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
+    buf = pool.kv_buffer[0]
+    buf.fill_(float("nan"))
+    buf[0] = 0.0
+    writes = []
+    pool.set_mla_kv_buffer = lambda *a, f=pool.set_mla_kv_buffer: (writes.append(a[1].clone()), f(*a))[1]
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool,
+                         ModelConfig(MAX_CTX, attention_arch="MLA"), page_size=page)
+    backend = FlashAttentionBackend(runner)
+    layer = RadixAttention(HQ, d, 0.21, 1, 0, v_head_dim=LATENT)
+    rows = np.array([3, 1, 5], np.int64)
+    for step in range(2):
+        committed = np.array([0, 9, 20]) + 5 * step if mode == "extend" else np.array([4, 9, 30]) + step
+        q_lens = rng.integers(1, 6, 3) if mode == "extend" else np.ones(3, np.int64)
+        for r, n in zip(rows, committed):  # committed latent rows
+            buf[torch.from_numpy(table[r, :n].astype(np.int64))] = torch.from_numpy(
+                rng.standard_normal((n, 1, d)).astype(np.float32))
+        loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)]).astype(np.int64)
+        fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
+        fb = ForwardBatch(fm, 3, torch.from_numpy(rows), torch.from_numpy(committed + q_lens), torch.from_numpy(loc),
+                          extend_seq_lens=torch.from_numpy(q_lens) if mode == "extend" else None,
+                          token_to_kv_pool=pool)
+        n = int(q_lens.sum())
+        q = torch.from_numpy(rng.standard_normal((n, HQ, d)).astype(np.float32))
+        k_new = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+        before = buf.clone()
+        backend.init_forward_metadata(fb)
+        if split_inputs:
+            out = backend.forward(q[..., :LATENT].reshape(n, -1), k_new[:, :LATENT], k_new[:, :LATENT], layer, fb,
+                                  q_rope=q[..., LATENT:].reshape(n, -1), k_rope=k_new[:, LATENT:])
+        else:
+            out = backend.forward(q.reshape(n, -1), k_new, k_new[:, :LATENT], layer, fb)
+        assert out.shape == (n, HQ * LATENT) and torch.equal(writes[-1], torch.from_numpy(loc))
+        before[torch.from_numpy(loc), 0] = k_new
+        torch.testing.assert_close(buf, before, rtol=0, atol=0, equal_nan=True)  # only the step's slots
+        pt = table[rows][:, ::page][:, :-(-MAX_CTX // page)] // page
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        paged = jnp.asarray(buf.numpy()).reshape(-1, page, 1, d)
+        want = paged_attention_reference(jnp.asarray(q.numpy()), paged, paged[..., :LATENT],
+                                         jnp.asarray(committed + q_lens, jnp.int32), jnp.asarray(cu),
+                                         jnp.asarray(pt.astype(np.int32)), page_size=page, softmax_scale=0.21)
+        compare_per_sequence(out.numpy().reshape(n, HQ, LATENT), np.asarray(want), cu, tol=2e-5, what=mode)
+    assert len(backend.runner.hits) == 1
+
+
+def test_torch_bridge_mla_rules():
+    """What an MLA model cannot run through the bridge raises, naming it; q_rope elsewhere raises."""
+    import torch
+
+    from tests.paging import shuffled_table
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, MLATokenToKVPool,
+                              ModelConfig, ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs)
+
+    table, num_slots = shuffled_table(2, 16, 4, seed=0)
+    pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
+    rtt = ReqToTokenPool(torch.from_numpy(table).clone())
+    with pytest.raises(NotImplementedError, match="topk > 1"):
+        FlashAttentionBackend(ModelRunner(rtt, pool, ModelConfig(16, attention_arch="MLA"), page_size=4,
+                                          server_args=ServerArgs(speculative_eagle_topk=4,
+                                                                 speculative_num_draft_tokens=8)))
+    backend = FlashAttentionBackend(ModelRunner(rtt, pool, ModelConfig(16, attention_arch="MLA"), page_size=4))
+    fb = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor([1]), torch.tensor([3]),
+                      torch.from_numpy(table[1, :3].astype(np.int64)), extend_seq_lens=torch.tensor([3]),
+                      token_to_kv_pool=pool)
+    fb.attn_attend_prefix_cache = False
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(HQ, LATENT + ROPE, 0.2, 1, 0, v_head_dim=LATENT)
+    q, k = torch.zeros(3, HQ * (LATENT + ROPE)), torch.zeros(3, LATENT + ROPE)
+    before = pool.kv_buffer[0].clone()
+    with pytest.raises(NotImplementedError, match="attn_attend_prefix_cache"):
+        backend.forward(q, k, k, layer, fb)
+    assert torch.equal(pool.kv_buffer[0], before)
+    mha = MHATokenToKVPool.create(num_slots, 1, 1, 8, torch.float32)
+    plain = FlashAttentionBackend(ModelRunner(rtt, mha, ModelConfig(16), page_size=4))
+    fb = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor([1]), torch.tensor([3]),
+                      torch.from_numpy(table[1, :3].astype(np.int64)), extend_seq_lens=torch.tensor([3]),
+                      token_to_kv_pool=mha)
+    plain.init_forward_metadata(fb)
+    with pytest.raises(NotImplementedError, match="q_rope"):
+        plain.forward(torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3, 8), RadixAttention(1, 8, 0.3, 1, 0), fb,
+                      q_rope=torch.zeros(3, 8))

@@ -14,10 +14,12 @@ import torch
 
 from tests.paging import shuffled_table
 from torch_bridge import (FlashAttentionBackend, FlashAttentionMultiStepBackend, ForwardBatch, ForwardMode,
-                          MHATokenToKVPool, ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
+                          MHATokenToKVPool, MLATokenToKVPool, ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs,
+                          SpecInfo)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, MAX_CTX, PAGE = 16, 48, 4
+LATENT, ROPE = 16, 8  # MLA rows: the latent (also the value row), then the rope part
 ROWS, COMMITTED = np.array([3, 1]), np.array([9, 14])  # request rows and committed tokens of every case
 AttentionArch = enum.Enum("AttentionArch", "MHA MLA")  # SGLang's model_config.attention_arch values
 
@@ -45,7 +47,9 @@ FAMILIES = [
     Family("Llama 4 (chunked local attention)", "works", config={"is_local_attention_model": True,
                                                                   "attention_chunk_size": 8},
            layers=({"use_irope": True}, {})),  # a chunked RoPE layer and a global NoPE layer
-    Family("DeepSeek (MLA)", "raises", config={"attention_arch": AttentionArch.MLA}),
+    Family("DeepSeek (MLA)", "works", heads=(4, 1), config={"attention_arch": AttentionArch.MLA}),
+    Family("DeepSeek MTP (MLA, EAGLE chain)", "works", heads=(4, 1), config={"attention_arch": AttentionArch.MLA},
+           steps="eagle", topk=1),
     Family("EAGLE speculative, chain (topk 1)", "works", steps="eagle", topk=1),
     Family("EAGLE speculative, tree (topk > 1)", "works", steps="eagle", topk=2),
     Family("NGRAM speculative", "works", steps="ngram", topk=2),
@@ -59,12 +63,19 @@ class World:
         self.fam, self.rng = fam, np.random.default_rng(seed)
         self.hq, self.hkv = fam.heads
         self.table, num_slots = shuffled_table(6, MAX_CTX, PAGE, seed)
-        pool = MHATokenToKVPool.create(num_slots, len(fam.layers), self.hkv, D, torch.float32)
-        for buf in pool.k_buffer + pool.v_buffer:  # committed tokens random, everything else NaN
+        self.mla = fam.config.get("attention_arch") == AttentionArch.MLA  # one latent pool, values its latent part
+        self.dk, self.dv = (LATENT + ROPE, LATENT) if self.mla else (D, D)
+        if self.mla:
+            pool = MLATokenToKVPool.create(num_slots, len(fam.layers), LATENT, ROPE, torch.float32)
+            bufs = pool.kv_buffer
+        else:
+            pool = MHATokenToKVPool.create(num_slots, len(fam.layers), self.hkv, D, torch.float32)
+            bufs = pool.k_buffer + pool.v_buffer
+        for buf in bufs:  # committed tokens random, everything else NaN
             buf.fill_(float("nan"))
             buf[0] = 0.0
             for r, n in zip(ROWS, COMMITTED):
-                buf[self.slots(r, 0, n)] = self.randn(n, self.hkv, D)
+                buf[self.slots(r, 0, n)] = self.randn(n, self.hkv, buf.shape[-1])
         config = types.SimpleNamespace(context_len=MAX_CTX, **fam.config)
         args = ServerArgs(speculative_eagle_topk=fam.topk or None, speculative_num_draft_tokens=N_DRAFT)
         self.runner = ModelRunner(ReqToTokenPool(torch.from_numpy(self.table).clone()), pool, config,
@@ -79,10 +90,10 @@ class World:
         return torch.from_numpy(self.table[row, start:start + n].astype(np.int64))
 
     def layer(self, i):
-        return RadixAttention(self.hq, D, D**-0.5, self.hkv, i, **self.fam.layers[i])
+        return RadixAttention(self.hq, self.dk, self.dk**-0.5, self.hkv, i, v_head_dim=self.dv, **self.fam.layers[i])
 
     def qkv(self, n):
-        return self.randn(n, self.hq * D), self.randn(n, self.hkv * D), self.randn(n, self.hkv * D)
+        return self.randn(n, self.hq * self.dk), self.randn(n, self.hkv * self.dk), self.randn(n, self.hkv * self.dv)
 
     def pool(self, i):
         return [b.double().numpy() for b in self.runner.token_to_kv_pool.get_kv_buffer(i)]
@@ -94,9 +105,9 @@ class World:
         vis = (positions <= qpos) & ((positions >= qpos - window) if window >= 0 else True)
         if opts.get("use_irope") and self.chunk:  # Llama 4 local layer: the query's own chunk only
             vis &= positions >= qpos // self.chunk * self.chunk
-        q, g, out = q.double().numpy().reshape(self.hq, D), self.hq // self.hkv, np.zeros((self.hq, D))
+        q, g, out = q.double().numpy().reshape(self.hq, self.dk), self.hq // self.hkv, np.zeros((self.hq, self.dv))
         for h in range(self.hq):
-            s = kb[keys[vis], h // g] @ q[h] * D**-0.5
+            s = kb[keys[vis], h // g] @ q[h] * self.dk**-0.5
             s = cap * np.tanh(s / cap) if cap > 0 else s
             m = s.max() if self.sinks is None else max(s.max(), float(self.sinks[h]))
             p = np.exp(s - m)

@@ -7,6 +7,7 @@ from torch_bridge.types import (
     ForwardBatch,
     ForwardMode,
     MHATokenToKVPool,
+    MLATokenToKVPool,
     ModelConfig,
     ModelRunner,
     RadixAttention,
@@ -17,6 +18,6 @@ from torch_bridge.types import (
 
 __all__ = [
     "FlashAttentionBackend", "FlashAttentionMultiStepBackend", "to_mode", "Importer", "check_not_capturing", "export",
-    "ForwardBatch", "ForwardMode", "MHATokenToKVPool", "ModelConfig", "ModelRunner", "RadixAttention",
-    "ReqToTokenPool", "ServerArgs", "SpecInfo",
+    "ForwardBatch", "ForwardMode", "MHATokenToKVPool", "MLATokenToKVPool", "ModelConfig", "ModelRunner",
+    "RadixAttention", "ReqToTokenPool", "ServerArgs", "SpecInfo",
 ]

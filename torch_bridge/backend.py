@@ -250,9 +250,10 @@ class FlashAttentionBackend:
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks)
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks):
-        if q_rope is not None or k_rope is not None:
-            raise NotImplementedError("q_rope / k_rope (MLA, absorbed latent attention) is not supported "
-                                      "by torch_bridge yet")
+        if self.planner.settings.mla:
+            q, k = mla_rows(q, k, layer, forward_batch, q_rope, k_rope)
+        elif q_rope is not None or k_rope is not None:
+            raise NotImplementedError("q_rope / k_rope are for MLA models (model_config.attention_arch == MLA)")
         step = self.planner.step
         if step is None:
             raise RuntimeError("call init_forward_metadata (or the replay hook) before forward")
@@ -262,3 +263,24 @@ class FlashAttentionBackend:
             return dest.view(out.shape).copy_(out)
         return out
 
+
+def mla_rows(q, k, layer, forward_batch, q_rope, k_rope):
+    """An MLA layer's ``q`` / ``k`` as whole latent rows (the latent part, then rope), as the seed's
+    absorbed path reads them: SGLang passes them whole, or the latent parts with ``q_rope`` /
+    ``k_rope`` beside them. The seed's chunked-prefix MHA (``attn_attend_prefix_cache`` set on an
+    extend) is not run here: it raises."""
+    mode = to_mode(forward_batch.forward_mode)
+    if getattr(forward_batch, "attn_attend_prefix_cache", None) is not None and mode in (ForwardMode.EXTEND,
+                                                                                         ForwardMode.MIXED):
+        raise NotImplementedError("forward_batch.attn_attend_prefix_cache (MLA's chunked-prefix MHA, "
+                                  "flash_attn_varlen_func over prefix chunks) is not supported by torch_bridge: "
+                                  "run the absorbed path (leave it None)")
+    dv, rope, hq = layer.v_head_dim, layer.head_dim - layer.v_head_dim, layer.tp_q_head_num
+    if q_rope is not None:
+        t = q.shape[0]
+        q = torch.cat([q.reshape(t, hq, dv), q_rope.reshape(t, hq, rope).to(q.dtype)], dim=-1).reshape(t, -1)
+    if k_rope is not None:
+        if k is None:
+            raise ValueError("k_rope without k (the latent part): pass both, or neither")
+        k = torch.cat([k.reshape(-1, dv), k_rope.reshape(-1, rope).to(k.dtype)], dim=-1)
+    return q, k

@@ -40,6 +40,7 @@ class RunnerSettings:
     with_swa: bool  # model_runner.sliding_window_size >= 0 (tree verify / draft decode plan the SWA table)
     heads: Optional[tuple] = None  # (Hq, Hkv) per TP rank from model_config, when it says (launch tables)
     num_swa_slots: int = 0  # > 0: token_to_kv_pool is SGLang's hybrid SWAKVPool; slots of its SWA pool
+    mla: bool = False  # model_config.attention_arch == MLA: absorbed latent attention over MLATokenToKVPool
 
     @classmethod
     def of(cls, model_runner, fa_impl_ver: int, topk: int) -> "RunnerSettings":
@@ -47,9 +48,7 @@ class RunnerSettings:
             raise ValueError(f"Invalid version: {fa_impl_ver=} (SGLang's FlashAttention backend takes 3 or 4)")
         config = getattr(model_runner, "model_config", None)
         arch = getattr(config, "attention_arch", None)
-        if getattr(arch, "name", arch) == "MLA":
-            raise NotImplementedError("model_config.attention_arch == MLA (absorbed latent attention) is not "
-                                      "supported by torch_bridge yet")
+        mla = getattr(arch, "name", arch) == "MLA"
         if int(getattr(model_runner, "attn_cp_size", 1) or 1) > 1:
             raise NotImplementedError("model_runner.attn_cp_size > 1 (context-parallel attention) is not supported "
                                       "by torch_bridge")
@@ -64,11 +63,19 @@ class RunnerSettings:
         tp = int(getattr(model_runner, "tp_size", 1) or 1)
         hq, kv_heads = getattr(text, "num_attention_heads", None), getattr(config, "get_num_kv_heads", None)
         heads = (int(hq) // tp, int(kv_heads(tp))) if isinstance(hq, int) and callable(kv_heads) else None
-        return cls(topk=int(server_topk if server_topk is not None else topk or 0), heads=heads,
-                   num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
-                   deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
-                   attention_chunk_size=chunk, num_swa_slots=num_swa_slots,
-                   with_swa=window is not None and window >= 0)
+        settings = cls(topk=int(server_topk if server_topk is not None else topk or 0), heads=heads,
+                       num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", None) or 0),
+                       deterministic=bool(getattr(args, "enable_deterministic_inference", False)),
+                       attention_chunk_size=chunk, num_swa_slots=num_swa_slots,
+                       with_swa=window is not None and window >= 0, mla=mla)
+        if mla:
+            for name, bad in (("speculative_eagle_topk > 1 (tree steps)", settings.topk > 1),
+                              ("a local-attention model", chunk > 0), ("a sliding-window model", settings.with_swa),
+                              ("a hybrid SWAKVPool", num_swa_slots > 0)):
+                if bad:
+                    raise NotImplementedError(f"model_config.attention_arch == MLA with {name} is not supported "
+                                              "by torch_bridge")
+        return settings
 
 
 def local_chunk_size(model_runner, config) -> int:
@@ -235,6 +242,21 @@ def check_layer(lp: LayerParams, key: PlanKey, has_local: bool = False) -> None:
         raise ValueError(f"a sliding-window layer in a tree (topk > 1) {key.mode.name} step needs the SWA table: "
                          "set model_runner.sliding_window_size >= 0 before creating the backend")
 
+def layer_buffers(pool, layer_id: int, mla: bool):
+    """The layer's pool buffers ``(k, v)``; an MLA pool's one latent buffer as ``(k, None)``."""
+    return (pool.get_key_buffer(layer_id), None) if mla else pool.get_kv_buffer(layer_id)
+
+
+def store_kv(pool, layer, lp: LayerParams, loc, k, v) -> None:
+    """The torch KV write at ``loc``: SGLang's ``set_kv_buffer``, or for an MLA layer (``k`` whole latent
+    rows) its ``set_mla_kv_buffer`` with the latent and rope parts, as the seed calls it."""
+    if lp.mla:
+        rows = k.reshape(-1, lp.head_dim)
+        pool.set_mla_kv_buffer(layer, loc, rows[:, :lp.v_head_dim], rows[:, lp.v_head_dim:])
+    else:
+        pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
+
+
 def check_shapes(q, lp: LayerParams, step, k_buf, v_buf, page_size: int) -> int:
     """Trace-free shape checks before anything is written: a bad call leaves the cache unchanged."""
     dv = lp.v_head_dim or lp.head_dim
@@ -246,12 +268,16 @@ def check_shapes(q, lp: LayerParams, step, k_buf, v_buf, page_size: int) -> int:
         raise ValueError(f"q has {t} tokens; it must have the {step.real_tokens} tokens the step was "
                          f"planned for (or {step.key.num_tokens} padded): call init_forward_metadata "
                          "for this batch")
+    if lp.mla:  # one latent buffer: its latent part is the value buffer
+        v_buf = k_buf[..., :dv]
+        if not k_buf.is_contiguous():
+            raise ValueError(f"the MLA latent buffer with strides {k_buf.stride()} must be contiguous")
     if tuple(k_buf.shape[1:]) != (lp.num_kv_heads, lp.head_dim) or tuple(v_buf.shape[1:]) != (lp.num_kv_heads, dv):
         raise ValueError(f"pool buffers {tuple(k_buf.shape)}, {tuple(v_buf.shape)} must be "
                          f"[num_slots, {lp.num_kv_heads}, {lp.head_dim}] / [num_slots, {lp.num_kv_heads}, {dv}]")
     if k_buf.shape[0] % page_size:
         raise ValueError(f"{k_buf.shape[0]=} slots must be a multiple of page_size={page_size}")
-    if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+    if not lp.mla and not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError(f"pool buffers with strides {k_buf.stride()} / {v_buf.stride()} must be contiguous: "
                          "allocate each layer's K and V pool as one dense tensor")
     return t
@@ -276,7 +302,7 @@ def write_loc(forward_batch, step, lp: LayerParams, t: int, k, v, step_id: int) 
                              + (f" or {step.loc_steps} per token (every draft step)" if step.loc_steps > 1 else ""))
     dv = lp.v_head_dim or lp.head_dim
     if (k.shape[0] != rows or k.numel() != rows * lp.num_kv_heads * lp.head_dim
-            or v.numel() != rows * lp.num_kv_heads * dv):
+            or (not lp.mla and v.numel() != rows * lp.num_kv_heads * dv)):  # MLA: no value rows to write
         raise ValueError(f"{k.shape=} / {v.shape=} must be [{rows}, {lp.num_kv_heads} * {lp.head_dim}] / "
                          f"[{rows}, {lp.num_kv_heads} * {dv}] (one row per {what})")
     return loc
@@ -298,15 +324,16 @@ class CheckedLayer:
         """Same layer object, token count, pool and pool buffers as the checked call."""
         return (self.layer is layer and q.shape[0] == self.t and q.numel() == self.numel[0]
                 and forward_batch.token_to_kv_pool is self.pool
-                and all(a is b for a, b in zip(self.pool.get_kv_buffer(layer.layer_id), self.buffers)))
+                and all(a is b for a, b in zip(layer_buffers(self.pool, layer.layer_id, self.lp.mla), self.buffers)))
 
     def write(self, k, v, loc) -> None:
         """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), checked first."""
         if loc is None or k is None:
             return
         lp, t = self.lp, self.t
-        if k.numel() != self.numel[1] or v.shape[0] != t or v.numel() != self.numel[2] or loc.shape[0] != t:
-            raise ValueError(f"{k.shape=} / {v.shape=} / out_cache_loc {tuple(loc.shape)} must have one row per "
-                             f"token ({t}) of [{lp.num_kv_heads} * {lp.head_dim}] / "
+        v_bad = not lp.mla and (v.shape[0] != t or v.numel() != self.numel[2])  # MLA: no value rows
+        if k.numel() != self.numel[1] or v_bad or loc.shape[0] != t:
+            raise ValueError(f"{k.shape=} / {getattr(v, 'shape', None)} / out_cache_loc {tuple(loc.shape)} must have "
+                             f"one row per token ({t}) of [{lp.num_kv_heads} * {lp.head_dim}] / "
                              f"[{lp.num_kv_heads} * {lp.v_head_dim or lp.head_dim}]")
-        self.pool.set_kv_buffer(self.layer, loc, k, v, lp.k_scale, lp.v_scale)
+        store_kv(self.pool, self.layer, lp, loc, k, v)

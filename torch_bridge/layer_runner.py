@@ -32,7 +32,8 @@ from jax_attn.backend import LayerParams
 from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.kernels.config import tracing_for_cpu
 from jax_attn.kv_cache import KVPool
-from torch_bridge.checks import CheckedLayer, SafeLocs, check_layer, check_shapes, is_swa_layer, write_loc
+from torch_bridge.checks import (CheckedLayer, SafeLocs, check_layer, check_shapes, is_swa_layer, layer_buffers,
+                                 store_kv, write_loc)
 from torch_bridge.dlpack import Importer, check_not_capturing
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
@@ -65,7 +66,8 @@ class LayerRunner:
         self.executables = other.executables
 
     def _attn_fn(self, layer: LayerParams, layout, q, k_buffer, v_buffer, sinks, words):
-        # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv]; sinks [Hq] | None
+        # q [T, Hq, D]; k_buffer [num_slots, Hkv, D]; v_buffer [num_slots, Hkv, Dv] (None: an MLA latent pool);
+        # sinks [Hq] | None
         self.trace_count += 1
         md = layout.unpack(words)
         sinks = None if sinks is None else sinks.astype(np.float32)
@@ -93,7 +95,7 @@ class LayerRunner:
         check_layer(lp, step.key, step.layout.local)
         swa = is_swa_layer(lp, step.key)  # SWAKVPool: reads the SWA pool through md.swa_page_table
         pool = forward_batch.token_to_kv_pool
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = layer_buffers(pool, layer.layer_id, lp.mla)
         t = check_shapes(q, lp, step, k_buf, v_buf, self.planner.jax_backend.page_size)
         call = self._launch_call(lp, step, q, k_buf, v_buf, sinks, swa)
         if call is None:
@@ -107,7 +109,7 @@ class LayerRunner:
             hit = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
         else:
             if loc is not None:  # written here: a cross layer's slots are the encoder's, not one per query token
-                pool.set_kv_buffer(layer, loc, k, v, lp.k_scale, lp.v_scale)
+                store_kv(pool, layer, lp, loc, k, v)
                 loc = None
             if self.planner.jax_heads is None and self.jax_backend.impl != "reference":
                 self.planner.jax_heads = (lp.num_q_heads, lp.num_kv_heads)  # the next eager plans carry its schedules
@@ -120,7 +122,7 @@ class LayerRunner:
 
     def _jax_hit(self, step: Step, lp: LayerParams, layer, t: int, q, pool, k_buf, v_buf, sinks, swa: bool):
         """The layer's compiled executable over its pool views, as a ``JaxLayerHit``."""
-        views = (self.importer.view(k_buf), self.importer.view(v_buf),
+        views = (self.importer.view(k_buf), None if v_buf is None else self.importer.view(v_buf),
                  None if sinks is None else self.importer.view(sinks, strict=False))
         device = self.importer.jax_device
         sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
@@ -133,7 +135,7 @@ class LayerRunner:
     def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks, swa: bool = False):
         """This layer's bound Mosaic launch when the launch path covers the call, else None."""
         path = self.mosaic_path
-        if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
+        if path is None or lp.mla or path.reason(lp, step.key, q, k_buf, v_buf) is not None:  # MLA: JAX path
             return None
         key = step.key
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
@@ -167,7 +169,8 @@ class LayerRunner:
         hit = self._layers.get(layer.layer_id)
         if hit is not None and hit[0] is layer:
             return hit[1]
-        lp = layer_params(layer, local_model=self.planner.settings.attention_chunk_size > 0)
+        lp = layer_params(layer, local_model=self.planner.settings.attention_chunk_size > 0,
+                          mla=self.planner.settings.mla)
         self._layers[layer.layer_id] = (layer, lp)
         return lp
 

@@ -89,10 +89,12 @@ def causal_of(layer) -> bool:
     raise NotImplementedError(f"layer.attn_type={kind!r} is not supported by torch_bridge")
 
 
-def layer_params(layer, local_model: bool = False) -> LayerParams:
+def layer_params(layer, local_model: bool = False, mla: bool = False) -> LayerParams:
     """A ``RadixAttention``-like layer's knobs; ``layer_id`` stays 0, so layers with one
     configuration share one executable. ``layer.use_irope`` makes a chunked local layer only in a
-    local-attention model (``local_model``); elsewhere it attends fully, as in the seed."""
+    local-attention model (``local_model``); elsewhere it attends fully, as in the seed. ``mla``: the
+    model is MLA (absorbed latent attention: ``head_dim`` = kv_lora_rank + rope, ``v_head_dim`` =
+    kv_lora_rank, one kv head)."""
     window = getattr(layer, "sliding_window_size", -1)
     return LayerParams(
         num_q_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num, head_dim=layer.head_dim,
@@ -100,7 +102,7 @@ def layer_params(layer, local_model: bool = False) -> LayerParams:
         sliding_window_size=-1 if window is None else int(window),
         is_cross_attention=bool(getattr(layer, "is_cross_attention", False)), causal=causal_of(layer),
         k_scale=scale_of(layer, "k"), v_scale=scale_of(layer, "v"),
-        use_irope=local_model and bool(getattr(layer, "use_irope", False)),
+        use_irope=local_model and bool(getattr(layer, "use_irope", False)), mla=mla,
     )
 
 

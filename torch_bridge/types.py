@@ -40,7 +40,7 @@ Index tensors may be int64 (as SGLang keeps them); the bridge converts them once
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 
@@ -58,6 +58,7 @@ class ModelConfig:
     max_encoder_len: int = 0  # static bound on encoder lengths (cross attention); 0 = none
     is_local_attention_model: bool = False  # Llama 4: use_irope layers attend their own chunk only
     attention_chunk_size: Optional[int] = None  # the chunk (tokens, a multiple of page_size) of those layers
+    attention_arch: str = "MHA"  # SGLang's AttentionArch name: "MLA" = absorbed latent attention (MLATokenToKVPool)
 
 
 @dataclasses.dataclass
@@ -65,6 +66,44 @@ class ServerArgs:
     speculative_eagle_topk: Optional[int] = None  # tree (topk > 1) speculative steps; None: not speculative
     speculative_num_draft_tokens: Optional[int] = None
     enable_deterministic_inference: bool = False
+
+
+@dataclasses.dataclass
+class MLATokenToKVPool:
+    """SGLang's MLA pool: per layer one latent buffer ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]``
+    (the latent ``c_kv``, then ``k_rope``; slot 0 reserved); the value buffer is its latent part."""
+
+    kv_buffer: List[torch.Tensor]
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    @classmethod
+    def create(cls, num_slots: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype,
+               device="cpu") -> "MLATokenToKVPool":
+        return cls([torch.zeros(num_slots, 1, kv_lora_rank + qk_rope_head_dim, dtype=dtype, device=device)
+                    for _ in range(num_layers)], kv_lora_rank, qk_rope_head_dim)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id][..., :self.kv_lora_rank]
+
+    def get_kv_buffer(self, layer_id: int):
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        """Write whole latent rows ``cache_k [T, kv_lora_rank + rope]`` (``cache_v`` is not stored)."""
+        buf = self.kv_buffer[layer.layer_id]
+        buf[loc] = cache_k.reshape(-1, *buf.shape[1:]).to(buf.dtype)
+
+    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor,
+                          cache_k_rope: torch.Tensor) -> None:
+        """Write the latent part ``[T, kv_lora_rank]`` and the rope part ``[T, rope]`` of each row."""
+        buf = self.kv_buffer[layer.layer_id]
+        rows = torch.cat([cache_k_nope.reshape(-1, 1, self.kv_lora_rank),
+                          cache_k_rope.reshape(-1, 1, self.qk_rope_head_dim)], dim=-1)
+        buf[loc] = rows.to(buf.dtype)
 
 
 @dataclasses.dataclass
@@ -122,7 +161,7 @@ class MHATokenToKVPool:
 @dataclasses.dataclass
 class ModelRunner:
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool: MHATokenToKVPool
+    token_to_kv_pool: Union[MHATokenToKVPool, MLATokenToKVPool]
     model_config: ModelConfig
     page_size: int = 1
     server_args: ServerArgs = dataclasses.field(default_factory=ServerArgs)
