@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_jax_step  # noqa: E402
 import decode_llama  # noqa: E402
+import decode_mla  # noqa: E402
 import llama  # noqa: E402
 import step_analysis  # noqa: E402
 
@@ -44,6 +45,28 @@ def test_decode_example_check_detects_wrong_tokens():
     bad = [(good[0] + 1) % cfg.vocab]
     _, mism = decode_llama.check_against_dense(cfg, params, [prompt], [bad], [[dense[5] + 1.0]], 1e-4)
     assert mism == 1
+
+
+def test_mla_example_passes_its_check():
+    """The DeepSeek-style example: absorbed MLA over the paged latent pool (the Triton-lowered kernel,
+    interpreted) equals un-absorbed dense attention."""
+    assert decode_mla.main(batch=3, new_tokens=3, page_size=4, seed=4) == 0
+
+
+def test_mla_example_check_detects_wrong_values():
+    """The example's check compares against un-absorbed attention: values read from the rope part, or a
+    model whose absorbed and dense halves disagree (W_uv swapped for another head's), fail it."""
+    cfg = decode_mla.MLAConfig()
+    params = decode_mla.init_params(cfg, 0)
+    prompt = np.arange(5, dtype=np.int32)
+    dense = np.asarray(decode_mla.forward_dense(cfg, params, np.concatenate([prompt, [0]]).astype(np.int32)))
+    worst, mism = decode_mla.check_against_dense(cfg, params, [prompt], [[int(np.argmax(dense[4]))]], [[dense[4]]],
+                                                 1e-3)
+    assert mism == 0 and worst < 1e-6
+    bad = dict(params, layers=[dict(lp, w_uv=lp["w_uv"][::-1]) for lp in params["layers"]])
+    other = np.asarray(decode_mla.forward_dense(cfg, bad, np.concatenate([prompt, [0]]).astype(np.int32)))
+    worst, _ = decode_mla.check_against_dense(cfg, params, [prompt], [[int(np.argmax(other[4]))]], [[other[4]]], 1e-3)
+    assert worst > 1e-2
 
 
 def test_stacked_flag_means_scan_layout(monkeypatch):
