@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -29,6 +30,9 @@ from jax_attn.backend import FlashAttentionBackend, LayerParams
 from jax_attn.batch import ForwardBatch
 from jax_attn.kv_cache import KVPool
 from jax_attn.metadata import ForwardMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_llama import PagedRequests  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,17 +148,11 @@ def main(batch: int = 3, new_tokens: int = 4, page_size: int = 4, impl: str = "a
     params = init_params(cfg, seed)
     rng = np.random.default_rng(seed + 1)
     prompts = [rng.integers(0, cfg.vocab, int(n)).astype(np.int32) for n in rng.integers(3, 12, batch)]
-    pages_per = -(-max_ctx // page_size)
-    order = rng.permutation(np.arange(1, batch * pages_per + 1))  # pages handed out shuffled; page 0 reserved
-    table = np.zeros((batch + 1, max_ctx), np.int32)
-    for r in range(batch):
-        pages = order[r * pages_per:(r + 1) * pages_per]
-        table[r + 1] = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[:max_ctx]
-    num_slots = (batch * pages_per + 1) * page_size
+    reqs = PagedRequests(batch, max_ctx, page_size, seed)  # pages handed out shuffled; page 0 reserved
+    table, rows = reqs.req_to_token, reqs.rows
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl)
-    pools = [KVPool.mla(num_slots, cfg.kv_lora_rank, cfg.rope, jnp.float32) for _ in range(cfg.n_layers)]
+    pools = [KVPool.mla(reqs.num_slots, cfg.kv_lora_rank, cfg.rope, jnp.float32) for _ in range(cfg.n_layers)]
     step = jax.jit(lambda params, md, tokens, pos, pools: forward_paged(cfg, backend, params, md, tokens, pos, pools))
-    rows = np.arange(1, batch + 1, dtype=np.int32)
     lens = np.array([len(p) for p in prompts], np.int32)
     loc = np.concatenate([table[r, :n] for r, n in zip(rows, lens)])
     fb = ForwardBatch(ForwardMode.EXTEND, rows, lens, loc, extend_seq_lens=lens)
