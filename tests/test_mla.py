@@ -274,3 +274,41 @@ def test_torch_bridge_mla_rules():
     with pytest.raises(NotImplementedError, match="q_rope"):
         plain.forward(torch.zeros(3, 8), torch.zeros(3, 8), torch.zeros(3, 8), RadixAttention(1, 8, 0.3, 1, 0), fb,
                       q_rope=torch.zeros(3, 8))
+
+
+def test_torch_bridge_mla_graph_replay_equals_eager():
+    """An MLA decode bucket: the capture hook, then the replay hook with other lengths; the layer run
+    after the replay hook equals an eager step of the same batch (CPU: the JAX path under both)."""
+    import torch
+
+    from tests.paging import shuffled_table
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+
+    rng = np.random.default_rng(21)
+    d, page, bs = LATENT + ROPE, 4, 4
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed=5)
+    pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
+    pool.kv_buffer[0].copy_(torch.from_numpy(rng.standard_normal((num_slots, 1, d)).astype(np.float32)))
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool,
+                         ModelConfig(MAX_CTX, attention_arch="MLA"), page_size=page)
+    layer = RadixAttention(HQ, d, 0.17, 1, 0, v_head_dim=LATENT)
+    graph = FlashAttentionBackend(runner)
+    graph.init_cuda_graph_state(bs, bs)
+    z = torch.zeros(bs, dtype=torch.long)
+    graph.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
+    rows, lens = np.array([2, 5, 1], np.int64), np.array([17, 30, 9], np.int64)
+    loc = torch.from_numpy(np.array([table[r, n - 1] for r, n in zip(rows, lens)], np.int64))
+    q = torch.from_numpy(rng.standard_normal((3, HQ * d)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((3, d)).astype(np.float32))
+    pad = lambda x, fill: torch.cat([x, torch.full((bs - 3,) + tuple(x.shape[1:]), fill, dtype=x.dtype)])  # noqa: E731
+    graph.init_forward_metadata_replay_cuda_graph(bs, pad(torch.from_numpy(rows), 0), pad(torch.from_numpy(lens), 1),
+                                                  None, None, ForwardMode.DECODE, None, None,
+                                                  out_cache_loc=pad(loc, 0))
+    fb = ForwardBatch(ForwardMode.DECODE, bs, pad(torch.from_numpy(rows), 0), pad(torch.from_numpy(lens), 1),
+                      pad(loc, 0), token_to_kv_pool=pool)
+    replayed = graph.forward(pad(q, 0.0), pad(k, 0.0), None, layer, fb)[:3]
+    eager = FlashAttentionBackend(runner)
+    fb = ForwardBatch(ForwardMode.DECODE, 3, torch.from_numpy(rows), torch.from_numpy(lens), loc, token_to_kv_pool=pool)
+    eager.init_forward_metadata(fb)
+    torch.testing.assert_close(replayed, eager.forward(q, k, None, layer, fb), rtol=1e-5, atol=1e-5)
