@@ -9,7 +9,7 @@ the persistent compilation cache like the rest of the suite: about 30 s here whe
 - attention per shard is bitwise: one layer's KV write and paged attention per shard, under
   the one plan of the step, give bitwise the outputs and pool halves of the whole layer (page sizes 1 and
   16, prefill then decode). Catches: shard-local ``LayerParams`` with global head counts, a pool sharded
-  on the wrong axis, a plan that differs per shard.
+  on the wrong axis (both raise inside the shard).
 - the model matches tp=1: the example's prefill and captured decode steps with ``tp=2`` give the
   greedy tokens of ``tp=1`` and its logits to float32 rounding (the row-parallel sums add partial products
   in another order: not bitwise); list, scan and fused layouts, one kv head replicated on both shards.
