@@ -6,6 +6,7 @@
     python examples/decode_llama.py --config tiny-llama4 # Llama-4 style: chunked local layers + global NoPE
     python examples/decode_llama.py --model smollm2      # real text: SmolLM2-135M-Instruct (make demo)
     python examples/decode_llama.py --model DIR_OR_GGUF --prompt "Why is the sky blue?"
+    python examples/decode_llama.py --config small --tp 2   # tensor parallel over 2 devices (examples/tp.py)
 
 ``--config`` runs random weights (tokens only); ``--model`` a real Llama-family checkpoint (a Hugging Face
 directory or a .gguf file, ``jax_attn.models.load_checkpoint``): its chat template around each prompt
@@ -43,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
+import tp as tensor_parallel  # noqa: E402
 
 from jax_attn import compile_cache  # noqa: E402
 from jax_attn.backend import FlashAttentionBackend  # noqa: E402
@@ -76,12 +78,15 @@ class PagedRequests:
         return np.concatenate([self.req_to_token[r, s:s + n] for r, s, n in zip(self.rows, starts, lens)])
 
 
-def make_step(cfg, backend, layout="list", next_ids=False):
+def make_step(cfg, backend, layout="list", next_ids=False, forward=None):
     """The model step for ``StepRunner``. Token outputs: the logits f32[T, V], or with ``next_ids``
-    ``dict(logits=f32[T, V], next_ids=i32[T])`` where ``next_ids`` are the greedy ids, taken on the device."""
+    ``dict(logits=f32[T, V], next_ids=i32[T])`` where ``next_ids`` are the greedy ids, taken on the device.
+    ``forward``: ``llama.forward_paged`` without its first two arguments (default: ``cfg``, ``backend``'s;
+    tensor parallel: ``tp.forward_paged``'s)."""
+    forward = forward or functools.partial(llama.forward_paged, cfg, backend)
+
     def step(md, tokens, params, pools):
-        logits, pools = llama.forward_paged(cfg, backend, params, md, tokens["ids"], tokens["pos"], pools,
-                                            scan=layout == "scan")
+        logits, pools = forward(params, md, tokens["ids"], tokens["pos"], pools, scan=layout == "scan")
         if not next_ids:
             return logits, pools
         return dict(logits=logits, next_ids=jnp.argmax(logits, -1).astype(jnp.int32)), pools
@@ -197,7 +202,7 @@ def check_against_dense(cfg, params, prompts, generated, paged_logits, tol):
 
 
 def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
-             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=True) -> dict:
+             layout=DEFAULT_LAYOUT, overlap=False, static_buffers=False, command_buffers=True, tp=1) -> dict:
     """Prefill random ragged prompts, then greedy-decode ``new_tokens`` per request (arguments as ``main``).
 
     Returns a dict: ``generated`` (per request, the ``new_tokens`` ids), ``paged_logits`` (per request,
@@ -209,25 +214,34 @@ def generate(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, 
     prompts = [rng.integers(0, cfg.vocab, n).astype(np.int32) for n in prompt_lens]
     params = llama.with_layout(llama.init_params(cfg, seed), layout)
     return run_batch(cfg, params, prompts, new_tokens=new_tokens, page_size=page_size, impl=impl, seed=seed,
-                     layout=layout, overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers)
+                     layout=layout, overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers,
+                     tp=tp)
 
 
 def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=0, layout=DEFAULT_LAYOUT,
-              overlap=False, static_buffers=False, command_buffers=True) -> dict:
+              overlap=False, static_buffers=False, command_buffers=True, tp=1) -> dict:
     """Prefill ``prompts`` (token ids, ragged) as one batch, then greedy-decode ``new_tokens`` per request
-    through captured decode buckets; ``params`` in ``layout``. Returns ``generate``'s dict."""
+    through captured decode buckets; ``params`` in ``layout``. ``tp > 1``: tensor parallel over the first
+    ``tp`` devices (``examples/tp.py``; one plan per step, replicated). Returns ``generate``'s dict."""
     compile_cache.enable()  # executables and kernels kept across runs (JAX_ATTN_COMPILE_CACHE=0: off)
     batch = len(prompts)
     prompt_lens = np.array([len(p) for p in prompts], np.int32)
     cfg.check_context(int(prompt_lens.max()) + new_tokens - 1)  # LongRoPE: raises past its short factors
     max_ctx = int(prompt_lens.max()) + new_tokens + page_size
     reqs = PagedRequests(batch, max_ctx, page_size, seed)
+    local = tensor_parallel.local_config(cfg, tp)  # a shard's heads (tp 1: the model's)
     backend = FlashAttentionBackend(reqs.req_to_token, page_size=page_size, max_context_len=max_ctx, impl=impl,
-                                    num_heads=(cfg.n_heads, cfg.n_kv_heads),
+                                    num_heads=(local.n_heads, local.n_kv_heads),
                                     attention_chunk_size=cfg.attention_chunk_size)  # Llama-4 local layers (0: none)
-    pools = llama.layout_pools(cfg, layout, reqs.num_slots)
-    runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap), batch_buckets=BATCH_BUCKETS,
-                        donate_argnums=(1,), static_buffers=static_buffers, command_buffers=command_buffers)
+    model_params, forward = params, None  # the dense check reads the unsharded weights
+    if tp > 1:
+        mesh = tensor_parallel.make_mesh(tp)
+        params, pools, forward = tensor_parallel.shard(cfg, backend, params, layout, reqs.num_slots, mesh)
+    else:
+        pools = llama.layout_pools(cfg, layout, reqs.num_slots)
+    runner = StepRunner(backend, make_step(cfg, backend, layout, next_ids=overlap, forward=forward),
+                        batch_buckets=BATCH_BUCKETS, donate_argnums=(1,), static_buffers=static_buffers,
+                        command_buffers=command_buffers)
     last, pools, prefill_s = prefill(runner, reqs, prompts, params, pools)
     first = np.argmax(last, -1).astype(np.int32)
 
@@ -244,8 +258,8 @@ def run_batch(cfg, params, prompts, *, new_tokens, page_size, impl="auto", seed=
     t0, steps = time.perf_counter(), new_tokens - 1
     logits, ids, pools = loop(runner, reqs, prompt_lens, first, steps, params, pools)
     decode_s = time.perf_counter() - t0
-    return dict(cfg=cfg, params=params, prompts=prompts, impl=backend.impl, bucket=bucket_for(batch, BATCH_BUCKETS),
-                kernels=kernels_used(cfg, backend, reqs, prompt_lens),
+    return dict(cfg=cfg, params=model_params, prompts=prompts, impl=backend.impl,
+                bucket=bucket_for(batch, BATCH_BUCKETS), kernels=kernels_used(local, backend, reqs, prompt_lens),
                 generated=[[int(first[b])] + [int(s[b]) for s in ids] for b in range(batch)],
                 paged_logits=[[last[b]] + [s[b] for s in logits] for b in range(batch)],
                 prefill_s=prefill_s, decode_s=decode_s, steps=steps)
@@ -256,7 +270,7 @@ def generate_text(model="smollm2", prompts=DEMO_PROMPTS, new_tokens=32, page_siz
     """Greedy replies of a real checkpoint (``model``: ``"smollm2"``, a Hugging Face directory or a .gguf
     file) to ``prompts``, decoded as one ragged batch. ``dtype``: default float32 on the CPU, bfloat16
     on a GPU. ``layout``: default ``scan`` (``fused`` for a model with local and global layers).
-    ``loop``: ``overlap``, ``static_buffers``, ``command_buffers``. Returns ``generate``'s dict plus
+    ``loop``: ``overlap``, ``static_buffers``, ``command_buffers``, ``tp``. Returns ``generate``'s dict plus
     ``texts`` (each reply up to its stop token) and ``layout``."""
     dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     ckpt = load_checkpoint(smollm2_gguf() if model == "smollm2" else model, dtype)
@@ -297,7 +311,7 @@ def report(run: dict, check: bool = True) -> int:
 
 def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page_size=4, impl="auto", seed=0,
          check=True, layout=None, overlap=False, static_buffers=False, command_buffers=True, model=None,
-         prompts=None, dtype=None) -> int:
+         prompts=None, dtype=None, tp=1) -> int:
     """Prefill, decode, print tokens/s and ms/step, and check against dense attention.
 
     Args:
@@ -309,12 +323,13 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
       overlap: the overlap decode loop;
       static_buffers: ``StepRunner(static_buffers=True)``; command_buffers: ``StepRunner(command_buffers=...)``;
       model: a real checkpoint instead of ``config`` (``generate_text``; ``batch``, ``min_prompt``, ``max_prompt``
-      and ``seed`` unused); prompts: its prompts (default ``DEMO_PROMPTS``); dtype: its compute dtype.
+      and ``seed`` unused); prompts: its prompts (default ``DEMO_PROMPTS``); dtype: its compute dtype;
+      tp: tensor-parallel shards (``examples/tp.py``; heads, MLP and KV pool split over ``tp`` devices).
     Returns:
       0 when the check passes (or is skipped), 1 when it fails.
     """
     layout = layout or (None if model else DEFAULT_LAYOUT)  # a real model's default: generate_text's
-    loop = dict(overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers)
+    loop = dict(overlap=overlap, static_buffers=static_buffers, command_buffers=command_buffers, tp=tp)
     if model:
         run = generate_text(model, tuple(prompts or DEMO_PROMPTS), new_tokens=new_tokens, page_size=page_size,
                             impl=impl, layout=layout, dtype=dtype, **loop)
@@ -326,7 +341,8 @@ def main(config="tiny", batch=4, min_prompt=5, max_prompt=24, new_tokens=8, page
     print(f"device={jax.devices()[0].device_kind} impl={run['impl']} config={config} batch={batch} "
           f"(bucket {run['bucket']}) page_size={page_size} layout={layout} "
           f"loop={'overlap' if overlap else 'blocking'} static_buffers={static_buffers} "
-          f"command_buffers={command_buffers} prompts={[len(p) for p in run['prompts']]} kernels={run['kernels']}")
+          f"command_buffers={command_buffers} tp={tp} prompts={[len(p) for p in run['prompts']]} "
+          f"kernels={run['kernels']}")
     return report(run, check)
 
 
@@ -348,6 +364,9 @@ def parse():
     ap.add_argument("--prompt", dest="prompts", action="append", help="a prompt for --model (repeatable)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="--model compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel over the first N devices (examples/tp.py; CPU: "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     return vars(ap.parse_args())
 
 

@@ -265,23 +265,26 @@ def _qkv(cfg, lp, h, positions, i=0):  # h [T, dim] -> q [T, Hq, D], k/v [T, Hkv
     return q, k, v.reshape(t, cfg.n_kv_heads, cfg.head_dim)
 
 
-def _mlp(cfg, lp, x):
+def _mlp(cfg, lp, x, reduce=None):
     h = _norm(cfg, x, lp["n2"])
     gate, up = jnp.split(h @ lp["w13"], 2, axis=-1) if "w13" in lp else (h @ lp["w1"], h @ lp["w3"])
     act = jax.nn.silu(gate) if cfg.act == "silu" else jax.nn.gelu(gate, approximate=True)
     out = (act * up) @ lp["w2"]
+    out = reduce(out) if reduce else out  # tensor parallel: the row-parallel down projection's psum
     return x + (_norm(cfg, out, lp["n2p"]) if cfg.sandwich_norms else out)
 
 
-def _block(cfg, lp, x, positions, i, attend):
-    """One decoder layer (``i`` static) around ``attend(q, k, v) -> (out [T, Hq * D], state)``: ``(x, state)``."""
+def _block(cfg, lp, x, positions, i, attend, reduce=None):
+    """One decoder layer (``i`` static) around ``attend(q, k, v) -> (out [T, Hq * D], state)``: ``(x, state)``.
+    ``reduce``: applied to the o and down projections' outputs (tensor parallel: their ``psum``)."""
     q, k, v = _qkv(cfg, lp, _norm(cfg, x, lp["n1"]), positions, i)
     out, state = attend(q, k, v)
     out = out @ lp["wo"]
-    return _mlp(cfg, lp, x + (_norm(cfg, out, lp["n1p"]) if cfg.sandwich_norms else out)), state
+    out = reduce(out) if reduce else out
+    return _mlp(cfg, lp, x + (_norm(cfg, out, lp["n1p"]) if cfg.sandwich_norms else out), reduce), state
 
 
-def _layer(cfg, backend, lp, md, x, positions, pools, i):
+def _layer(cfg, backend, lp, md, x, positions, pools, i, reduce=None):
     """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then: identical
     layers, so layer 0's knobs)."""
     static_i = i if isinstance(i, int) else 0
@@ -293,7 +296,7 @@ def _layer(cfg, backend, lp, md, x, positions, pools, i):
         attn, pool = backend.forward(q, k, v, layer, pools[i], md)
         return attn, [*pools[:i], pool, *pools[i + 1:]]
 
-    return _block(cfg, lp, x, positions, static_i, attend)
+    return _block(cfg, lp, x, positions, static_i, attend, reduce)
 
 
 def _embed(cfg, params, token_ids):  # Gemma: times sqrt(dim), the scale rounded to the model dtype (as HF)
@@ -308,12 +311,13 @@ def _logits(cfg, params, x):  # x [T, dim] -> f32[T, V]; a tied head is the embe
 
 
 def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token_ids, positions, pools, *,
-                  scan: bool = False):
+                  scan: bool = False, reduce=None):
     """One step over ragged new tokens ``token_ids i32[T]``; returns ``(logits f32[T, V], pools)``.
 
     ``params`` in any of ``LAYOUTS`` with ``pools`` as ``layout_pools`` makes them. The layers run
     as an unrolled loop (static layer index), or under ``lax.scan`` with ``scan=True`` (stacked
-    weights and pool only).
+    weights and pool only). ``reduce`` (tensor parallel, ``examples/tp.py``): called on the o and down
+    projections' partial outputs, e.g. ``lambda x: lax.psum(x, "tp")``; ``cfg`` then has the shard's heads.
     """
     x = _embed(cfg, params, token_ids)
     if scan:
@@ -324,13 +328,13 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
                              "Gemma 2/3) needs an unrolled layout (fused)")
 
         def body(carry, xs):
-            return _layer(cfg, backend, xs[0], md, carry[0], positions, carry[1], xs[1]), None
+            return _layer(cfg, backend, xs[0], md, carry[0], positions, carry[1], xs[1], reduce), None
 
         steps = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
         (x, pools), _ = jax.lax.scan(body, (x, pools), steps)
     else:
         for i in range(cfg.n_layers):
-            x, pools = _layer(cfg, backend, layer_weights(params["layers"], i), md, x, positions, pools, i)
+            x, pools = _layer(cfg, backend, layer_weights(params["layers"], i), md, x, positions, pools, i, reduce)
     return _logits(cfg, params, x), pools
 
 

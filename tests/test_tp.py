@@ -1,0 +1,62 @@
+"""Tensor parallel (``examples/tp.py``, ``decode_llama.py --tp``): 2 shards against 1 on the CPU.
+
+XLA's host device count is fixed when JAX starts, and this process already has 1 device, so the checks
+run in a subprocess with ``--xla_force_host_platform_device_count=2`` (``tests/tp_check.py``). They use
+the persistent compilation cache like the rest of the suite: about 30 s here when warm, about 140 s cold.
+
+``test_tp2_matches_tp1`` checks two things:
+
+- attention per shard is bitwise: one layer's KV write and paged attention per shard, under
+  the one plan of the step, give bitwise the outputs and pool halves of the whole layer (page sizes 1 and
+  16, prefill then decode). Catches: shard-local ``LayerParams`` with global head counts, a pool sharded
+  on the wrong axis (both raise inside the shard).
+- the model matches tp=1: the example's prefill and captured decode steps with ``tp=2`` give the
+  greedy tokens of ``tp=1`` and its logits to float32 rounding (the row-parallel sums add partial products
+  in another order: not bitwise); list, scan and fused layouts, one kv head replicated on both shards.
+  Catches: a missing ``psum``, fused q/k/v or gate/up columns not re-ordered per shard, kv heads sharded
+  or replicated wrong.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import llama  # noqa: E402
+import tp  # noqa: E402
+
+
+def _run(which: str) -> list:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tp_check.py"), which], env=env,
+                          capture_output=True, text=True, timeout=600)
+    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert cases and proc.returncode in (0, 1), f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return cases
+
+
+def test_tp2_matches_tp1():
+    cases = _run("all")  # one subprocess for both kinds: JAX starts once, and xdist cannot split them
+    attention = [c for c in cases if c["case"].startswith("attention")]
+    model = [c for c in cases if c["case"].startswith("model")]
+    assert len(attention) == 2 and all(c["ok"] for c in attention), f"per-shard attention not bitwise: {attention}"
+    assert len(model) == 3 and all(c["ok"] for c in model), f"tp=2 model differs from tp=1: {model}"
+
+
+def test_tp_config_errors_name_the_flag():
+    cfg = llama.CONFIGS["tiny"]  # 4 query heads, 2 kv heads, ffn 128
+    with pytest.raises(ValueError, match=r"--tp 3 must divide the 4 query heads"):
+        tp.check_config(cfg, 3)
+    with pytest.raises(ValueError, match=r"--tp 4 must divide the 3 kv heads, or be a multiple"):
+        tp.check_config(llama.Config(n_heads=12, n_kv_heads=3, ffn_dim=64), 4)
+    tp.check_config(llama.Config(n_heads=8, n_kv_heads=2, ffn_dim=64), 4)  # kv heads replicated twice
+    assert tp.kv_replicas(llama.Config(n_heads=8, n_kv_heads=2), 4) == 2
+    local = tp.local_config(cfg, 2)
+    assert (local.n_heads, local.n_kv_heads, local.ffn_dim) == (2, 1, 64)
+    with pytest.raises(ValueError, match=r"--tp 64 needs 64 devices"):
+        tp.make_mesh(64)
