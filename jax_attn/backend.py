@@ -300,9 +300,12 @@ class FlashAttentionBackend:
             merge = merge_state_reference
         else:
             from jax_attn.kernels.merge_state import merge_state as merge
+        if layer.mla:  # the latent pool: values are the latent part of each key row
+            kw["latent_dim"] = layer.v_head_dim
+        v_pages, v_slots = (None, None) if layer.mla else (paged_view(pool.v, md.prefix.page_size),
+                                                          paged_view(pool.v, 1))
         return spec_plan.cascade_attention(
-            q, paged_view(pool.k, md.prefix.page_size), paged_view(pool.v, md.prefix.page_size),
-            paged_view(pool.k, 1), paged_view(pool.v, 1), md,
+            q, paged_view(pool.k, md.prefix.page_size), v_pages, paged_view(pool.k, 1), v_slots, md,
             attend=functools.partial(attention, impl=self.impl), merge=merge,
             window_size=layer.window_size, sinks=sinks, return_lse=return_lse, **kw)
 
@@ -396,7 +399,8 @@ def _mla_rows(layer: LayerParams, pool: KVPool, md, q, k, q_rope, k_rope):
         raise ValueError("an MLA layer reads one latent pool: KVPool.mla(num_slots, kv_lora_rank, "
                          "qk_rope_head_dim, dtype)")
     for name, bad in (("is_cross_attention", layer.is_cross_attention), ("use_irope", layer.use_irope),
-                      ("a tree (topk > 1) speculative step", isinstance(md, spec_plan.CascadeMetadata)),
+                      ("a sliding window in a tree (topk > 1) step", isinstance(md, spec_plan.CascadeMetadata)
+                       and layer.sliding_window_size >= 0),
                       ("an SWAKVPool plan", getattr(md, "swa_page_table", None) is not None)):
         if bad:
             raise NotImplementedError(f"an MLA (absorbed latent) layer with {name} is not supported")

@@ -120,7 +120,7 @@ CASES = {
         (None, "SWAKVPool"),  # filled below (needs the runner's pool)
     ("model_runner", "`attention_chunk_size` (not a multiple of `page_size`)"):  # page size 4
         (construct(is_local_attention_model=True, attention_chunk_size=6), "attention_chunk_size"),
-    ("model_config", "`attention_arch` (MLA with topk > 1, local attention, sliding window, `SWAKVPool`)"):
+    ("model_config", "`attention_arch` (MLA with local attention, sliding window, `SWAKVPool`)"):
         (construct(attention_arch=Arch("MLA"), **LOCAL), "attention_arch == MLA with a local-attention model"),
     ("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)"): (None, "forward_mode"),
     ("forward_batch", "`attn_cp_metadata`"): (construct(attn_cp_size=2), "attn_cp_size"),

@@ -244,15 +244,14 @@ def test_torch_bridge_mla_rules():
 
     from tests.paging import shuffled_table
     from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, MLATokenToKVPool,
-                              ModelConfig, ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs)
+                              ModelConfig, ModelRunner, RadixAttention, ReqToTokenPool)
 
     table, num_slots = shuffled_table(2, 16, 4, seed=0)
     pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
     rtt = ReqToTokenPool(torch.from_numpy(table).clone())
-    with pytest.raises(NotImplementedError, match="topk > 1"):
+    with pytest.raises(NotImplementedError, match="attention_arch == MLA with a sliding-window model"):
         FlashAttentionBackend(ModelRunner(rtt, pool, ModelConfig(16, attention_arch="MLA"), page_size=4,
-                                          server_args=ServerArgs(speculative_eagle_topk=4,
-                                                                 speculative_num_draft_tokens=8)))
+                                          sliding_window_size=8))
     backend = FlashAttentionBackend(ModelRunner(rtt, pool, ModelConfig(16, attention_arch="MLA"), page_size=4))
     fb = ForwardBatch(ForwardMode.EXTEND, 1, torch.tensor([1]), torch.tensor([3]),
                       torch.from_numpy(table[1, :3].astype(np.int64)), extend_seq_lens=torch.tensor([3]),

@@ -50,6 +50,8 @@ FAMILIES = [
     Family("DeepSeek (MLA)", "works", heads=(4, 1), config={"attention_arch": AttentionArch.MLA}),
     Family("DeepSeek MTP (MLA, EAGLE chain)", "works", heads=(4, 1), config={"attention_arch": AttentionArch.MLA},
            steps="eagle", topk=1),
+    Family("DeepSeek (MLA, EAGLE tree)", "works", heads=(4, 1), config={"attention_arch": AttentionArch.MLA},
+           steps="eagle", topk=2),
     Family("EAGLE speculative, chain (topk 1)", "works", steps="eagle", topk=1),
     Family("EAGLE speculative, tree (topk > 1)", "works", steps="eagle", topk=2),
     Family("NGRAM speculative", "works", steps="ngram", topk=2),

@@ -69,8 +69,7 @@ class RunnerSettings:
                        attention_chunk_size=chunk, num_swa_slots=num_swa_slots,
                        with_swa=window is not None and window >= 0, mla=mla)
         if mla:
-            for name, bad in (("speculative_eagle_topk > 1 (tree steps)", settings.topk > 1),
-                              ("a local-attention model", chunk > 0), ("a sliding-window model", settings.with_swa),
+            for name, bad in (("a local-attention model", chunk > 0), ("a sliding-window model", settings.with_swa),
                               ("a hybrid SWAKVPool", num_swa_slots > 0)):
                 if bad:
                     raise NotImplementedError(f"model_config.attention_arch == MLA with {name} is not supported "
