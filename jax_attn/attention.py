@@ -7,7 +7,7 @@ Which kernel runs is decided in one place, ``jax_attn.kernel_policy`` (its docst
 from __future__ import annotations
 
 from jax_attn.kernel_policy import Call, select_kernel
-from jax_attn.metadata import AttentionMetadata
+from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.reference import reference_from_metadata
 
 
@@ -48,3 +48,32 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto",
     from jax_attn.kernels.triton_paged import paged_attention
 
     return paged_attention(q, k_cache, v_cache, md, **kw)
+
+
+def varlen_metadata(cu_seqlens_q, cu_seqlens_k, *, num_tokens: int, num_keys: int, max_seqlen_q: int,
+                    max_seqlen_k: int) -> AttentionMetadata:
+    """FA3's ``flash_attn_varlen_func`` batch (queries and keys in contiguous ragged runs, no cache) as
+    a paged call: page size 1 over the keys themselves, ``page_table[b, j] = cu_seqlens_k[b] + j``.
+    ``max_seqlen_*`` are static bounds (a new value compiles anew)."""
+    import jax.numpy as jnp
+
+    cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    lens = cu_k[1:] - cu_k[:-1]
+    cols = jnp.arange(max(max_seqlen_k, 1), dtype=jnp.int32)
+    table = jnp.clip(cu_k[:-1, None] + cols[None, :], 0, max(num_keys - 1, 0))
+    return AttentionMetadata(
+        cache_seqlens=lens, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, page_table=table,
+        out_cache_loc=jnp.zeros((num_tokens,), jnp.int32), max_seqlen_q=jnp.max(cu_q[1:] - cu_q[:-1]),
+        max_seqlen_k=jnp.max(lens), mode=ForwardMode.EXTEND, batch_size=int(cu_q.shape[0]) - 1,
+        num_tokens=num_tokens, page_size=1, max_q_len=max(max_seqlen_q, 1), max_pages=max(max_seqlen_k, 1))
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, max_seqlen_k: int,
+                     impl: str = "auto", **kw):
+    """``flash_attn_varlen_func``: ``q [Tq, Hq, D]`` over ``k [Tk, Hkv, D]`` / ``v [Tk, Hkv, Dv]`` in
+    ragged runs (``cu_seqlens_q`` / ``cu_seqlens_k``, i32[B + 1]); bottom-right causal when ``causal``.
+    Keyword arguments as ``attention`` (``causal``, ``softmax_scale``, ``return_lse``, ...). MLA's
+    chunked-prefix prefill runs its 192 / 128 multi-head chunks through it."""
+    md = varlen_metadata(cu_seqlens_q, cu_seqlens_k, num_tokens=q.shape[0], num_keys=k.shape[0],
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return attention(q, k[:, None], v[:, None], md, impl=impl, **kw)

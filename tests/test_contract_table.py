@@ -124,13 +124,13 @@ CASES = {
         (construct(attention_arch=Arch("MLA"), **LOCAL), "attention_arch == MLA with a local-attention model"),
     ("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)"): (None, "forward_mode"),
     ("forward_batch", "`attn_cp_metadata`"): (construct(attn_cp_size=2), "attn_cp_size"),
-    ("forward_batch", "`attn_attend_prefix_cache`, `mha_return_lse`, `mha_one_shot`, `prefix_chunk_*`"):
+    ("forward_batch", "`attn_attend_prefix_cache` (with `save_kv_cache` and K/V, `q_rope`, softcap, window, sinks)"):
         (None, "attn_attend_prefix_cache"),  # filled below (an MLA runner)
 }
 
 
 def mla_chunked_prefix(rng):
-    """An MLA extend step carrying the seed's chunked-prefix MHA flag."""
+    """An MLA extend step of the seed's chunked-prefix MHA asked to write the cache."""
     runner, table = _runner(attention_arch=Arch("MLA"))
     slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
     pool = runner.token_to_kv_pool = MLATokenToKVPool.create(slots, 1, 16, 8, torch.float32)
@@ -164,8 +164,8 @@ def unknown_mode(rng):
 CASES[("model_runner", "`token_to_kv_pool` (a stand-in without `swa_layer_nums`; `SWAKVPool` with `encoder_lens`)")] = (
     hybrid_pool, "SWAKVPool")
 CASES[("forward_batch", "`forward_mode` (`PREBUILT`, `DLLM_EXTEND`)")] = (unknown_mode, "forward_mode")
-CASES[("forward_batch", "`attn_attend_prefix_cache`, `mha_return_lse`, `mha_one_shot`, `prefix_chunk_*`")] = (
-    mla_chunked_prefix, "attn_attend_prefix_cache")
+PREFIX_MHA_ROW = "`attn_attend_prefix_cache` (with `save_kv_cache` and K/V, `q_rope`, softcap, window, sinks)"
+CASES[("forward_batch", PREFIX_MHA_ROW)] = (mla_chunked_prefix, "attn_attend_prefix_cache")
 
 
 def _buffers(pool):

@@ -311,3 +311,65 @@ def test_torch_bridge_mla_graph_replay_equals_eager():
     fb = ForwardBatch(ForwardMode.DECODE, 3, torch.from_numpy(rows), torch.from_numpy(lens), loc, token_to_kv_pool=pool)
     eager.init_forward_metadata(fb)
     torch.testing.assert_close(replayed, eager.forward(q, k, None, layer, fb), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["prefix_chunk", "extend_part", "one_shot"])
+def test_torch_bridge_mla_chunked_prefix_mha(kind):
+    """The seed's chunked-prefix MHA of an MLA model (``attn_attend_prefix_cache`` on an extend): the
+    model's multi-head layer (q/k 24 = nope + rope, v 16) over ragged K/V given in the call; a prefix
+    chunk non-causal (one sequence's chunk empty: output 0, LSE -inf), the extend part or, with
+    ``mha_one_shot``, the whole sequence causal; LSE when ``mha_return_lse``; the cache untouched."""
+    import torch
+
+    from tests.paging import shuffled_table
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+
+    rng = np.random.default_rng(len(kind))
+    table, num_slots = shuffled_table(6, MAX_CTX, 4, seed=6)
+    pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool,
+                         ModelConfig(MAX_CTX, attention_arch="MLA"), page_size=4)
+    backend = FlashAttentionBackend(runner)
+    rows, prefix, ext = np.array([3, 1, 5]), np.array([9, 0, 6]), np.array([4, 7, 2])
+    seq = prefix + ext
+    loc = np.concatenate([table[r, p:p + n] for r, p, n in zip(rows, prefix, ext)]).astype(np.int64)
+    fb = ForwardBatch(ForwardMode.EXTEND, 3, torch.from_numpy(rows), torch.from_numpy(seq), torch.from_numpy(loc),
+                      extend_seq_lens=torch.from_numpy(ext), token_to_kv_pool=pool, extend_seq_lens_cpu=ext.tolist(),
+                      seq_lens_cpu=torch.from_numpy(seq))
+    kv_lens = {"prefix_chunk": prefix, "extend_part": ext, "one_shot": seq}[kind]
+    fb.attn_attend_prefix_cache = kind == "prefix_chunk"
+    fb.mha_return_lse = kind != "extend_part"
+    fb.mha_one_shot = kind == "one_shot"
+    if kind == "prefix_chunk":
+        fb.prefix_chunk_idx = 0
+        fb.prefix_chunk_cu_seq_lens = [torch.from_numpy(np.concatenate([[0], np.cumsum(prefix)]).astype(np.int32))]
+        fb.prefix_chunk_max_seq_lens = [int(prefix.max())]
+    backend.init_forward_metadata(fb)
+    h, d, dv, t, nk = HQ, 24, 16, int(ext.sum()), int(kv_lens.sum())
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    k = rng.standard_normal((nk, h, d)).astype(np.float32)
+    v = rng.standard_normal((nk, h, dv)).astype(np.float32)
+    before = pool.kv_buffer[0].clone()
+    res = backend.forward(*(torch.from_numpy(x.reshape(x.shape[0], -1)) for x in (q, k, v)),
+                          RadixAttention(h, d, 0.29, h, 1, v_head_dim=dv), fb, save_kv_cache=False)
+    out, lse = res if fb.mha_return_lse else (res, None)
+    assert torch.equal(pool.kv_buffer[0].isnan(), before.isnan())
+    want, want_lse = np.zeros((t, h, dv)), np.full((t, h), -np.inf)
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(ext)]), np.concatenate([[0], np.cumsum(kv_lens)])
+    for b in range(3):
+        for i in range(ext[b]):
+            n = kv_lens[b] if kind == "prefix_chunk" else kv_lens[b] - ext[b] + i + 1
+            if n <= 0:
+                continue
+            s = np.einsum("khd,hd->hk", k[cu_k[b]:cu_k[b] + n], q[cu_q[b] + i]) * 0.29
+            m = s.max(1, keepdims=True)
+            p = np.exp(s - m)
+            want[cu_q[b] + i] = np.einsum("hk,khv->hv", p, v[cu_k[b]:cu_k[b] + n]) / p.sum(1, keepdims=True)
+            want_lse[cu_q[b] + i] = m[:, 0] + np.log(p.sum(1))
+    np.testing.assert_allclose(out.numpy().reshape(t, h, dv), want, rtol=1e-4, atol=1e-5)
+    if lse is not None:
+        assert lse.shape == (t, h)
+        np.testing.assert_array_equal(np.isinf(lse.numpy()), np.isinf(want_lse))
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse.numpy()[fin], want_lse[fin], rtol=1e-4, atol=1e-5)

@@ -80,6 +80,7 @@ from jax_attn.progress import Progress
 from torch_bridge.checks import RunnerSettings, pool_slots
 from torch_bridge.dlpack import Importer
 from torch_bridge.layer_runner import LayerRunner
+from torch_bridge.mla import PrefixMHA, mla_rows, uses_prefix_mha
 from torch_bridge.mosaic_path import MosaicPath
 from torch_bridge.step import Step
 from torch_bridge.step_planner import StepPlanner
@@ -162,6 +163,7 @@ class FlashAttentionBackend:
         self.planner = StepPlanner(model_runner, self.settings, self.jax_backend, importer, self.mosaic_path,
                                    speculative_step_id, speculative_num_steps)
         self.planner.share_graph_kernels = share_graph_kernels
+        self.prefix_mha = PrefixMHA(importer, self.jax_backend.impl)
         self.runner = LayerRunner(self.planner, self.jax_backend, importer, self.mosaic_path, num_slots,
                                   speculative_step_id, self.settings.num_swa_slots)
 
@@ -251,7 +253,9 @@ class FlashAttentionBackend:
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks):
         if self.planner.settings.mla:
-            q, k = mla_rows(q, k, layer, forward_batch, q_rope, k_rope)
+            if uses_prefix_mha(forward_batch):  # the seed's chunked-prefix MHA: ragged K/V, no cache
+                return self.prefix_mha(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope, sinks)
+            q, k = mla_rows(q, k, layer, q_rope, k_rope)
         elif q_rope is not None or k_rope is not None:
             raise NotImplementedError("q_rope / k_rope are for MLA models (model_config.attention_arch == MLA)")
         step = self.planner.step
@@ -262,25 +266,3 @@ class FlashAttentionBackend:
         if dest is not None and dest.data_ptr() != out.data_ptr():
             return dest.view(out.shape).copy_(out)
         return out
-
-
-def mla_rows(q, k, layer, forward_batch, q_rope, k_rope):
-    """An MLA layer's ``q`` / ``k`` as whole latent rows (the latent part, then rope), as the seed's
-    absorbed path reads them: SGLang passes them whole, or the latent parts with ``q_rope`` /
-    ``k_rope`` beside them. The seed's chunked-prefix MHA (``attn_attend_prefix_cache`` set on an
-    extend) is not run here: it raises."""
-    mode = to_mode(forward_batch.forward_mode)
-    if getattr(forward_batch, "attn_attend_prefix_cache", None) is not None and mode in (ForwardMode.EXTEND,
-                                                                                         ForwardMode.MIXED):
-        raise NotImplementedError("forward_batch.attn_attend_prefix_cache (MLA's chunked-prefix MHA, "
-                                  "flash_attn_varlen_func over prefix chunks) is not supported by torch_bridge: "
-                                  "run the absorbed path (leave it None)")
-    dv, rope, hq = layer.v_head_dim, layer.head_dim - layer.v_head_dim, layer.tp_q_head_num
-    if q_rope is not None:
-        t = q.shape[0]
-        q = torch.cat([q.reshape(t, hq, dv), q_rope.reshape(t, hq, rope).to(q.dtype)], dim=-1).reshape(t, -1)
-    if k_rope is not None:
-        if k is None:
-            raise ValueError("k_rope without k (the latent part): pass both, or neither")
-        k = torch.cat([k.reshape(-1, dv), k_rope.reshape(-1, rope).to(k.dtype)], dim=-1)
-    return q, k

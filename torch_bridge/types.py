@@ -197,9 +197,18 @@ class ForwardBatch:
     spec_info: Optional[Any] = None
     encoder_lens: Optional[torch.Tensor] = None  # [bs]; cross attention: encoder tokens per request
     encoder_out_cache_loc: Optional[torch.Tensor] = None  # [sum encoder_lens]; cross-attention K/V slots
-    token_to_kv_pool: Optional[MHATokenToKVPool] = None
+    token_to_kv_pool: Optional[Union[MHATokenToKVPool, MLATokenToKVPool]] = None
     req_to_token_pool: Optional[ReqToTokenPool] = None
     attn_backend: Optional[Any] = None
+    # MLA's chunked-prefix MHA (SGLang's ForwardBatchDeepSeekMHAMixin; torch_bridge.mla)
+    attn_attend_prefix_cache: Optional[bool] = None
+    prefix_chunk_idx: Optional[int] = None
+    prefix_chunk_cu_seq_lens: Optional[Any] = None  # per chunk: i32[bs + 1] key offsets
+    prefix_chunk_max_seq_lens: Optional[List[int]] = None
+    mha_return_lse: Optional[bool] = None
+    mha_one_shot: Optional[bool] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    seq_lens_cpu: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
