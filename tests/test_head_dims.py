@@ -212,7 +212,7 @@ def test_mosaic_buffers_fit_shared_memory(d, dv, pack, max_q_len, splits):
     """Every configuration the kernel takes is fitted into shared memory (two warpgroups: Q staging and
     output buffer in the rings; then its ring made shallower, then its key blocks shorter), and wide
     value rows (Dv > 128) get 64-key blocks (registers)."""
-    from jax_attn.kernels.mosaic_kernel import SMEM_BYTES, statics_smem_bytes
+    from jax_attn.kernels.mosaic_smem import SMEM_BYTES, statics_smem_bytes
 
     for num_tokens, config in ((512, mosaic_paged.DEFAULT_MOSAIC_CONFIG),
                                (512, mosaic_paged.MosaicConfig(block_kv=256, stages=4, decode_stages=6))):

@@ -40,6 +40,7 @@ from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.kernel_cache import mosaic_call
 from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, load_q, memory_wg,
                                         padding_rows, zero_tail_values)
+from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
 
 
 # A tile's row of ``tile_info`` (built by ``mosaic_paged.tile_table``): these columns, zero-padded
@@ -47,47 +48,6 @@ from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue
 # sequence's row view; ``seq_splits`` is the sequence's kv split count.
 TILE_INFO_COLUMNS = ("seq", "first_row", "split", "k_len", "q_start", "q_len", "seq_splits")
 TILE_INFO_WORDS = 8
-
-
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on a Hopper multiprocessor
-
-
-def swizzle_bytes(dim: int, itemsize: int) -> int:
-    """The widest wgmma swizzle (128, 64 or 32 bytes) whose row of elements divides ``dim``, the
-    minor (contracted or output) dimension of a tile; 0 when none does (not a multiple of 16 bf16s)."""
-    return next((b for b in (128, 64, 32) if dim % (b // itemsize) == 0), 0)
-
-
-def _tiled(dim, dtype):  # (untyped: mypy sees the transforms as abstract)
-    """The shared-memory layout wgmma reads for rows of ``dim`` elements: 8-row tiles one swizzle
-    wide (128 bytes for head dims that are multiples of 64, else 64 or 32)."""
-    swizzle = swizzle_bytes(dim, jnp.dtype(dtype).itemsize)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: int, head_dim_v: int,
-               itemsize: int, split: bool = False, ring_staging: bool = False, kv_staging: bool = False) -> int:
-    """Shared memory of ``kernel_entry``'s buffers (without the interpreter's P staging): Q, the
-    key/value ring, the output/Q staging (float32 for the split kernel) and the LSE rows."""
-    q = wgs * block_q * head_dim * itemsize
-    k_ring = stages * block_kv * head_dim * itemsize
-    v_ring = stages * block_kv * head_dim_v * itemsize
-    o32 = wgs * block_q * head_dim_v * 4
-    if ring_staging:
-        k_ring, staging = max(k_ring, o32), q
-    elif kv_staging:  # the split kernel's Q staging and float32 output share the rings
-        k_ring, v_ring, staging = max(k_ring + v_ring, q, o32), 0, 0
-    elif split:
-        staging = max(q, o32)
-    else:
-        staging = max(q, wgs * block_q * head_dim_v * itemsize)
-    return q + k_ring + v_ring + staging + wgs * block_q * 4
-
-
-def statics_smem_bytes(st: "KernelStatics") -> int:
-    return smem_bytes(wgs=st.active_wgs, block_q=st.block_q, block_kv=st.block_kv, stages=st.stages,
-                      head_dim=st.head_dim, head_dim_v=st.head_dim_v, itemsize=jnp.dtype(st.dtype).itemsize,
-                      split=st.split, ring_staging=st.ring_staging, kv_staging=st.kv_staging)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,7 +384,7 @@ def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
 def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     """The ``plgpu.kernel`` body: allocates shared memory and barriers, then runs ``_kernel`` on every
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
-    tiled, tiled_v = _tiled(st.head_dim, st.dtype), _tiled(st.head_dim_v, st.dtype)
+    tiled, tiled_v = tiled_layout(st.head_dim, st.dtype), tiled_layout(st.head_dim_v, st.dtype)
     wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
     k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
     # Q is staged through the output buffer (their union when D != Dv). The split kernel's float32

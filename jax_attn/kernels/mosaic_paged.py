@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
-from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, SMEM_BYTES, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
-                                            KernelStatics, kernel_call, statics_smem_bytes,
-                                            swizzle_bytes)
+from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
+                                            kernel_call)
 from jax_attn.kernels.mosaic_io import aligned_rows
+from jax_attn.kernels.mosaic_smem import fit_shared_memory, swizzle_bytes
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
 from jax_attn.kernels.schedule import build_schedule
 from jax_attn.metadata import AttentionMetadata
@@ -269,27 +269,6 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         solo=solo, spread_copies=config.spread_copies, store_read_wait=config.store_read_wait,
     )
     return fit_shared_memory(st)
-
-
-def fit_shared_memory(st: KernelStatics) -> KernelStatics:
-    """``st`` with its ring made shallower (then its key blocks shorter, 64 at least) until the
-    kernel's buffers fit in shared memory (wide head dims). When even the smallest ring does not
-    leave room for the staging buffers, a split kernel of two warpgroups keeps them in the rings
-    (``kv_staging``: head dim 192)."""
-    def shrink(st):
-        while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
-            if st.stages > 2:
-                st = dataclasses.replace(st, stages=st.stages - 1)
-            else:
-                st = dataclasses.replace(st, block_kv=st.block_kv - 64)
-        return st
-
-    fitted = shrink(st)
-    if statics_smem_bytes(fitted) > SMEM_BYTES and st.split and not st.solo:
-        fitted = shrink(dataclasses.replace(st, kv_staging=True))
-    if statics_smem_bytes(fitted) > SMEM_BYTES:
-        raise ValueError(f"the Mosaic kernel's buffers ({statics_smem_bytes(fitted)} bytes) exceed {SMEM_BYTES}: {st}")
-    return fitted
 
 
 def pack_rows(q, pack: int, num_kv_heads: int):
