@@ -19,7 +19,8 @@ split, a run of the CTA's key blocks; it writes a float32 partial output and its
 Keys past ``cache_seqlens`` that share the last page are masked out of the scores, and their value
 rows are zeroed in shared memory before the P@V product (unused slots may hold anything, NaN too).
 
-The producer, the epilogue with its ragged row stores and the padding rows live in ``mosaic_io``.
+The producer, the epilogue with its ragged row stores and the padding rows live in ``mosaic_io``;
+the shared-memory layout (swizzle per head dim) and its fitting in ``mosaic_smem``.
 
 Dimension legend: T tokens, B sequences, P page-table width, Hq / Hkv heads, G = Hq // Hkv,
 D / Dv head dims, N work tiles (static bound), R rows of the row view, H heads of the row view.
