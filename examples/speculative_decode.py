@@ -50,7 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 from decode_llama import PagedRequests  # noqa: E402
 
-from jax_attn.backend import FlashAttentionBackend, plan_arrays  # noqa: E402
+from jax_attn.backend import FlashAttentionBackend  # noqa: E402
+from jax_attn.plan_key import plan_arrays  # noqa: E402
 from jax_attn.batch import ForwardBatch, SpecInfo  # noqa: E402
 from jax_attn.capture import StepRunner  # noqa: E402
 from jax_attn.kv_cache import KVPool  # noqa: E402

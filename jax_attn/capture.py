@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_attn import compile_cache
-from jax_attn.backend import FlashAttentionBackend, PlanKey, batch_arrays, plan_arrays
+from jax_attn.backend import FlashAttentionBackend
+from jax_attn.plan_key import PlanKey, batch_arrays, plan_arrays
 from jax_attn.batch import DEFAULT_BATCH_BUCKETS, ForwardBatch, bucket_for, pad_batch
 from jax_attn.kernels import kernel_cache
 from jax_attn.progress import Progress
@@ -322,7 +323,7 @@ class StepLayout:
 
 def pack_step(arrays, token_inputs, zeros: Callable):
     """A step's inputs as ``(StepLayout, packed int32 host vector, token arguments)``: one host-to-device
-    transfer for the batch fields (``backend.batch_arrays``) and the token inputs that are host int32
+    transfer for the batch fields (``plan_key.batch_arrays``) and the token inputs that are host int32
     arrays.
 
     Every int32 token leaf has a slot in the vector and an argument of its own; one more word per slot

@@ -1,6 +1,6 @@
 """Bad input never reaches memory it should not: a plan guard and a device-side error flag.
 
-``guard`` runs inside every jitted planner call (``jax_attn.backend.plan_arrays``, so the JAX
+``guard`` runs inside every jitted planner call (``jax_attn.plan_key.plan_arrays``, so the JAX
 backend, ``StepRunner`` and the torch bridge all get it). It costs a few element-wise ops and no
 host sync:
 

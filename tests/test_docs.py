@@ -21,6 +21,7 @@ MODULES = {
     "jax_attn.capture": None,
     "jax_attn.metadata": None,
     "jax_attn.attention": None,
+    "jax_attn.plan_key": None,
     "jax_attn.kernels": None,
     "jax_attn.kernels.triton_paged": ["paged_attention"],
     "jax_attn.kernels.mosaic_paged": ["paged_attention_mosaic", "supports", "MosaicConfig"],

@@ -10,7 +10,8 @@ import torch
 
 import numpy as np
 
-from jax_attn.backend import LayerParams, PlanKey
+from jax_attn.backend import LayerParams
+from jax_attn.plan_key import PlanKey
 from jax_attn.batch import check_lengths
 from jax_attn.local import LOCAL_MODES
 from jax_attn.metadata import ForwardMode

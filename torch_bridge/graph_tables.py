@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from jax_attn import batch as jbatch
-from jax_attn.backend import PlanKey
+from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_io import COMPUTE_WGS
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS
 from jax_attn.kernels.mosaic_paged import MosaicConfig

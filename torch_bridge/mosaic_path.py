@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_attn.backend import LayerParams, PlanKey
+from jax_attn.backend import LayerParams
+from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)

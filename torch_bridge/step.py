@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from jax_attn import safety
-from jax_attn.backend import PlanKey
+from jax_attn.plan_key import PlanKey
 from jax_attn.spec import swa_plan_of
 from torch_bridge.mosaic_path import TableKey, Tables
 

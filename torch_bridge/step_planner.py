@@ -1,7 +1,7 @@
 """The bridge's step planner: SGLang's ``init_forward_metadata`` and the three CUDA-graph hooks.
 
 Eager, capture and replay share one prepare path (``StepPlanner.plan``): the step's index tensors
-go to one compiled JAX planner call (``jax_attn.backend.plan_arrays``, guarded against bad input)
+go to one compiled JAX planner call (``jax_attn.plan_key.plan_arrays``, guarded against bad input)
 and come back as a ``Step``, the one object every layer of the step reads. Per step the host does:
 
 * eager: one torch concat of SGLang's int64 index tensors, seen as int32 word pairs (no cast
@@ -32,7 +32,7 @@ import torch
 from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
-from jax_attn.backend import PlanKey, guard_plan, plan_arrays
+from jax_attn.plan_key import PlanKey, guard_plan, plan_arrays
 from jax_attn.kernels import kernel_cache
 from jax_attn.local import with_local
 from jax_attn.metadata import ForwardMode

@@ -28,7 +28,7 @@ import jax
 import torch
 
 from jax_attn import batch as jbatch
-from jax_attn.backend import PlanKey
+from jax_attn.plan_key import PlanKey
 from torch_bridge.translate import UNIFORM
 
 
