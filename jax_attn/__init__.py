@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"  # the package version (pyproject reads it)
 
-from jax_attn.attention import attention
+from jax_attn.attention import attention, varlen_attention
 from jax_attn.backend import FlashAttentionBackend, LayerParams
 from jax_attn.batch import ForwardBatch, SpecInfo
 from jax_attn.capture import StepRunner
@@ -13,7 +13,7 @@ from jax_attn.reference import merge_state_reference, paged_attention_reference
 from jax_attn.spec import CascadeMetadata, plan_draft_decode_tree, plan_verify_tree
 
 __all__ = [
-    "attention", "FlashAttentionBackend", "LayerParams", "ForwardBatch", "SpecInfo", "StepRunner",
+    "attention", "varlen_attention", "FlashAttentionBackend", "LayerParams", "ForwardBatch", "SpecInfo", "StepRunner",
     "KVPool", "set_kv_buffer", "AttentionMetadata", "EncoderMetadata", "ForwardMode", "WorkSchedule",
     "plan_uniform", "plan_extend", "plan_draft_extend", "plan_idle", "validate_metadata",
     "paged_attention_reference", "merge_state_reference", "CascadeMetadata", "plan_verify_tree",
