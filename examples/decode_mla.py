@@ -2,12 +2,14 @@
 
     python examples/decode_mla.py                        # CPU: tiny shapes (kernels interpreted)
     python examples/decode_mla.py --page-size 1 --new-tokens 8
+    python examples/decode_mla.py --front torch          # the torch model through torch_bridge
 
 Each layer compresses keys and values into a latent ``c_kv`` (``kv_lora_rank`` wide) plus one shared
 ``k_rope``; the pool keeps one latent row per token (``KVPool.mla``). Attention runs absorbed: ``q_nope``
 is taken into the latent space with the per-head ``W_uk`` and the latent output leaves it through
 ``W_uv`` (``LayerParams(mla=True)``, ``FlashAttentionBackend.forward(..., q_rope=, k_rope=)``), as
-SGLang's DeepSeek models call the attention backend.
+SGLang's DeepSeek models call the attention backend. ``--front torch`` runs the same model in torch
+with its attention through ``torch_bridge`` (an MLA model runner over SGLang's ``MLATokenToKVPool``).
 
 The script checks itself against the same model with un-absorbed dense attention (per head
 ``k_nope = c_kv W_uk``, ``v = c_kv W_uv``, a causal softmax over the whole sequence): equal greedy
@@ -127,6 +129,58 @@ def forward_dense(cfg: MLAConfig, params, tokens):
     return _rms(x) @ params["embed"].T
 
 
+def torch_front(cfg: MLAConfig, params, reqs, page_size: int, max_ctx: int):
+    """The same model in torch, its attention through ``torch_bridge`` (an MLA model runner over SGLang's
+    ``MLATokenToKVPool``): ``step(mode, tokens, pos, rows, lens, loc, ext) -> logits f32[T, V]``."""
+    import torch
+
+    from torch_bridge import (FlashAttentionBackend as TorchBackend, ForwardBatch as TorchBatch,
+                              ForwardMode as TorchMode, MLATokenToKVPool, ModelConfig, ModelRunner, RadixAttention,
+                              ReqToTokenPool)
+
+    tp = {k: torch.from_numpy(np.array(v)) for k, v in params.items() if k != "layers"}
+    layers = [{k: torch.from_numpy(np.array(v)) for k, v in lp.items()} for lp in params["layers"]]
+    pool = MLATokenToKVPool.create(reqs.num_slots, cfg.n_layers, cfg.kv_lora_rank, cfg.rope, torch.float32)
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(reqs.req_to_token).clone()), pool,
+                         ModelConfig(max_ctx, attention_arch="MLA"), page_size=page_size)
+    backend = TorchBackend(runner)
+    attn = [RadixAttention(cfg.n_heads, cfg.kv_lora_rank + cfg.rope, cfg.scale, 1, i, v_head_dim=cfg.kv_lora_rank)
+            for i in range(cfg.n_layers)]
+
+    def rms(x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+
+    def rope(x, pos):  # x [T, H, R]
+        half = x.shape[-1] // 2
+        inv = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
+        ang = pos[:, None, None].float() * inv
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+
+    def step(mode, tokens, pos, rows, lens, loc, ext=None):
+        t64 = [torch.from_numpy(np.asarray(a, np.int64)) for a in (rows, lens, loc)]
+        fb = TorchBatch(TorchMode.EXTEND if mode == "extend" else TorchMode.DECODE, len(rows), *t64,
+                        extend_seq_lens=None if ext is None else torch.from_numpy(np.asarray(ext, np.int64)),
+                        token_to_kv_pool=pool)
+        backend.init_forward_metadata(fb)
+        pos = torch.from_numpy(np.asarray(pos, np.int64))
+        x = tp["embed"][torch.from_numpy(np.asarray(tokens, np.int64))]
+        t, h = x.shape[0], cfg.n_heads
+        for lp, layer in zip(layers, attn):
+            q = (rms(x) @ lp["wq"]).reshape(t, h, cfg.nope + cfg.rope)
+            kv = rms(x) @ lp["w_dkv"]
+            q_lat = torch.einsum("thn,hln->thl", q[..., :cfg.nope], lp["w_uk"])
+            out = backend.forward(q_lat.reshape(t, -1), kv[:, :cfg.kv_lora_rank], None, layer, fb,
+                                  q_rope=rope(q[..., cfg.nope:], pos).reshape(t, -1),
+                                  k_rope=rope(kv[:, None, cfg.kv_lora_rank:], pos)[:, 0])
+            out = torch.einsum("thl,hlv->thv", out.reshape(t, h, cfg.kv_lora_rank), lp["w_uv"])
+            x = x + out.reshape(t, -1) @ lp["wo"]
+            x = x + torch.nn.functional.silu(rms(x) @ lp["w1"]) @ lp["w2"]
+        return (rms(x) @ tp["embed"].T).numpy()
+
+    return step
+
+
 def check_against_dense(cfg, params, prompts, generated, step_logits, tol: float):
     """(worst relative logit error, mismatched tokens that were not near-ties) against ``forward_dense``."""
     worst, mismatches = 0.0, 0
@@ -143,7 +197,7 @@ def check_against_dense(cfg, params, prompts, generated, step_logits, tol: float
 
 
 def main(batch: int = 3, new_tokens: int = 4, page_size: int = 4, impl: str = "auto", seed: int = 0,
-         max_ctx: int = 64) -> int:
+         max_ctx: int = 64, front: str = "jax") -> int:
     cfg = MLAConfig()
     params = init_params(cfg, seed)
     rng = np.random.default_rng(seed + 1)
@@ -152,13 +206,23 @@ def main(batch: int = 3, new_tokens: int = 4, page_size: int = 4, impl: str = "a
     table, rows = reqs.req_to_token, reqs.rows
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=max_ctx, impl=impl)
     pools = [KVPool.mla(reqs.num_slots, cfg.kv_lora_rank, cfg.rope, jnp.float32) for _ in range(cfg.n_layers)]
-    step = jax.jit(lambda params, md, tokens, pos, pools: forward_paged(cfg, backend, params, md, tokens, pos, pools))
+    jitted = jax.jit(lambda params, md, tokens, pos, pools: forward_paged(cfg, backend, params, md, tokens, pos,
+                                                                          pools))
+    bridge = torch_front(cfg, params, reqs, page_size, max_ctx) if front == "torch" else None
+
+    def step(mode, tokens, pos, lens, loc, ext=None):
+        """One step's logits (numpy) through the chosen front end."""
+        nonlocal pools
+        if bridge is not None:
+            return bridge(mode, tokens, pos, rows, lens, loc, ext)
+        fb = ForwardBatch(ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE, rows, lens, loc,
+                          extend_seq_lens=ext)
+        logits, pools = jitted(params, backend.plan(fb), jnp.asarray(tokens), jnp.asarray(pos), pools)
+        return np.asarray(logits)
     lens = np.array([len(p) for p in prompts], np.int32)
     loc = np.concatenate([table[r, :n] for r, n in zip(rows, lens)])
-    fb = ForwardBatch(ForwardMode.EXTEND, rows, lens, loc, extend_seq_lens=lens)
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
-    logits, pools = step(params, backend.plan(fb), jnp.asarray(np.concatenate(prompts)), jnp.asarray(pos), pools)
-    last = np.asarray(logits)[np.cumsum(lens) - 1]
+    last = step("extend", np.concatenate(prompts), pos, lens, loc, lens)[np.cumsum(lens) - 1]
     generated, step_logits = [[] for _ in range(batch)], [[] for _ in range(batch)]
     t0 = None
     for i in range(new_tokens):
@@ -170,14 +234,12 @@ def main(batch: int = 3, new_tokens: int = 4, page_size: int = 4, impl: str = "a
             break
         loc = table[rows, lens]
         lens = lens + 1
-        fb = ForwardBatch(ForwardMode.DECODE, rows, lens, loc)
-        logits, pools = step(params, backend.plan(fb), jnp.asarray(toks), jnp.asarray(lens - 1), pools)
-        last = np.asarray(logits)
+        last = step("decode", toks, lens - 1, lens, loc)
         if t0 is None:
             t0 = time.perf_counter()  # the first decode step compiled
     secs = time.perf_counter() - t0 if t0 is not None and new_tokens > 2 else float("nan")
     worst, mismatches = check_against_dense(cfg, params, prompts, generated, step_logits, tol=1e-3)
-    print(f"MLA decode: batch {batch}, page size {page_size}, {new_tokens} tokens each; "
+    print(f"MLA decode ({front}): batch {batch}, page size {page_size}, {new_tokens} tokens each; "
           f"{batch * (new_tokens - 2) / secs:.1f} tokens/s, {1e3 * secs / max(new_tokens - 2, 1):.1f} ms/step after "
           f"the first decode step; against un-absorbed dense attention: worst relative logit error {worst:.2e}, "
           f"{mismatches} mismatched tokens")
@@ -191,6 +253,8 @@ def parse() -> dict:
     ap.add_argument("--page-size", type=int, default=4)
     ap.add_argument("--impl", default="auto", choices=["auto", "triton", "reference"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--front", default="jax", choices=["jax", "torch"],
+                    help="jax: FlashAttentionBackend; torch: a torch model through torch_bridge")
     return vars(ap.parse_args())
 
 

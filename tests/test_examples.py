@@ -47,10 +47,11 @@ def test_decode_example_check_detects_wrong_tokens():
     assert mism == 1
 
 
-def test_mla_example_passes_its_check():
+@pytest.mark.parametrize("front", ["jax", "torch"])
+def test_mla_example_passes_its_check(front):
     """The DeepSeek-style example: absorbed MLA over the paged latent pool (the Triton-lowered kernel,
-    interpreted) equals un-absorbed dense attention."""
-    assert decode_mla.main(batch=3, new_tokens=3, page_size=4, seed=4) == 0
+    interpreted), through the JAX API and through the torch bridge, equals un-absorbed dense attention."""
+    assert decode_mla.main(batch=3, new_tokens=3, page_size=4, seed=4, front=front) == 0
 
 
 def test_mla_example_check_detects_wrong_values():
