@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jax_attn.kv_cache import KVPool, paged_view, set_kv_buffer, validate_out_cache_loc
 from jax_attn.reference import merge_state_reference, paged_attention_reference
+from tests.attention_cases import reference as jitted_reference
 
 jax.config.update("jax_enable_x64", False)
 
@@ -144,7 +145,8 @@ def test_matches_dense_float64(seed, page_size, heads, causal, window, softcap, 
     q = rng.standard_normal((total + 2, hq, d)).astype(np.float32)  # 2 padding tokens
     sinks = rng.standard_normal(hq).astype(np.float32) if use_sinks else None
     scale = d**-0.5
-    out, lse = paged_attention_reference(
+    # jitted: one compile per example instead of one per jnp op of its shapes (~900 in all, most of the time)
+    out, lse = jitted_reference(
         jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(kv_lens, jnp.int32),
         jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32), jnp.asarray(page_table),
         page_size=page_size, causal=causal, window_size=window, softcap=softcap,

@@ -409,14 +409,16 @@ def test_swa_pool_tree_graph_replay_equals_eager(kind):
     """Catches: a captured tree bucket whose packed plan lacks md.swa.swa_page_table (a replay reading the
     capture's SWA table or full slots), replays differing from eager, writes outside the real slots and
     slot 0, or a retrace inside a bucket."""
-    world = SWAWorld(GPT_OSS, page_size=1, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
+    # one SWA-pool and one full-pool layer, one bucket (both batches replay it: the second must replace the first
+    # replay's plan): every layer and bucket compiles its own interpreted kernels (tree buckets share no class)
+    world = SWAWorld((SWA_SINK, PLAIN), page_size=1, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
     topk, steps = EAGLE_TREE["topk"], EAGLE_TREE["steps"]
     if kind == "verify":
         backend = torch_bridge.FlashAttentionBackend(world.runner, skip_prefill=True)
-        graph, backends = CudaGraphRunner(world.runner, backend, (2, 4)), [backend]
+        graph, backends = CudaGraphRunner(world.runner, backend, (4,)), [backend]
     else:
         backend = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps)
-        graph, backends = EAGLEDraftCudaGraphRunner(world.runner, backend, (2, 4)), backend.attn_backends
+        graph, backends = EAGLEDraftCudaGraphRunner(world.runner, backend, (4,)), backend.attn_backends
     _capture(world, backend, graph)
     for b, committed in enumerate(((9, 30, 3), (21,))):
         reqs = [Req(world.new_request(), c, EAGLE_TREE["draft"] if kind == "verify" else 0) for c in committed]
