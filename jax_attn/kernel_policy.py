@@ -13,8 +13,9 @@
                   it does not cover: see ``jax_attn.kernels.mosaic_paged.supports``);
   ``"reference"`` the plain-``jnp`` float32 reference.
 
-The torch bridge asks ``select_kernel(..., from_torch=True)``: there the Mosaic kernel is the only
-one torch can launch (and capture in a CUDA graph), so it runs every call it covers; the rest go
+The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
+graph) the Mosaic kernel for every call it covers on Hopper, else the Triton-lowered kernel for every
+call it covers without fp8 descale or a latent (MLA) cache (``triton_launchable``); the rest go
 through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
 ``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
@@ -102,12 +103,24 @@ def mosaic_covers(call: Call) -> bool:
                        call.page_size, packed_group=pack_for(group, call.max_q_len)) is None
 
 
-def select_kernel(impl: str, call: Call, *, from_torch: bool = False) -> str:
-    """The kernel a call runs with: ``"mosaic"``, ``"triton"`` or ``"reference"`` (``from_torch``:
-    ``"mosaic"`` means the torch launch path, anything else a compiled JAX executable)."""
+def triton_launchable(call: Call) -> bool:
+    """Whether torch launches the Triton-lowered kernel for this call (``torch_bridge.triton_path``)."""
+    from jax_attn.kernels.triton_paged import unsupported
+
+    if call.latent or call.fp8_descale or jax.numpy.dtype(call.kv_dtype).itemsize == 1:
+        return False  # MLA latent caches and fp8 descale run through JAX
+    return unsupported(call.dtype, call.head_dim, call.head_dim_v) is None
+
+
+def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:
+    """The kernel a call runs with: ``"mosaic"``, ``"triton"`` or ``"reference"``. ``from_torch``: the
+    kernel torch launches, ``"mosaic"`` (where ``hopper``) or ``"triton"``, else ``"jax"`` (a compiled JAX
+    executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        return "mosaic" if impl in ("auto", "mosaic") and mosaic_covers(call) else "jax"
+        if impl in ("auto", "mosaic") and hopper and mosaic_covers(call):
+            return "mosaic"
+        return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"
     if impl != "auto":
         return impl
     return "mosaic" if mosaic_wanted(call) and mosaic_covers(call) else "triton"

@@ -65,15 +65,16 @@ class _InterpretedLaunch:
         self.outs[0].copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
 
 
-def setup(seed, device="cpu"):
-    table, num_slots = shuffled_table(6, MAX_CTX, PAGE, seed)
+def setup(seed, device="cpu", page=PAGE, path=None):
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed)
     pool = MHATokenToKVPool.create(num_slots, 1, HKV, D, torch.bfloat16, device)
     for buf in pool.k_buffer + pool.v_buffer:  # NaN everywhere a step does not write or read
         buf.fill_(float("nan"))
         buf[0] = 0.0
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, ModelConfig(MAX_CTX),
-                         page_size=PAGE, device=str(device))
-    path = MosaicPath(make_kernel=InterpretedKernel) if device == "cpu" else None  # GPU: the device default
+                         page_size=page, device=str(device))
+    if path is None and device == "cpu":  # GPU: the device default
+        path = MosaicPath(make_kernel=InterpretedKernel)
     return runner, table, FlashAttentionBackend(runner, mosaic_path=path)
 
 
@@ -87,11 +88,12 @@ def fill(runner, table, rows, lens, rng):
 
 def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None):
     kb, vb = (jnp.asarray(b.float().cpu().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0))
-    pt = table[rows][:, ::PAGE] // PAGE
+    page = runner.page_size
+    pt = table[rows][:, ::page] // page
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = paged_attention_reference(jnp.asarray(q.float().cpu().numpy()).reshape(-1, HQ, D),
-                                    paged_view(kb, PAGE), paged_view(vb, PAGE), jnp.asarray(kv_lens, jnp.int32),
-                                    jnp.asarray(cu), jnp.asarray(pt), page_size=PAGE,
+                                    paged_view(kb, page), paged_view(vb, page), jnp.asarray(kv_lens, jnp.int32),
+                                    jnp.asarray(cu), jnp.asarray(pt), page_size=page,
                                     sinks=None if sinks is None else jnp.asarray(sinks.cpu().numpy()),
                                     softmax_scale=scale)
     return np.asarray(out).reshape(q.shape[0], HQ * D)
@@ -162,7 +164,9 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
     from jax_attn.kernel_policy import Call, select_kernel
     f32 = Call(max_q_len=1, page_size=PAGE, num_tokens=2, num_kv_heads=HKV, head_dim=D, head_dim_v=D,
                dtype="float32", kv_dtype="bfloat16")
-    assert select_kernel("auto", f32, from_torch=True) == "jax"  # the kernel takes bf16 / f16 only
+    assert select_kernel("auto", f32, from_torch=True) == "triton"  # the Mosaic kernel takes bf16 / f16 only
+    fp8 = dataclasses.replace(f32, dtype="bfloat16", kv_dtype="float8_e4m3fn", fp8_descale=True)
+    assert select_kernel("auto", fp8, from_torch=True) == "jax"  # fp8 descale: through JAX
 
 
 def test_checked_layer_rebinds_when_the_pool_buffer_changes():

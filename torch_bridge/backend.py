@@ -159,6 +159,7 @@ class FlashAttentionBackend:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         if mosaic_path and self.settings.deterministic:  # a request's bits must not depend on the batch
             mosaic_path.config = dataclasses.replace(mosaic_path.config, batch_invariant=True)
+            mosaic_path.deterministic = True  # Triton tables: one kv split per sequence
         self.mosaic_path = mosaic_path or None
         self.planner = StepPlanner(model_runner, self.settings, self.jax_backend, importer, self.mosaic_path,
                                    speculative_step_id, speculative_num_steps)

@@ -1,14 +1,21 @@
-"""Launch compiled Mosaic GPU kernels on torch's current CUDA stream, without JAX dispatch.
+"""Launch compiled Pallas GPU kernels on torch's current CUDA stream, without JAX dispatch.
 
-A JAX function holding one Mosaic GPU kernel call (``plgpu.kernel``) is lowered once per argument
-shapes; the kernel module is taken from its ``mosaic_gpu_v2`` custom call and compiled with
-``MosaicGpuCompile`` from JAX's CUDA plugin. A launch fills a prebuilt array of device pointers
-(XLA's order: call operands, then call results) and calls the plugin's host function with
-``torch.cuda.current_stream()``. That host function (jaxlib's Mosaic GPU runtime, pinned to jax
-0.11.2) encodes the TMA descriptors on the host (``cuTensorMapEncodeTiled``) and calls
-``cuLaunchKernelEx`` on the stream, nothing else: inside ``torch.cuda.graph`` capture a launch is
+A JAX function holding one Pallas kernel call is lowered once per argument shapes, and the kernel
+is taken from its custom call:
+
+* a Mosaic GPU kernel (``plgpu.kernel``; custom call ``mosaic_gpu_v2``): its module is compiled
+  with ``MosaicGpuCompile`` from JAX's CUDA plugin. A launch calls the plugin's host function
+  (jaxlib's Mosaic GPU runtime, pinned to jax 0.11.2), which encodes the TMA descriptors on the host
+  (``cuTensorMapEncodeTiled``) and calls ``cuLaunchKernelEx`` on the stream, nothing else;
+* a Triton-lowered ``pl.pallas_call`` (custom call ``__gpu$xla.gpu.triton``): its Triton IR (what
+  XLA would compile) is compiled to a cubin by the ``triton`` package torch ships, and a launch is
+  one ``cuLaunchKernel`` (any CUDA GPU that Triton supports, sm80+).
+
+A launch fills a prebuilt array of device pointers (XLA's order: call operands, then call results)
+and launches with ``torch.cuda.current_stream()``: inside ``torch.cuda.graph`` capture it is
 recorded as one kernel node whose parameters (pointers, TMA descriptors) are fixed at capture, as
 for any captured torch kernel. Launch once before capturing, as torch recommends for any kernel.
+A reshape of an argument feeding the call is that argument (torch tensors are contiguous).
 
 Outputs the kernel aliases to an argument (a pool passed through ``jax.new_ref`` and written by
 the kernel) are written in place into that torch tensor; other returned outputs go into ``out=``
@@ -25,9 +32,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 import re
 import weakref
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 
@@ -43,6 +51,7 @@ except ImportError as _e:  # pragma: no cover - other jax versions
 
 JAX_FAMILY = "0.11.2"
 CALL_TARGET = "mosaic_gpu_v2"
+TRITON_TARGET = "__gpu$xla.gpu.triton"
 _ALIGN = 16  # TMA needs 16-byte aligned global addresses
 _LAUNCH_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
 _TORCH_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64",
@@ -94,10 +103,21 @@ class Owned:
 
 
 @dataclasses.dataclass(frozen=True)
+class TritonModule:
+    """A Triton-lowered Pallas kernel: its Triton IR (text) and launch configuration."""
+
+    ttir: str
+    name: str
+    num_warps: int
+    num_stages: int
+    grid: tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """How to call one lowered kernel from torch (built once per argument shapes)."""
 
-    module: bytes  # the serialized Mosaic GPU module
+    module: Any  # the serialized Mosaic GPU module (bytes), or a ``TritonModule``
     arg_types: tuple[tuple[tuple[int, ...], str], ...]  # (shape, torch dtype name) per argument
     out_types: tuple[tuple[tuple[int, ...], str], ...]  # per fresh output (not written into an argument)
     buffers: tuple[Slot, ...]  # call operands, then call results
@@ -135,25 +155,42 @@ def _scan_block(block):
             sources[op.result] = ("const", sources[op.operand][1], *_tensor_type(op.result))
         elif target == "AllocateBuffer":
             sources[op.result] = ("empty", None, *_tensor_type(op.result))
-        elif target == CALL_TARGET:
+        elif name == "stablehlo.reshape" and sources.get(op.operand, ("",))[0] == "arg":
+            sources[op.result] = sources[op.operand]  # a contiguous tensor's other shape: the same buffer
+        elif target in (CALL_TARGET, TRITON_TARGET):
             if call is not None:
-                raise ValueError("the function holds several Mosaic GPU kernel calls: launch each one separately")
+                raise ValueError("the function holds several kernel calls: launch each one separately")
             call = op
         elif name in ("func.return", "sdy.return"):
             ret = op
         else:
             raise ValueError(
                 f"unsupported op outside the kernel: {name}{'/' + target if target else ''}. The function "
-                "may hold one plgpu.kernel call plus scalar constants and jnp.empty/zeros buffers: move "
-                "other JAX ops into the kernel or into torch"
+                "may hold one plgpu.kernel or pl.pallas_call plus scalar constants, jnp.empty/zeros buffers and "
+                "reshapes of its arguments: move other JAX ops into the kernel or into torch"
             )
     if call is None or ret is None:
-        raise ValueError("no Mosaic GPU kernel call found: the function must call a plgpu.kernel (interpret=False)")
+        raise ValueError("no Pallas GPU kernel call found: the function must call a plgpu.kernel or a "
+                         "pl.pallas_call (interpret=False)")
     return sources, call, ret
 
 
-def _call_module(call) -> bytes:
+def _triton_module(config) -> TritonModule:
+    from jax._src.pallas.triton.lowering import _new_ir_context  # the context that reads Triton IR
+
+    def num(key):
+        return ir.IntegerAttr(config[key]).value
+
+    with _new_ir_context():
+        ttir = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm(enable_debug_info=False)
+    return TritonModule(ttir, ir.StringAttr(config["name"]).value, num("num_warps"), num("num_stages"),
+                        (num("grid_x"), num("grid_y"), num("grid_z")))
+
+
+def _call_module(call):
     config = call.attributes["mhlo.backend_config"]
+    if call.call_target_name.value == TRITON_TARGET:
+        return _triton_module(config)
     for flag in ("use_custom_barrier", "uses_xla_collective_metadata"):
         if flag in config and ir.BoolAttr(config[flag]).value:
             raise ValueError(f"the kernel sets {flag}: multi-device kernels cannot be launched from torch")
@@ -218,9 +255,10 @@ def _assign_slots(sources, call, ret, aliases):
 
 
 def plan_kernel(fn: Callable, *arg_structs: jax.ShapeDtypeStruct) -> KernelPlan:
-    """Lower ``fn`` for CUDA at ``arg_structs`` and describe how to launch its one Mosaic GPU kernel.
+    """Lower ``fn`` for CUDA at ``arg_structs`` and describe how to launch its one Pallas GPU kernel.
 
-    Needs no GPU (the lowering targets CUDA explicitly), so plans can be checked on a CPU machine.
+    A Mosaic GPU kernel's plan needs no GPU (the lowering targets CUDA explicitly), so plans can be
+    checked on a CPU machine; a Triton-lowered kernel's lowering asks JAX for the GPU's compute capability.
     """
     check_jax_internals()
     for s in arg_structs:
@@ -297,10 +335,98 @@ def _bind_primary_context(device) -> None:
     release(dev)  # the CUDA runtime (torch, JAX) keeps its own reference
 
 
-def cuda_loader(module: bytes, device) -> Compiled:
-    """Compile a serialized Mosaic GPU module for ``device`` with the CUDA plugin."""
+def compile_triton(module: TritonModule, capability: Tuple[int, int]):
+    """``module`` compiled by the ``triton`` package for a CUDA GPU of this compute capability (Triton's
+    own on-disk cache makes a second compile of the same IR a lookup). Needs no GPU."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, module.name + ".ttir")
+        with open(path, "w") as f:
+            f.write(module.ttir)
+        return triton.compile(path, target=GPUTarget("cuda", 10 * capability[0] + capability[1], 32),
+                              options=dict(num_warps=module.num_warps, num_stages=module.num_stages))
+
+
+def kernel_params(ptx: str, name: str) -> int:
+    """How many parameters the PTX entry ``name`` takes."""
+    m = re.search(rf"\.entry\s+{re.escape(name)}\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        raise RuntimeError(f"no .entry {name} in the compiled Triton kernel's PTX")
+    return m.group(1).count(".param")
+
+
+@functools.cache
+def _cu_launch_kernel():
+    fn = _libcuda().cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class TritonLaunch:
+    """``launch(handle, stream, ptrs)`` of one loaded Triton kernel: ``cuLaunchKernel`` with the kernel's
+    pointer parameters read from ``ptrs`` (call operands, then results) and null pointers for the scratch
+    parameters Triton appends (the kernel must not need scratch memory)."""
+
+    def __init__(self, function: int, grid: tuple, num_warps: int, shared: int, num_buffers: int, num_params: int):
+        extra = num_params - num_buffers
+        if extra not in (0, 1, 2):
+            raise RuntimeError(f"the compiled Triton kernel takes {num_params} parameters for {num_buffers} "
+                               "buffers: a jax or triton internal changed, update torch_bridge/launcher.py")
+        self._fn, self._grid, self._block, self._shared = function, grid, 32 * num_warps, shared
+        self._num_buffers, self._null = num_buffers, (ctypes.c_void_p * max(extra, 1))()
+        self._extra = [ctypes.addressof(self._null) + 8 * i for i in range(extra)]
+        self._params: dict = {}  # address of a pointer array -> the kernel parameter array reading it
+        self._launch = _cu_launch_kernel()
+
+    def _params_of(self, ptrs):
+        base = ctypes.addressof(ptrs)
+        params = self._params.get(base)
+        if params is None:  # arrays of one kernel all hold num_buffers pointers: an address reused is safe
+            addrs = [base + 8 * i for i in range(self._num_buffers)] + self._extra
+            params = self._params[base] = (ctypes.c_void_p * len(addrs))(*addrs)
+        return params
+
+    def __call__(self, handle, stream, ptrs) -> None:
+        gx, gy, gz = self._grid
+        err = self._launch(self._fn, gx, gy, gz, self._block, 1, 1, self._shared, stream, self._params_of(ptrs), None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+
+
+def triton_loader(module: TritonModule, device, num_buffers: int) -> Compiled:
+    """Compile a Triton-lowered kernel for ``device`` and load it into torch's context."""
+    import torch
+    from triton.runtime import driver
+
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)  # the primary context exists
+        _bind_primary_context(torch.device(device))
+        kernel = compile_triton(module, torch.cuda.get_device_capability(device))
+        md = kernel.metadata
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            raise NotImplementedError(f"Triton kernel {module.name} needs scratch memory: not launchable from torch")
+        _, function, _, _, max_threads = driver.active.utils.load_binary(
+            md.name, kernel.asm["cubin"], md.shared, torch.device(device).index)
+    if 32 * md.num_warps > max_threads:
+        raise RuntimeError(f"Triton kernel {module.name}: {md.num_warps} warps exceed {max_threads} threads")
+    launch = TritonLaunch(function, module.grid, md.num_warps, md.shared, num_buffers,
+                          kernel_params(kernel.asm["ptx"], md.name))
+    launch.keep = kernel  # the module stays loaded while the kernel object lives
+    return Compiled(0, launch, lambda: None)
+
+
+def cuda_loader(module, device, num_buffers: int = 0) -> Compiled:
+    """Compile a lowered kernel (``KernelPlan.module``) for ``device``: a serialized Mosaic GPU module
+    with the CUDA plugin, a ``TritonModule`` with ``triton`` (``triton_loader``)."""
     import torch
 
+    if isinstance(module, TritonModule):
+        return triton_loader(module, device, num_buffers)
     lib = _plugin_library()
     with torch.cuda.device(device):
         torch.empty(1, device=device)  # the primary context exists
@@ -332,7 +458,8 @@ class TorchKernel:
         self.plan, self.device, self._empty = plan, torch.device(device), torch.empty
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        compiled = loader(plan.module, self.device)
+        compiled = (cuda_loader(plan.module, self.device, len(plan.buffers)) if loader is cuda_loader
+                    else loader(plan.module, self.device))
         self._handle, self._launch = compiled.handle, compiled.launch
         self._finalizer = weakref.finalize(self, compiled.unload)
         self._finalizer.atexit = False  # the process is ending: nothing to free, CUDA may be gone

@@ -2,9 +2,10 @@
 
 A layer call never plans: it reads the step the step planner installed. Its trip is
 
-* launch path (Hopper, the Mosaic kernel covers the layer): torch KV write, one raw launch on
-  torch's stream (``torch_bridge.mosaic_path``); a layer seen before with the same step tables and
-  buffers skips every check (``LayerHit``);
+* launch path (a CUDA GPU, and the Mosaic kernel on Hopper or else the Triton-lowered kernel covers
+  the layer): torch KV write, one raw launch on torch's stream (two for a split-KV Triton call:
+  ``torch_bridge.mosaic_path``, ``torch_bridge.triton_path``); a layer seen before with the same step
+  tables and buffers skips every check (``LayerHit``);
 * otherwise: torch KV write, then one compiled JAX executable (import q, call, export out); a layer
   seen before with the same pool buffers, token count and plan layout skips every check too
   (``JaxLayerHit``), and reads the current step's plan.
@@ -133,7 +134,8 @@ class LayerRunner:
                            sinks, swa)
 
     def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks, swa: bool = False):
-        """This layer's bound Mosaic launch when the launch path covers the call, else None."""
+        """This layer's bound launch (the Mosaic or the Triton-lowered kernel) when the launch path covers the
+        call, else None."""
         path = self.mosaic_path
         if path is None or lp.mla or path.reason(lp, step.key, q, k_buf, v_buf) is not None:  # MLA: JAX path
             return None
@@ -145,9 +147,11 @@ class LayerRunner:
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=sinks is not None, num_q_heads=lp.num_q_heads)
-        if select_kernel(self.jax_backend.impl, call, from_torch=True) != "mosaic":
+        kernel = select_kernel(self.jax_backend.impl, call, from_torch=True, hopper=path.hopper)
+        if kernel == "jax":
             return None  # decided before any table is made: layers off the path cost the plan nothing
-        heads = table_key(lp, swa)  # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
+        # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
+        heads = table_key(lp, swa, triton=kernel == "triton")
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)

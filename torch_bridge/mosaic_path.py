@@ -36,6 +36,7 @@ from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)
+from torch_bridge import triton_path
 from torch_bridge.checks import CheckedLayer
 from torch_bridge.dlpack import capturing
 from jax_attn.kernels import kernel_cache
@@ -48,8 +49,14 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
                    "capture. Run the bucket's forward once outside the capture first (a warm-up, as SGLang's "
                    "graph runner does): it compiles the kernel and learns the layer shapes the replay hooks "
                    "must prepare.")
-TableKey = Tuple[int, ...]  # (Hq, Hkv): the step's plan; (Hq, Hkv, 1): md.local; (Hq, Hkv, 2): md.swa_page_table
-LOCAL_TABLES, SWA_TABLES = 1, 2  # a TableKey's third entry
+# (Hq, Hkv): the Mosaic kernel's tables of the step's plan; (Hq, Hkv, flags): LOCAL_TABLES over md.local,
+# SWA_TABLES over md.swa_page_table, TRITON_TABLES the Triton-lowered kernel's (``torch_bridge.triton_path``)
+TableKey = Tuple[int, ...]
+LOCAL_TABLES, SWA_TABLES, TRITON_TABLES = 1, 2, 4  # bits of a TableKey's third entry
+
+
+def key_flags(key: TableKey) -> int:
+    return key[2] if len(key) > 2 else 0
 
 
 def first_output(st: KernelStatics, num_tiles: int) -> Callable:
@@ -69,50 +76,55 @@ class Tables:
     """The kernel's per-step tables: torch views into one flat int32 tensor."""
 
     flat: torch.Tensor  # i32[sum of the padded table sizes]
-    args: Tuple[torch.Tensor, ...]  # page_table [B, P], cu_seqlens_q [B + 1], tile_info [N, 8]
+    args: Tuple[torch.Tensor, ...]  # page_table [B, P], cu_seqlens_q [B + 1], tile_info [N, 8] (Triton: its parts)
     pack: int  # rows per query token of the row view
     num_tiles: int  # N
     max_q_len: int  # static bound on queries per sequence (the plan's)
+    layout: Optional[triton_path.Layout] = None  # Triton tables' static facts (None: the Mosaic kernel's)
 
 
 def _padded(n: int) -> int:
     return cdiv(n, _WORDS) * _WORDS
 
 
-def table_key(lp: LayerParams, swa: bool = False) -> TableKey:
-    """Which tables a layer reads: its head counts, and whether it runs on the local virtual batch or
-    (``swa``: a sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table."""
-    heads = (lp.num_q_heads, lp.num_kv_heads)
-    if lp.use_irope:
-        return heads + (LOCAL_TABLES,)
-    return heads + (SWA_TABLES,) if swa else heads
+def table_key(lp: LayerParams, swa: bool = False, triton: bool = False) -> TableKey:
+    """Which tables a layer reads: its head counts, whether it runs on the local virtual batch or
+    (``swa``: a sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table, and which kernel
+    (``triton``: the Triton-lowered one) reads them."""
+    flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else 0) | (TRITON_TABLES if triton else 0)
+    return (lp.num_q_heads, lp.num_kv_heads) + ((flags,) if flags else ())
 
 
 def table_plan(md, key: TableKey):
     """The plan the tables of ``key`` describe: the step's, its local virtual batch, or the step's over
     the SWA pool's page table."""
-    if len(key) == 2:
+    flags = key_flags(key)
+    if not flags & (LOCAL_TABLES | SWA_TABLES):
         return md
-    if key[2] == LOCAL_TABLES:
+    if flags & LOCAL_TABLES:
         return md.local
     if md.swa_page_table is None:
         raise ValueError("SWA pool tables of a plan without md.swa_page_table (not an SWAKVPool step)")
     return dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
 
 
-def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None):
+def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None, deterministic: bool = False):
     """The kernel's tables of step plan ``md`` for ``key`` as one i32 array (traced: inside the step's
     planner call, or alone for a table key the planner did not know yet)."""
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     md = table_plan(md, key)
-    sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config)
-    parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
+    if key_flags(key) & TRITON_TABLES:
+        parts = triton_path.table_parts(md, key[:2], deterministic)
+    else:
+        sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config)
+        parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
 
 
 class MosaicPath:
-    """Runs a layer's attention with the Mosaic kernel from torch (see the module docstring).
+    """Runs a layer's attention from torch with the Mosaic kernel, or with the Triton-lowered kernel
+    (``torch_bridge.triton_path``) where the policy picks that (see the module docstrings).
 
     Args:
       make_kernel: ``make_kernel(statics, num_tiles, example_tensors)`` returns a kernel for
@@ -120,24 +132,34 @@ class MosaicPath:
         launches it on those tensors; default ``launcher_kernel`` (``torch_bridge.launcher``,
         compiled, launched on torch's current stream). Tests pass an interpreting one.
       config: the kernel's ``MosaicConfig``.
+      make_triton: ``make_triton(fns_of, examples)`` -> ``triton_path.Kernels`` from the layer's kernel
+        functions (``fns_of(interpret)``) and example arguments; default: compiled for torch launches.
+      hopper: whether the Mosaic kernel can run here (else only the Triton-lowered kernel launches).
     """
 
-    def __init__(self, make_kernel: Optional[Callable] = None, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG):
+    def __init__(self, make_kernel: Optional[Callable] = None, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG,
+                 make_triton: Optional[Callable] = None, hopper: bool = True):
         self._make_kernel = make_kernel or launcher_kernel
-        self.config = config
+        self._make_triton = make_triton
+        self.config, self.hopper = config, hopper
+        self.deterministic = False  # Triton tables: one kv split per sequence (the backend sets it)
         self._kernels: Dict[tuple, Any] = {}
         self._table_fns: Dict[tuple, Any] = {}
         self._persistent: Dict[tuple, Tables] = {}  # insertion order = least recently planned first
         self._pinned: set = set()
-        self._calls: Dict[tuple, LayerCall] = {}
+        self._calls: Dict[tuple, Any] = {}
         self.recipes: Dict[Recipe, Recipe] = {}  # layers seen on the launch path (``prebuild``), first seen first
 
     @staticmethod
     def for_device(device: torch.device, impl: str) -> Optional["MosaicPath"]:
-        """A path for Hopper CUDA devices when ``impl`` allows the Mosaic kernel, else None."""
-        if device.type != "cuda" or impl not in ("auto", "mosaic") or not torch.cuda.is_available():
+        """A path for CUDA devices that Triton supports (sm80+) when ``impl`` allows a launched kernel (the
+        Mosaic kernel on Hopper only), else None."""
+        if device.type != "cuda" or impl not in ("auto", "mosaic", "triton") or not torch.cuda.is_available():
             return None
-        return MosaicPath() if torch.cuda.get_device_capability(device) == (9, 0) else None
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            return None
+        return MosaicPath(hopper=capability == (9, 0))
 
     def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
                v_buf: torch.Tensor) -> Optional[str]:
@@ -165,7 +187,7 @@ class MosaicPath:
             fn = self._table_fns.get(fn_key)
             if fn is None:
                 def flat_fn(words):
-                    return flatten_tables(step.layout.unpack(words), heads, self.config)
+                    return flatten_tables(step.layout.unpack(words), heads, self.config, self.deterministic)
                 fn = self._table_fns[fn_key] = jax.jit(flat_fn)
             result = fn(step.words)
             step.keep.append(result)
@@ -196,18 +218,27 @@ class MosaicPath:
             self._calls = {ck: c for ck, c in self._calls.items() if c.tables is not gone}
 
     def _views(self, flat: torch.Tensor, md, heads: TableKey) -> Tables:
+        if key_flags(heads) & TRITON_TABLES:
+            lay = triton_path.layout_of(md, heads[:2], self.deterministic)
+            return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
+                          md.max_q_len, lay)
         b, p = md.page_table.shape
         pack = choose_pack(md, heads[0], heads[1], self.config)
         num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1)) // TILE_INFO_WORDS
         shapes = ((b, p), (b + 1,), (num_tiles, TILE_INFO_WORDS))
+        return Tables(flat, self._cut(flat, shapes), pack, num_tiles, md.max_q_len)
+
+    @staticmethod
+    def _cut(flat: torch.Tensor, shapes) -> Tuple[torch.Tensor, ...]:
+        """Views of ``flat`` in ``shapes``, each starting on a 16-byte boundary."""
         views, off = [], 0
         for shape in shapes:
             n = int(np.prod(shape))
             views.append(flat[off:off + n].view(shape))
             off += _padded(n)
         if off != flat.shape[0]:
-            raise RuntimeError(f"table layout mismatch ({off} != {flat.shape[0]}): tile bound {num_tiles}")
-        return Tables(flat, tuple(views), pack, num_tiles, md.max_q_len)
+            raise RuntimeError(f"table layout mismatch ({off} != {flat.shape[0]}): shapes {shapes}")
+        return tuple(views)
 
     # ---- per layer ---------------------------------------------------------------------------
     def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
@@ -221,6 +252,10 @@ class MosaicPath:
         if call is None:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
+            if tables.layout is not None:  # the Triton-lowered kernel (built here, at first use)
+                call = self._calls[ck] = triton_path.LayerCall(self, lp, tables, q, k_buf, v_buf, has_sinks)
+                call.heads = heads
+                return call
             if heads is not None:
                 recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, has_sinks, k_buf, v_buf)
                 if recipe not in self.recipes:
@@ -228,6 +263,7 @@ class MosaicPath:
                     if on_new is not None:
                         on_new(recipe, tables)
             call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
+            call.heads = heads
         return call
 
     @staticmethod
@@ -241,6 +277,15 @@ class MosaicPath:
         if kernel is None:
             kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
         return kernel
+
+    def triton_kernels(self, lp: LayerParams, lay, dtype, kv_dtype, has_sinks: bool, examples):
+        """The Triton-lowered kernels of a layer shape over tables of ``lay`` (shared by layers alike)."""
+        ck = triton_path.kernel_key(lp, lay, dtype, kv_dtype, has_sinks, examples)
+        kernels = self._kernels.get(ck)
+        if kernels is None:
+            kernels = self._kernels[ck] = triton_path.make_kernels(lp, lay, dtype, kv_dtype, has_sinks, examples,
+                                                                   self._make_triton)
+        return kernels
 
     def recipes_for(self, mode, q_len_per_req: int) -> list:
         """The layers seen on the launch path in steps of this mode and queries per request."""
@@ -372,7 +417,8 @@ class LayerHit(CheckedLayer):
 
     def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool, swa: bool = False):
         super().__init__(layer, lp, call.t, pool, buffers, swa)
-        self.call, self.no_sinks, self.heads = call, no_sinks, table_key(lp, swa)
+        self.call, self.no_sinks = call, no_sinks
+        self.heads = call.heads or table_key(lp, swa)  # the tables the call reads
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
         return (step.tables.get(self.heads) is self.call.tables and (sinks is None) == self.no_sinks
                 and self.same(layer, q, forward_batch))

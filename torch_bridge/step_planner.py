@@ -42,7 +42,7 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
-                                      flatten_tables)
+                                      flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -138,8 +138,8 @@ class StepPlanner:
                          enc if pk.has_enc else None, mask, swa_mapping=mapping)
         if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
             md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
-        config = None if self.mosaic_path is None else self.mosaic_path.config
-        tables = tuple(flatten_tables(md, heads, config) for heads in pk.heads)
+        path = self.mosaic_path
+        tables = tuple(flatten_tables(md, heads, path.config, path.deterministic) for heads in pk.heads)
         return self.jax_backend.attach_schedule(md, num_heads=pk.jax_heads), tables
 
     def _run(self, pk: Packing, inputs):
@@ -238,9 +238,9 @@ class StepPlanner:
         memo = (key, local, len(self.launch_heads))  # launch_heads only grows
         hit = self._keys.get(memo)
         if hit is None:
-            wanted = {LOCAL_TABLES: local, SWA_TABLES: key.swa_pool}
             hit = self._keys[memo] = tuple(sorted(h for h in self.launch_heads
-                                                  if len(h) == 2 or wanted.get(h[2], False)))
+                                                  if (local or not key_flags(h) & LOCAL_TABLES)
+                                                  and (key.swa_pool or not key_flags(h) & SWA_TABLES)))
         return hit
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,

@@ -429,25 +429,57 @@ def _check_scale(softmax_scale):
         raise ValueError(f"{softmax_scale=} must be > 0 (the kernel folds it into exp2 of the max)")
 
 
-def _run_tiles(st: _Static, sched, inputs, dv: int, out_dtype, knobs, interpret: bool):
-    """The attention pallas_call: (o [R or S*R, Dv], lse f32[R or S*R]) with R = T * Hq."""
-    rows_out = st.num_tokens * st.num_q_heads * (sched.max_splits if st.split_mode else 1)
+def run_tiles(st: _Static, num_tiles: int, max_splits: int, inputs, out_dtype, knobs, interpret: bool,
+              init=None):
+    """The attention pallas_call over its operands (tables, q rows, K/V rows, descales, sinks): ``(o [R or
+    S*R, Dv], lse f32[R or S*R])`` with R = T * Hq. Without splits, rows no tile writes (padding tokens)
+    keep the values of ``init`` (o, lse), by default zeros and -inf."""
+    rows_out = st.num_tokens * st.num_q_heads * (max_splits if st.split_mode else 1)
+    dv = st.head_dim_v
     o_dtype = jnp.float32 if st.split_mode else out_dtype
     out_shape = [jax.ShapeDtypeStruct((rows_out, dv), o_dtype), jax.ShapeDtypeStruct((rows_out,), jnp.float32)]
     aliases = {}
-    if not st.split_mode:  # rows no tile writes (padding tokens) keep these values
+    inputs = list(inputs)
+    if not st.split_mode:
+        if init is None:
+            init = (jnp.zeros((rows_out, dv), o_dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32))
         aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs = inputs + [jnp.zeros((rows_out, dv), o_dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32)]
+        inputs = inputs + list(init)
     num_warps, num_stages = knobs
     return pl.pallas_call(
         functools.partial(_attn_kernel, st=st),
         out_shape=out_shape,
-        grid=(st.num_kv_heads // st.kv_pack, sched.tile_seq.shape[0]),
+        grid=(st.num_kv_heads // st.kv_pack, num_tiles),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_attention_m{st.rows}_k{st.block_k}" + (f"_c{st.kv_pack}" if st.kv_pack > 1 else ""),
     )(*inputs)
+
+
+def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
+                   page_size: int, max_pages: int, max_q_len: int, block_q: int, max_splits: int, dtype, kv_dtype,
+                   causal: bool, window_size, softcap: float, softmax_scale, has_sinks: bool, has_k_descale: bool,
+                   has_v_descale: bool, latent: bool, config: KernelConfig, interpret: bool):
+    """(statics, (num_warps, num_stages)) of one kernel instance: what ``paged_attention`` traces, also
+    what ``torch_bridge`` compiles for a torch launch."""
+    decode = max_q_len <= 1 and block_q == 1
+    split_mode = max_splits > 1
+    block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
+    hq, hkv = num_q_heads, num_kv_heads
+    pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
+    compute_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+    st = _Static(
+        num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, head_dim_v=head_dim_v,
+        page_size=page_size, max_pages=max_pages, block_q=block_q, block_k=block_k,
+        rows=tile_rows(block_q, pack * hq // hkv), kv_pack=pack, prefetch_pages=config.prefetch_pages,
+        split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
+        softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
+        has_sinks=has_sinks, has_k_descale=has_k_descale, has_v_descale=has_v_descale,
+        compute_dtype=jnp.dtype(compute_dtype), fast_exp2=config.fast_exp2 and not interpret,
+        fp8_kv=jnp.dtype(kv_dtype).itemsize == 1, latent=latent,
+    )
+    return st, (num_warps, num_stages)
 
 
 def _descale_rows(descale, batch: int, hkv: int):
@@ -525,21 +557,12 @@ def paged_attention(
     if sched is None or not sched.fits_heads(hq, hkv):  # none planned for these heads: plan here
         sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=config, num_splits=num_splits,
                               num_tokens=t)
-    decode = md.max_q_len <= 1 and sched.block_q == 1
-    split_mode = sched.max_splits > 1
-    block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
-    pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
-    compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
-    st = _Static(
+    st, knobs = kernel_statics(
         num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, page_size=ps, max_pages=max_pages,
-        block_q=sched.block_q, block_k=block_k, rows=tile_rows(sched.block_q, pack * hq // hkv), kv_pack=pack,
-        prefetch_pages=config.prefetch_pages,
-        split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
-        softcap=float(softcap), scale=float(d**-0.5 if softmax_scale is None else softmax_scale),
-        has_sinks=sinks is not None, has_k_descale=k_descale is not None,
-        has_v_descale=v_descale is not None, compute_dtype=jnp.dtype(compute_dtype),
-        fast_exp2=config.fast_exp2 and not interpret, fp8_kv=k_cache.dtype.itemsize == 1, latent=latent,
-    )
+        max_q_len=md.max_q_len, block_q=sched.block_q, max_splits=sched.max_splits, dtype=q.dtype,
+        kv_dtype=k_cache.dtype, causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
+        has_sinks=sinks is not None, has_k_descale=k_descale is not None, has_v_descale=v_descale is not None,
+        latent=latent, config=config, interpret=interpret)
     inputs = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
               md.cache_seqlens, md.cu_seqlens_q, md.page_table.reshape(-1),
               q.reshape(t * hq, d), k_cache.reshape(-1, d),
@@ -549,7 +572,7 @@ def paged_attention(
             inputs.append(extra)
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
-    o, lse = _run_tiles(st, sched, inputs, dv, q.dtype, (num_warps, num_stages), interpret)
+    o, lse = run_tiles(st, sched.tile_seq.shape[0], sched.max_splits, inputs, q.dtype, knobs, interpret)
     if st.split_mode:
         o, lse = merge_splits(
             o.reshape(sched.max_splits, t * hq, dv), lse.reshape(sched.max_splits, t * hq),

@@ -1,0 +1,222 @@
+"""torch_bridge's Triton launch path (``torch_bridge.triton_path``) against the reference.
+
+CPU: the layer's kernels run in the Pallas interpreter through a stand-in for the launcher (same
+functions, same tables and scratch, same pointer repointing); the kernel's Triton IR is lowered for
+CUDA and compiled by ``triton`` to check the launch plan against the compiled parameter list. GPU
+(``gpu`` marker): compiled launches at page sizes 1 and 4, eager and captured in ``torch.cuda.graph``.
+"""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tests.test_bridge_launch import HKV, HQ, D, InterpretedKernel, fill, reference, setup, step
+from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
+from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath
+from torch_bridge.triton_path import Kernels, Layout, kernel_fns
+
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
+
+def _to_jax(t: torch.Tensor):
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(t.numpy())
+
+
+class _Bound:
+    """A bound launch: reads the bound tensors' current contents when called, as a launch would, and
+    writes the results where the compiled kernel would (aliased arguments, or ``out``)."""
+
+    def __init__(self, fn, args, outs):
+        self.fn, self.args, self.outs = fn, list(args), outs
+
+    def set_arg(self, i, t):
+        assert t.shape == self.args[i].shape and t.dtype == self.args[i].dtype and t.is_contiguous()
+        self.args[i] = t
+
+    def set_out(self, i, t):
+        assert t.shape == self.outs[i].shape and t.dtype == self.outs[i].dtype and t.is_contiguous()
+        self.outs[i] = t
+
+    def __call__(self):
+        InterpretedTriton.calls += 1
+        res = self.fn(*[_to_jax(a) for a in self.args])
+        dest = self.args[-2:] if self.outs is None else self.outs  # no out: written into the aliased arguments
+        for d, r in zip(dest, res):
+            d.copy_(torch.from_numpy(np.array(r.astype(jnp.float32))).to(d.dtype))
+
+
+class _Interpreted:
+    def __init__(self, fn, example):
+        self.fn, self.shapes = jax.jit(fn), [tuple(t.shape) for t in example]
+
+    def bind(self, *args, out=None):
+        assert [tuple(t.shape) for t in args] == self.shapes
+        return _Bound(self.fn, args, None if out is None else list(out))
+
+
+class InterpretedTriton:
+    """``make_triton`` stand-in: the layer's kernel functions in the Pallas interpreter."""
+
+    calls = 0
+    built = 0
+
+    def __new__(cls, fns_of, examples):
+        cls.built += 1
+        built = [_Interpreted(fn, ex) for fn, ex in zip(fns_of(True), examples)]
+        return Kernels(built[0], built[1] if len(built) > 1 else None)
+
+
+def triton_setup(seed, page, device="cpu"):
+    path = None
+    if device == "cpu":
+        path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton, hopper=False)
+    return setup(seed, device=device, page=page, path=path)
+
+
+# q_lens per case: decode rows (split-KV at these lengths), extend rows, a mixed batch
+CASES = {"decode": ([1, 1, 1], [40, 27, 90]), "extend": ([3, 20], [40, 27]), "mixed": ([1, 9], [60, 33])}
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_launch_eager(page, case):
+    """Page sizes the Mosaic kernel does not take run on the Triton launch path (not through JAX), equal
+    the reference, and a second step of the same layer reuses the bound launch."""
+    rng = np.random.default_rng(page * 10 + len(case))
+    runner, table, backend = triton_setup(page, page)
+    q_lens, kv_lens = CASES[case]
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    before, mosaic = InterpretedTriton.calls, InterpretedKernel.calls
+    step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng, layer=layer)
+    assert InterpretedTriton.calls > before and InterpretedKernel.calls == mosaic
+    assert (HQ, HKV, TRITON_TABLES) in backend.step.tables
+    hit = backend.runner.hits[0]
+    step(runner, table, backend, [1, 3, 4][:len(q_lens)], [k + 5 for k in kv_lens], q_lens, rng, layer=layer)
+    assert backend.runner.hits[0] is hit  # same plan key: the checked, bound launch again
+
+
+def test_triton_launch_sinks_window_softcap_scale():
+    """Sinks on packed decode rows (the Mosaic kernel's gap), a window, a softcap and a scale reach the kernel."""
+    rng = np.random.default_rng(5)
+    runner, table, backend = triton_setup(6, 1)
+    before = InterpretedTriton.calls
+    sinks = torch.from_numpy(rng.standard_normal(HQ).astype(np.float32))
+    layer = RadixAttention(HQ, D, 0.3, HKV, 0, logit_cap=4.0, sliding_window_size=11)
+    rows, kv_lens, q_lens = np.array([1, 2]), np.array([30, 45]), np.array([1, 1])
+    fill(runner, table, rows, kv_lens - q_lens, rng)
+    loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
+    t64 = [torch.from_numpy(x.astype(np.int64)) for x in (rows, kv_lens, loc)]
+    fb = ForwardBatch(ForwardMode.DECODE, 2, t64[0], t64[1], t64[2], token_to_kv_pool=runner.token_to_kv_pool)
+    backend.init_forward_metadata(fb)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, h * D)).astype(np.float32)).to(torch.bfloat16)
+               for h in (HQ, HKV, HKV))
+    out = backend.forward(q, k, v, layer, fb, sinks=sinks)
+    assert InterpretedTriton.calls > before
+    from jax_attn.reference import paged_attention_reference
+    from jax_attn.kv_cache import paged_view
+
+    kb, vb = (jnp.asarray(b.float().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0))
+    ref = paged_attention_reference(
+        jnp.asarray(q.float().numpy()).reshape(-1, HQ, D), paged_view(kb, 1), paged_view(vb, 1),
+        jnp.asarray(kv_lens, jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray(table[rows]), page_size=1,
+        sinks=jnp.asarray(sinks.numpy()), softmax_scale=0.3, softcap=4.0, window_size=(11, 0))
+    for b in range(2):  # per sequence
+        np.testing.assert_allclose(out[b].float().numpy(), np.asarray(ref).reshape(2, -1)[b], atol=3e-2, rtol=3e-2)
+
+
+def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
+    """The kernel's Triton IR, lowered for CUDA without a GPU and compiled by ``triton``, takes one pointer
+    per launch-plan buffer (call operands, then results; the aliased outputs are the arguments), plus only
+    the scratch parameters the launcher passes as null."""
+    pytest.importorskip("triton")
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from torch_bridge import launcher
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
+    from jax_attn.backend import LayerParams
+
+    layer = LayerParams(HQ, HKV, D, sliding_window_size=7)
+    for lay in (Layout(8, 2, 5, 4, 4, 1, 4, 1), Layout(2, 2, 90, 1, 1, 3, 6, 1)):  # no split; split + merge
+        fns = kernel_fns(layer, lay, jnp.bfloat16, jnp.bfloat16, True, interpret=False)
+        assert len(fns) == (2 if lay.max_splits > 1 else 1)
+        r = lay.num_tokens * HQ
+        tables = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((lay.num_tiles,),) * 3 + ((2,), (2,), (3,),
+                                                                                         (2 * lay.max_pages,))]
+        tiles_args = tables + [jax.ShapeDtypeStruct((r, D), jnp.bfloat16)] + \
+            [jax.ShapeDtypeStruct((64, D), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((HQ,), jnp.float32)]
+        if lay.max_splits == 1:
+            tiles_args += [jax.ShapeDtypeStruct((r, D), jnp.bfloat16), jax.ShapeDtypeStruct((r,), jnp.float32)]
+        plan = launcher.plan_kernel(fns[0], *tiles_args)
+        assert isinstance(plan.module, launcher.TritonModule) and plan.module.grid[1] == lay.num_tiles
+        n_buf = len(plan.buffers)
+        if lay.max_splits == 1:  # aliased outputs are the last two arguments, written in place
+            assert [s.kind for s in plan.returns] == ["arg", "arg"] and not plan.out_types
+        else:
+            assert [s.kind for s in plan.returns] == ["out", "out"]
+        compiled = launcher.compile_triton(plan.module, (9, 0))
+        extra = launcher.kernel_params(compiled.asm["ptx"], compiled.metadata.name) - n_buf
+        assert extra in (0, 1, 2), extra
+        assert not getattr(compiled.metadata, "global_scratch_size", 0)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _needs_cuda():
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [1, 4])
+def test_triton_launch_gpu_eager_and_graph(page):
+    """Compiled launches: eager steps == reference (decode, extend), and a captured 1-layer decode step
+    replays correctly after the replay hook re-plans other lengths."""
+    _needs_cuda()
+    rng = np.random.default_rng(20 + page)
+    runner, table, backend = triton_setup(30 + page, page, device="cuda")
+    assert backend.mosaic_path is not None
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng, layer=layer)
+    assert any(len(h) > 2 and h[2] & TRITON_TABLES for h in backend.step.tables)
+    step(runner, table, backend, [4, 5], [33, 60], [3, 20], rng, layer=layer)
+    bs = 4
+    backend.init_cuda_graph_state(bs, bs)
+    z = torch.zeros(bs, dtype=torch.long, device="cuda")
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
+    q = torch.zeros(bs, HQ * D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.zeros(bs, HKV * D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    loc = torch.zeros(bs, dtype=torch.long, device="cuda")
+    fb = ForwardBatch(ForwardMode.DECODE, bs, z, z + 1, loc, token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, layer, fb)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, k, v, layer, fb)
+    for rows, kv_lens in (([1, 2, 3, 4], [50, 9, 77, 31]), ([4, 3, 5, 1], [90, 2, 15, 64])):
+        rows, kv_lens = np.array(rows), np.array(kv_lens)
+        fill(runner, table, rows, kv_lens - 1, rng)
+        new_loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
+        t = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, kv_lens, new_loc)]
+        backend.init_forward_metadata_replay_cuda_graph(bs, t[0], t[1], None, None, ForwardMode.DECODE, None, None,
+                                                        out_cache_loc=t[2])
+        loc.copy_(t[2])
+        for x, h in ((q, HQ), (k, HKV), (v, HKV)):
+            x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
+        for b in range(bs):  # per sequence
+            np.testing.assert_allclose(out[b].float().cpu().numpy(), ref[b], atol=3e-2, rtol=3e-2)
+        eager = backend.forward(q, k, v, layer, fb)  # the same step, eager: bitwise the graph's
+        assert torch.equal(eager, out)
+
+
+def test_layouts_are_static_facts():
+    lay = Layout(8, 2, 5, 4, 4, 1, 4, 1)
+    assert dataclasses.replace(lay) == lay and hash(lay) == hash(Layout(8, 2, 5, 4, 4, 1, 4, 1))

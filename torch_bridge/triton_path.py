@@ -1,0 +1,201 @@
+"""Per-layer attention through the Triton-lowered Pallas kernel, launched on torch's stream.
+
+The launch path's second kernel family (``torch_bridge.mosaic_path`` holds the first and the shared
+machinery): what the Mosaic kernel does not take (page sizes that are not a multiple of 8, SGLang's
+default of 1 among them; head dims it lacks; sinks on packed decode rows; GPUs that are not Hopper)
+runs ``jax_attn.kernels.triton_paged``'s kernel, compiled by ``torch_bridge.launcher`` from the same
+Triton IR that XLA would compile, and launched with raw pointers on torch's current stream. A layer is
+then a KV write, an output allocation and one launch (two with split-KV: the partials, then the merge),
+and is captured by ``torch.cuda.graph``.
+
+Per step a compiled JAX function (the step's planner call) makes the kernel's int32 tables: the work
+schedule (``jax_attn.kernels.schedule.plan_schedule``, as the JAX path plans it), the KV lengths, query
+offsets and the page table, and with splits each output row's split count, in one flat array. Table
+keys carry ``TRITON_TABLES`` (``mosaic_path.TableKey``).
+
+Dimension legend: T tokens (the step's padded count), Hq / Hkv heads, D / Dv head dims, B sequences,
+P page-table width, N work tiles, S kv splits, R = T * Hq output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
+
+import jax
+import torch
+
+from jax_attn.kernels.config import DEFAULT_CONFIG
+from jax_attn.kernels.merge_state import merge_splits
+from jax_attn.kernels.schedule import plan_schedule, row_num_splits
+from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
+from torch_bridge.launcher import compile_for_torch, jax_dtype
+
+TABLE_PARTS = 7  # tile_seq, tile_q_block, tile_split, seq_num_splits, cache_seqlens, cu_seqlens_q, page_table
+
+
+def schedule(md, heads, deterministic: bool):
+    """The work schedule of layers of ``heads`` over plan ``md`` (the JAX path's: ``paged_attention``)."""
+    if md.num_tokens <= 0:
+        raise ValueError("Triton launch tables need a plan with a static token count (md.num_tokens)")
+    return plan_schedule(md, num_q_heads=heads[0], num_kv_heads=heads[1], config=DEFAULT_CONFIG,
+                         num_splits=1 if deterministic else None, num_tokens=md.num_tokens)
+
+
+def table_parts(md, heads, deterministic: bool) -> list:
+    """The kernel's tables for ``md`` (traced), in launch order, then the merge's row split counts."""
+    sched = schedule(md, heads, deterministic)
+    parts = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits, md.cache_seqlens,
+             md.cu_seqlens_q, md.page_table.reshape(-1)]
+    if sched.max_splits > 1:
+        parts.append(row_num_splits(md.cache_seqlens, md.cu_seqlens_q, sched.seq_num_splits,
+                                    num_tokens=md.num_tokens, num_heads=heads[0]))
+    return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static facts of a step's Triton tables (what a layer's kernel is compiled for)."""
+
+    num_tokens: int  # T
+    batch: int  # B
+    max_pages: int  # P
+    max_q_len: int
+    block_q: int
+    max_splits: int  # S (1: no split, no merge)
+    num_tiles: int  # N
+    page_size: int
+
+
+def layout_of(md, heads, deterministic: bool) -> Layout:
+    """The ``Layout`` of the tables of plan ``md`` (host only: shapes and static fields)."""
+    sched = jax.eval_shape(lambda m: schedule(m, heads, deterministic), md)
+    b, p = md.page_table.shape
+    return Layout(md.num_tokens, b, p, md.max_q_len, sched.block_q, sched.max_splits, sched.tile_seq.shape[0],
+                  md.page_size)
+
+
+def part_shapes(lay: Layout, heads) -> Tuple[Tuple[int, ...], ...]:
+    n, b = lay.num_tiles, lay.batch
+    shapes = ((n,), (n,), (n,), (b,), (b,), (b + 1,), (b * lay.max_pages,))
+    return shapes + (((lay.num_tokens * heads[0],),) if lay.max_splits > 1 else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One layer shape's compiled launches for one ``Layout``: the tiles, and the merge with splits."""
+
+    tiles: Any
+    merge: Any  # None without splits
+
+
+def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: bool) -> Tuple[Callable, ...]:
+    """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [sinks], [o, lse])`` and,
+    with splits, ``merge(partial_o, partial_lse, row_splits)``."""
+    hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
+    dv = lp.v_head_dim or d
+    st, knobs = kernel_statics(
+        num_tokens=lay.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
+        page_size=lay.page_size, max_pages=lay.max_pages, max_q_len=lay.max_q_len, block_q=lay.block_q,
+        max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.causal, window_size=lp.window_size,
+        softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks, has_k_descale=False,
+        has_v_descale=False, latent=False, config=DEFAULT_CONFIG, interpret=interpret)
+    inputs = TABLE_PARTS + 3 + int(has_sinks)
+    r = lay.num_tokens * hq
+
+    def tiles(*args):
+        init = None if st.split_mode else args[inputs:]
+        return run_tiles(st, lay.num_tiles, lay.max_splits, args[:inputs], dtype, knobs, interpret, init=init)
+
+    if not st.split_mode:
+        return (tiles,)
+
+    def merge(partial_o, partial_lse, row_splits):
+        return merge_splits(partial_o.reshape(lay.max_splits, r, dv), partial_lse.reshape(lay.max_splits, r),
+                            row_splits, out_dtype=dtype, config=DEFAULT_CONFIG, interpret=interpret)
+
+    return tiles, merge
+
+
+def compiled_kernels(fns, examples) -> Kernels:
+    """The default kernel maker: each function compiled for torch launches (``torch_bridge.launcher``)."""
+    built = [compile_for_torch(fn, *ex) for fn, ex in zip(fns, examples)]
+    return Kernels(built[0], built[1] if len(built) > 1 else None)
+
+
+class LayerCall:
+    """One layer's attention for one plan key over Triton tables: the kernels bound to the layer's pools,
+    the tables and persistent scratch; a call repoints q and a new output tensor and launches."""
+
+    def __init__(self, path, lp, tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
+        lay = tables.layout
+        hq, d = lp.num_q_heads, lp.head_dim
+        dv = lp.v_head_dim or d
+        dev, dtype = q.device, q.dtype
+        self.t, self.rows, self.hq, self.d, self.dv = int(q.shape[0]), lay.num_tokens, hq, d, dv
+        self.dtype, self.device = dtype, dev
+        r = lay.num_tokens * hq
+        table_args = tables.args[:TABLE_PARTS]
+        with torch.inference_mode(False):  # persistent: later launches read and write them
+            self.sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if has_sinks else None
+            q_ex = torch.zeros(r, d, dtype=dtype, device=dev)
+            self.out_ex = torch.empty(r, dv, dtype=dtype, device=dev)
+            self.lse = torch.empty(r, dtype=torch.float32, device=dev)  # scratch: the bridge returns no LSE
+            split = lay.max_splits > 1
+            if split:
+                self.partial_o = torch.empty(lay.max_splits * r, dv, dtype=torch.float32, device=dev)
+                self.partial_lse = torch.empty(lay.max_splits * r, dtype=torch.float32, device=dev)
+        tile_args = [*table_args, q_ex, k_buf.view(-1, d), v_buf.view(-1, dv)]
+        tile_args += [self.sinks] if has_sinks else []
+        self.q_index = TABLE_PARTS
+        examples = [tile_args + ([] if split else [self.out_ex, self.lse])]
+        if split:
+            examples.append([self.partial_o, self.partial_lse, tables.args[TABLE_PARTS]])
+        kernels = path.triton_kernels(lp, lay, dtype, k_buf.dtype, has_sinks, examples)
+        if split:
+            self.tiles = kernels.tiles.bind(*examples[0], out=(self.partial_o, self.partial_lse))
+            self.merge = kernels.merge.bind(*examples[1], out=(self.out_ex, self.lse))
+            self.out_index = None
+        else:
+            self.tiles = kernels.tiles.bind(*examples[0])
+            self.merge, self.out_index = None, len(examples[0]) - 2
+        self.tables = tables
+
+    def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
+        q = q.reshape(self.t, self.hq * self.d)
+        if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
+            q = torch.nn.functional.pad(q, (0, 0, 0, self.rows - self.t))
+        elif not q.is_contiguous():
+            q = q.contiguous()
+        q = q.view(self.rows * self.hq, self.d)
+        out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
+        if sinks is not None:
+            self.sinks.copy_(sinks)
+        self.tiles.set_arg(self.q_index, q)
+        if self.merge is None:
+            self.tiles.set_arg(self.out_index, out)
+            self.tiles()
+        else:
+            self.tiles()
+            self.merge.set_out(0, out)
+            self.merge()
+        out = out.view(self.rows, self.hq * self.dv)
+        return out if self.t == self.rows else out[:self.t]
+
+
+def kernel_key(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, examples) -> tuple:
+    """What the compiled kernels depend on: layers alike (any layer id, any pool) share them."""
+    shape = dataclasses.replace(lp, layer_id=0, k_scale=None, v_scale=None)
+    return (shape, lay, dtype, kv_dtype, has_sinks, tuple(tuple(tuple(a.shape) for a in ex) for ex in examples),
+            examples[0][0].device)
+
+
+def make_kernels(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, examples,
+                 maker: Optional[Callable] = None) -> Kernels:
+    """Build the layer's kernels: ``maker(fns_of(interpret), examples)``; the default compiles for torch."""
+    def fns_of(interpret: bool):
+        return kernel_fns(lp, lay, jax_dtype(dtype), jax_dtype(kv_dtype), has_sinks, interpret)
+    if maker is None:
+        return compiled_kernels(fns_of(False), examples)
+    return maker(fns_of, examples)
