@@ -3,7 +3,9 @@ exits 0 and prints its table. The GPU measurements themselves are not checked he
 of a CPU run mean nothing); what breaks silently between GPU runs is caught: an import of a renamed
 library name, a changed signature, a helper moved between benchmark modules."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +38,25 @@ def test_bench_attention_smoke(tmp_path):
     assert header_line(out, "kind", "ps", "time_us")  # --mode wall
     assert "ours" in out and "skipped on the CPU" in out
     assert os.path.exists(tmp_path / "bench_results.json")
+
+
+def test_bench_mla_smoke(tmp_path):
+    """Catches an absorbed-MLA benchmark that no longer runs or no longer agrees with its float32
+    reference: ``attention``'s latent path (``v_cache=None``, ``latent_dim``) or the kernel policy
+    changed, ``peers.make_problem`` / ``_ours_metadata`` moved, or ours drifting off the absorbed
+    formula (a FAIL row). The SGLang Triton peer needs a GPU: its skip is printed."""
+    out = run_smoke("bench_mla.py", tmp_path)
+    head = header_line(out, "point", "peer", "TB/s", "TFLOP/s", "ours/peer", "maxerr")
+    assert head and "skipped on the CPU: SGLang" in out
+    table = out[out.index(head):]
+    assert "FAIL" not in table
+    # peer, time(us), wall(us), TB/s, TFLOP/s, ours/peer, maxerr, status
+    rows = re.findall(r" ours +(\S+) +(\S+) +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)", table)
+    assert len(rows) == 2, table  # the decode and the verify point
+    for time_us, _, tbps, tflops, _, maxerr, status in rows:
+        assert status == "ok" and math.isfinite(float(time_us)) and float(tbps) > 0 and float(tflops) > 0
+        assert float(maxerr) <= 2e-2
+    assert os.path.exists(tmp_path / "bench_mla.json")
 
 
 def test_bench_jax_step_smoke(tmp_path):

@@ -1,0 +1,307 @@
+"""Absorbed MLA (DeepSeek-style) decode on one GPU: our kernel against SGLang's Triton MLA decode.
+
+Dimension legend: B batch, Hq query heads, T = B * q_len tokens, L latent width (kv_lora_rank, 512),
+R rope width (qk_rope_head_dim, 64), D = L + R (576).
+
+One latent cache ``[num_pages, page_size, 1, D]`` (a row is the latent ``c_kv``, also the value row,
+then ``k_rope``), random bf16, built once in torch by ``peers.make_problem`` (page 0 reserved, pages
+shuffled) and shared zero-copy with JAX through DLPack. Queries ``[T, Hq, D]`` are the absorbed
+``q_nope`` then ``q_rope``; the output is ``[T, Hq, L]``; softmax scale ``(128 + 64) ** -0.5``
+(DeepSeek's qk_nope + rope head dims, no YaRN factor).
+
+Peers:
+  ours           ``jax_attn.attention.attention(q, latent, None, md, impl=--impl, latent_dim=L, ...)``,
+                 metadata from ``peers._ours_metadata`` and the work schedule planned once beforehand.
+  sglang_triton  SGLang's ``decode_attention_fwd`` (triton_ops/decode_attention.py) as its MLA path calls
+                 it: k_buffer = the cache as token rows ``[slots, 1, D]``, v_buffer = its first L columns
+                 (a view), token-level kv_indptr / kv_indices, f32 attn_logits / attn_lse scratch; kv
+                 splits 4, 8 and 16 are tried and the fastest kept. One query per request: no q_len 2 row.
+
+Points (``POINTS``), B=64, ctx 4096 (drafts included), bf16, page size 64 and 1:
+  decode H=16    latent-cache read bandwidth, TB/s of ``B * ctx * D * 2`` bytes plus q and out.
+  decode H=128   both peers; TB/s and TFLOP/s.
+  verify q=2 H=128  MTP verify (bottom-right causal), ours alone, TFLOP/s of ``2 * B * q_len * Hq * ctx * (D + L)``.
+Every row prints both TB/s and TFLOP/s; ``ours/peer`` = our throughput / the peer's (> 1: ours faster).
+
+Correctness, before timing: each peer's output on the first ``--check-seqs`` sequences is compared with
+a float32 torch evaluation of the absorbed formula; the max absolute error is printed, and an error over
+``TOLERANCE`` marks the row FAIL (it is still timed; the table goes on). Exit status 1 when a row
+FAILs or ours does not run.
+
+Timing (``common``'s docstring): GPU time per call from a CUPTI trace (median, warm-up excluded), and
+the wall time of back-to-back calls (torch: CUDA graph; JAX: queued dispatch).
+
+Commands (GPU machine, repository root; SGLang from ``bash benchmarks/fetch_peers.sh .peers``):
+  PYTHONPATH=.:.peers:$PYTHONPATH python3 benchmarks/bench_mla.py [--page-size 64] [--reps 30]
+  JAX_PLATFORMS=cpu python3 benchmarks/bench_mla.py --smoke   # CPU: ours interpreted at toy shapes
+
+Flags: ``--smoke`` toy points (CPU: the SGLang peer and CUPTI are skipped, one line says so);
+``--reps N`` timed repetitions (30; smoke 2); ``--page-size`` only points of this page size;
+``--impl`` auto | triton (ours); ``--check-seqs N`` sequences compared with the float32 reference (2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, ".peers")):
+    if os.path.isdir(_p) and _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+import common  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+import peers  # noqa: E402
+
+SCALE = (128 + 64) ** -0.5  # DeepSeek V2/V3: qk_nope_head_dim 128 + qk_rope_head_dim 64
+TOLERANCE = 2e-2  # max |out - float32 reference| (bf16 outputs land near 1e-3)
+SGLANG_SPLITS = (4, 8, 16)  # max_kv_splits tried for SGLang; the fastest is reported
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    heads: int  # Hq
+    batch: int  # B
+    q_len: int  # queries per request (1 decode, 2 MTP verify)
+    ctx: int  # keys per request, new tokens included
+    page_size: int
+    latent: int = 512  # L (kv_lora_rank)
+    rope: int = 64  # R (qk_rope_head_dim)
+
+    @property
+    def name(self) -> str:
+        kind = "decode" if self.q_len == 1 else f"verify q={self.q_len}"
+        return f"{kind} H={self.heads} B={self.batch} ctx={self.ctx} ps={self.page_size}"
+
+    def bytes(self) -> int:
+        """Latent-cache rows read plus q and out (bf16)."""
+        t = self.batch * self.q_len
+        return 2 * (self.batch * self.ctx * (self.latent + self.rope) + t * self.heads * (2 * self.latent + self.rope))
+
+    def flops(self) -> int:
+        """QK^T over D columns plus PV over L columns, every query against every key."""
+        return 2 * self.batch * self.q_len * self.heads * self.ctx * (2 * self.latent + self.rope)
+
+
+POINTS = [Point(h, 64, q, 4096, ps) for h, q in ((16, 1), (128, 1), (128, 2)) for ps in (64, 1)]
+SMOKE_POINTS = [Point(4, 3, 1, 40, 16), Point(4, 2, 2, 24, 1)]
+
+
+@dataclasses.dataclass
+class Result:
+    """One measured (point, peer) pair."""
+
+    point: str
+    peer: str
+    status: str = "ok"  # ok | FAIL (max_err over TOLERANCE) | n/a | error
+    time_us: float = float("nan")  # GPU time per call (CUPTI), falls back to wall time
+    wall_us: float = float("nan")  # back-to-back wall time per call
+    tbps: float = float("nan")  # Point.bytes() / time
+    tflops: float = float("nan")  # Point.flops() / time
+    max_err: float = float("nan")  # max |out - float32 reference| on the checked sequences
+    ratio: float = float("nan")  # our throughput / this peer's (> 1: ours faster)
+    note: str = ""
+
+
+def make_problem(pt: Point, device: str, seed: int = 0) -> peers.Problem:
+    """The shared random problem: ``k_cache`` is the latent cache ``[num_pages, ps, 1, D]``;
+    ``v_cache`` is the same tensor (MLA keeps no separate values: they are its first L columns)."""
+    p = peers.make_problem(pt.batch, pt.q_len, pt.ctx, pt.page_size, num_q_heads=pt.heads, num_kv_heads=1,
+                           head_dim=pt.latent + pt.rope, device=device, seed=seed)
+    return dataclasses.replace(p, v_cache=p.k_cache)
+
+
+def reference(p: peers.Problem, pt: Point, num_seqs: int) -> torch.Tensor:
+    """Float32 absorbed MLA on the first ``num_seqs`` sequences: ``[num_seqs * q_len, Hq, L]``."""
+    n = min(num_seqs, p.batch)
+    rows = p.k_cache.reshape(-1, p.head_dim)[p.slots[:n].long()].float()  # [n, ctx, D]
+    q = p.q[: n * pt.q_len].float().view(n, pt.q_len, pt.heads, p.head_dim)
+    s = torch.einsum("bqhd,bkd->bhqk", q, rows) * SCALE
+    qpos = pt.ctx - pt.q_len + torch.arange(pt.q_len, device=q.device)
+    visible = torch.arange(pt.ctx, device=q.device)[None, :] <= qpos[:, None]  # bottom-right causal
+    s = s.masked_fill(~visible, float("-inf"))
+    out = torch.einsum("bhqk,bkl->bqhl", s.softmax(-1), rows[..., : pt.latent])
+    return out.reshape(n * pt.q_len, pt.heads, pt.latent)
+
+
+def ours(p: peers.Problem, pt: Point, impl: str) -> peers.PeerRun:
+    """``jax_attn.attention.attention`` over the latent cache (v_cache=None), schedule planned once."""
+    from jax_attn.attention import attention, call_of
+    from jax_attn.kernel_policy import select_kernel
+    from jax_attn.kernels.config import DEFAULT_CONFIG
+    from jax_attn.kernels.schedule import plan_schedule
+
+    q, k, _, md = peers._ours_metadata(p)  # DECODE (q_len 1) or TARGET_VERIFY (q_len 2) metadata
+    sched = jax.jit(functools.partial(plan_schedule, num_q_heads=pt.heads, num_kv_heads=1, config=DEFAULT_CONFIG))(md)
+    md = dataclasses.replace(md, schedule=jax.block_until_ready(sched))
+    kw = dict(latent_dim=pt.latent, softmax_scale=SCALE, causal=True)
+    kernel = select_kernel(impl, call_of(q, k, None, md, **kw))
+    fn = jax.jit(lambda q, k, md: attention(q, k, None, md, impl=impl, **kw))
+
+    def to_tokens(out):
+        jax.block_until_ready(out)
+        return torch.from_dlpack(out).reshape(p.num_tokens, pt.heads, pt.latent)
+
+    note = f"impl={impl} -> {kernel}, {md.mode.name.lower()}"
+    return peers.PeerRun("ours", lambda: fn(q, k, md), to_tokens, "jax", note)
+
+
+def sglang_mla(p: peers.Problem, pt: Point, max_kv_splits: int) -> peers.PeerRun:
+    """SGLang's Triton decode kernel on the latent cache as its MLA backend calls it (Lk = D, Lv = L)."""
+    if pt.q_len != 1:
+        raise peers.Unavailable("decode kernel takes one query per request (no q_len > 1)")
+    if not p.q.is_cuda:
+        raise peers.Unavailable("Triton GPU kernel: no CUDA device")
+    try:
+        from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+    except Exception as e:
+        raise peers.Unavailable(f"import failed ({type(e).__name__}: {e}); "
+                                "run benchmarks/fetch_peers.sh, carry .peers") from e
+    b, dev = p.batch, p.q.device
+    k_buffer = p.k_cache.view(-1, 1, p.head_dim)  # [slots, 1, D]
+    v_buffer = k_buffer[..., : pt.latent]  # [slots, 1, L], a view (as SGLang's MLA pool hands it)
+    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * pt.ctx
+    kv_indices = p.slots.reshape(-1).contiguous()
+    out = torch.empty(b, pt.heads, pt.latent, dtype=p.q.dtype, device=dev)
+    logits = torch.empty(b, pt.heads, max_kv_splits, pt.latent, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, pt.heads, max_kv_splits, dtype=torch.float32, device=dev)
+    splits = torch.full((b,), max_kv_splits, dtype=torch.int32, device=dev)
+
+    def call():
+        decode_attention_fwd(p.q, k_buffer, v_buffer, out, kv_indptr, kv_indices, logits, lse, splits,
+                             max_kv_splits, SCALE, 1.0, 1.0)
+        return out
+
+    note = f"kv_splits={max_kv_splits}, token indices" + (" (no paged variant)" if pt.page_size > 1 else "")
+    return peers.PeerRun("sglang_triton", call, lambda o: o.clone(), "torch", note)
+
+
+def measure(run: peers.PeerRun, ref: torch.Tensor, pt: Point, res: Result, reps: int) -> None:
+    """Checks ``run`` against ``ref`` (its first rows), then times it; fills ``res``."""
+    out = run.to_tokens(run.call())[: ref.shape[0]].float()
+    res.max_err = float((out - ref).abs().max()) if bool(torch.isfinite(out).all()) else float("inf")
+    del out
+    if not res.max_err <= TOLERANCE:
+        res.status = "FAIL"
+    if run.framework == "jax":
+        wall, sync = common.time_jax(run.call, reps=reps), jax.block_until_ready
+    else:
+        wall, sync = common.time_torch(run.call, reps=reps), (lambda out: None)
+    dev = common.time_device(run.call, sync, calls=max(reps, 10))
+    res.wall_us = wall.time_us
+    res.time_us = dev.time_us if dev else wall.time_us
+    res.tbps = pt.bytes() / (res.time_us * 1e-6) / 1e12
+    res.tflops = pt.flops() / (res.time_us * 1e-6) / 1e12
+    timing = f"{dev.note}, spread {dev.spread:.0%}" if dev else "no CUPTI trace: time = wall"
+    res.note = "; ".join(x for x in (run.note, timing, f"wall: {wall.note}") if x)
+
+
+def run_peer(name: str, build, pt: Point, ref: torch.Tensor, reps: int) -> Result:
+    res = Result(pt.name, name.split("/")[0])  # the built run's name once it exists
+    try:
+        run = build()
+        res.peer = run.name
+        measure(run, ref, pt, res, reps)
+    except peers.Unavailable as e:
+        res.status, res.note = "n/a", str(e)
+    except Exception as e:  # a broken peer must not stop the others
+        first = str(e).splitlines()[0][:160] if str(e) else ""
+        res.status, res.note = "error", f"{type(e).__name__}: {first}"
+        traceback.print_exc(limit=3)
+    print(f"  {name:<18} {res.status:<6} {common.fmt(res.time_us, '9.1f')} us  {common.fmt(res.tbps, '6.3g')} TB/s  "
+          f"{common.fmt(res.tflops, '6.3g')} TFLOP/s  max err {common.fmt(res.max_err, '.1e')}  {res.note}", flush=True)
+    return res
+
+
+def run_point(pt: Point, *, device: str, impl: str, reps: int, check_seqs: int) -> list[Result]:
+    """Ours and SGLang (the fastest of its kv splits) on one point; SGLang's row carries ours/peer."""
+    print(f"{pt.name}:", flush=True)
+    p = make_problem(pt, device)
+    ref = reference(p, pt, check_seqs)
+    mine = run_peer("ours", lambda: ours(p, pt, impl), pt, ref, reps)
+    tries = []
+    for s in SGLANG_SPLITS:
+        tries.append(run_peer(f"sglang_triton/{s}", lambda s=s: sglang_mla(p, pt, s), pt, ref, reps))
+        if tries[-1].status == "n/a":  # the reason does not depend on the splits
+            break
+    timed = [r for r in tries if r.status == "ok"]
+    theirs = min(timed, key=lambda r: r.time_us) if timed else tries[0]
+    if mine.status == "ok" and theirs.status == "ok":
+        theirs.ratio = theirs.time_us / mine.time_us
+    return [mine, theirs]
+
+
+def format_table(results: list[Result]) -> str:
+    head = (f"{'point':<38} {'peer':<14} {'time(us)':>9} {'wall(us)':>9} {'TB/s':>6} {'TFLOP/s':>7} "
+            f"{'ours/peer':>9} {'maxerr':>7}  status / note")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.point:<38} {r.peer:<14} {common.fmt(r.time_us, '9.1f')} {common.fmt(r.wall_us, '9.1f')} "
+                     f"{common.fmt(r.tbps, '6.3g')} {common.fmt(r.tflops, '7.3g')} {common.fmt(r.ratio, '9.2f')} "
+                     f"{common.fmt(r.max_err, '7.1e')}  {r.status}" + (f" ({r.note[:110]})" if r.note else ""))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="toy points; on the CPU ours runs interpreted, SGLang skipped")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per peer (default 30, smoke 2)")
+    ap.add_argument("--page-size", type=int, default=0, help="only points of this page size (64 or 1)")
+    ap.add_argument("--impl", default="auto", choices=["auto", "triton"], help="our kernel choice (auto: Triton)")
+    ap.add_argument("--check-seqs", type=int, default=2, help="sequences compared with the float32 reference")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.smoke:
+        print("no CUDA device: use --smoke for a CPU smoke run")
+        return 2
+    device = "cuda" if on_gpu else "cpu"
+    name = torch.cuda.get_device_name(0) if on_gpu else "cpu (smoke run: numbers meaningless)"
+    reps = args.reps or (2 if args.smoke else 30)
+    points = [pt for pt in (SMOKE_POINTS if args.smoke else POINTS) if args.page_size in (0, pt.page_size)]
+    if not points:
+        print(f"no point has --page-size {args.page_size} (points: 64 and 1; smoke: 16 and 1)")
+        return 2
+    print(f"device: {name}; jax {jax.__version__} ({jax.devices()[0].device_kind}), torch {torch.__version__}",
+          flush=True)
+    if not on_gpu:
+        print("smoke: skipped on the CPU: SGLang Triton MLA decode (GPU kernel), CUPTI device time (time = wall)",
+              flush=True)
+    results = []
+    for pt in points:
+        results += run_point(pt, device=device, impl=args.impl, reps=reps, check_seqs=args.check_seqs)
+        gc.collect()  # the point's problem and peers' buffers
+        if on_gpu:
+            torch.cuda.empty_cache()
+    path = os.path.join(common.out_dir(), "bench_mla.json")
+    with open(path, "w") as f:
+        json.dump({"device": name, "args": vars(args), "tolerance": TOLERANCE, "scale": SCALE,
+                   "points": [dataclasses.asdict(pt) for pt in points],
+                   "rows": [dataclasses.asdict(r) for r in results]}, f, indent=1, default=str)
+    print(f"\nwrote: {path}")
+    print(f"\ndevice: {name}; median of {reps} reps; absorbed MLA, latent {points[0].latent} + rope {points[0].rope}, "
+          f"bf16, scale {SCALE:.4g}\n"
+          "time = GPU time per call (CUPTI); wall = back-to-back calls (torch: CUDA graph, JAX: queued dispatch); "
+          "TB/s = latent cache + q + out bytes / time; TFLOP/s = 2*B*q_len*Hq*ctx*(D+L) / time; "
+          f"ours/peer = our throughput / peer's (>1: ours faster); maxerr vs float32 on {args.check_seqs} sequences, "
+          f"FAIL over {TOLERANCE:.0e}")
+    print(format_table(results))
+    bad = [r for r in results if r.status == "FAIL" or (r.peer == "ours" and r.status != "ok")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
