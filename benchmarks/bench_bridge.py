@@ -138,10 +138,11 @@ def capture(backend, batch: int, static: "StaticBatch | None" = None):
     backend.init_forward_metadata_capture_cuda_graph(batch, batch, rows, lens, None, ForwardMode.DECODE, None)
 
 
-def one_layer(cfg, page_size: int):
-    """A batch-1, ctx-256 decode step planned through the replay hook, one layer and its q / k, run once."""
+def one_layer(cfg, page_size: int, mosaic_path=None):
+    """A batch-1, ctx-256 decode step planned through the replay hook, one layer and its q / k, run once
+    (``mosaic_path=False``: every layer through a JAX executable)."""
     runner = make_runner(cfg, 1, 256, page_size, 1)
-    backend = FlashAttentionBackend(runner)
+    backend = FlashAttentionBackend(runner, mosaic_path=mosaic_path)
     capture(backend, 1)
     fb = decode_batch(runner, backend, 1, 256)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
@@ -208,13 +209,19 @@ def bench_graph_hook(cfg, iters: int, rounds: int = 5) -> dict:
 
 def bench_host(cfg, iters: int):
     launch_rows = bench_launch_overhead(cfg, iters)
-    runner, backend, fb, layer, q, k = one_layer(cfg, 1)
+    runner, backend, fb, layer, q, k = one_layer(cfg, 1)  # page 1: the Triton-lowered kernel
+    tag = "JAX path (page 1)" if backend.mosaic_path is None else "Triton launch path (page 1)"
     rows = {
-        "bridge call, no KV write": host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters),
-        "bridge call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
+        f"{tag}: call, no KV write": host(lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False),
+                                          iters),
+        f"{tag}: call + torch KV write": host(lambda: backend.forward(q, k, k, layer, fb), iters),
         "torch set_kv_buffer alone": host(
             lambda: runner.token_to_kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k), iters),
+        f"{tag}: per-step plan (replay hook)": host(StaticBatch(runner, backend, 1, 256).replay, iters),
     }
+    runner, backend, fb, layer, q, k = one_layer(cfg, 1, mosaic_path=False)
+    rows["JAX path (page 1): call, no KV write"] = host(
+        lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters)
     hit = backend.runner.hits[layer.layer_id]  # the layer's checked JAX-path call
     exe, views, importer = hit.exe, hit.views, backend.runner.importer
     q3 = q.view(1, cfg.n_heads, cfg.head_dim)
@@ -227,14 +234,14 @@ def bench_host(cfg, iters: int):
     rows["  part: export (Importer.export)"] = host(lambda: importer.export(out), iters)
     rows["  part: torch.from_dlpack (for comparison)"] = host(lambda: torch.from_dlpack(out), iters)
     rows["  chain: import + call + export"] = host(lambda: importer.export(exe(importer(q3), *views, words)), iters)
-    rows["per-step plan (replay hook)"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
+    rows["JAX path (page 1): per-step plan (replay hook)"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
     eager = StaticBatch(runner, backend, 1, 256).fb
     rows["per-step plan (init_forward_metadata, eager)"] = host(lambda: backend.init_forward_metadata(eager), iters)
     eager.seq_lens_cpu = eager.seq_lens.cpu()
     rows["  eager plan with seq_lens_cpu (host checks on)"] = host(lambda: backend.init_forward_metadata(eager),
                                                                    iters)
     rows.update(launch_rows)
-    print("\n## host time per call (us), decode batch 1, ctx 256 (JAX path: page 1)")
+    print("\n## host time per call (us), decode batch 1, ctx 256 (page 1: the Triton-lowered kernel)")
     for name, s in rows.items():
         print(f"{name:48s} {1e6 * s:8.1f}")
 

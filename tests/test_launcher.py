@@ -176,10 +176,10 @@ def test_plan_written_buffers():
 
 @pytest.mark.parametrize("fn, match", [
     (lambda x: scale_fn(x * 2.0), "unsupported op"),
-    (lambda x: (scale_fn(x)[1], scale_fn(x)[1]), "several Mosaic GPU kernel calls"),
+    (lambda x: (scale_fn(x)[1], scale_fn(x)[1]), "several kernel calls"),
     (lambda x: (scale_fn(x)[1], x), "only return results of the kernel"),
     (lambda x: {"o": scale_fn(x)[1]}, "flat tuple"),
-    (lambda x: x + 1.0, "unsupported op|no Mosaic GPU kernel"),
+    (lambda x: x + 1.0, "unsupported op|no Pallas GPU kernel"),
 ])
 def test_plan_rejects(fn, match):
     with pytest.raises(ValueError, match=match):
