@@ -421,6 +421,18 @@ def test_gpu_nondefault_stream_and_graph_capture():
                                   kk.cpu().reshape(-1, HKV, D).numpy())
     want = reference(cpu, table, fb_cpu, q_lens, qq.cpu(), "extend", 4)
     np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-2, atol=1e-2)
+    # float32 at page 4: the Triton launch path, so the layer's launch is captured; a layer through a JAX
+    # executable (a backend without launch path) cannot be, and says so
+    if backend.mosaic_path is not None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = backend.forward(qq, None, None, layer(), fb, save_kv_cache=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(captured.cpu().numpy(), want, rtol=1e-2, atol=1e-2)
+    backend = FlashAttentionBackend(runner, mosaic_path=False)
+    backend.init_forward_metadata(fb)
+    backend.forward(qq, None, None, layer(), fb, save_kv_cache=False)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="outside the captured region"):
         with torch.cuda.graph(graph):
