@@ -107,7 +107,7 @@ def triton_launchable(call: Call) -> bool:
     """Whether torch launches the Triton-lowered kernel for this call (``torch_bridge.triton_path``)."""
     from jax_attn.kernels.triton_paged import unsupported
 
-    if call.latent or call.fp8_descale or jax.numpy.dtype(call.kv_dtype).itemsize == 1:
+    if call.latent or call.fp8_descale or jax.numpy.dtype(call.kv_dtype).itemsize == 1:  # type: ignore[call-overload]
         return False  # MLA latent caches and fp8 descale run through JAX
     return unsupported(call.dtype, call.head_dim, call.head_dim_v) is None
 

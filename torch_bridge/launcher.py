@@ -182,7 +182,7 @@ def _triton_module(config) -> TritonModule:
         return ir.IntegerAttr(config[key]).value
 
     with _new_ir_context():
-        ttir = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm(enable_debug_info=False)
+        ttir = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm(enable_debug_info=False))
     return TritonModule(ttir, ir.StringAttr(config["name"]).value, num("num_warps"), num("num_stages"),
                         (num("grid_x"), num("grid_y"), num("grid_z")))
 
@@ -382,6 +382,7 @@ class TritonLaunch:
         self._extra = [ctypes.addressof(self._null) + 8 * i for i in range(extra)]
         self._params: dict = {}  # address of a pointer array -> the kernel parameter array reading it
         self._launch = _cu_launch_kernel()
+        self.keep: Any = None  # what must outlive the loaded code (the compiled kernel)
 
     def _params_of(self, ptrs):
         base = ctypes.addressof(ptrs)

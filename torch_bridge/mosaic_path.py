@@ -243,7 +243,7 @@ class MosaicPath:
     # ---- per layer ---------------------------------------------------------------------------
     def layer_call(self, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor, k_buf: torch.Tensor,
                    v_buf: torch.Tensor, has_sinks: bool, heads: Optional[TableKey] = None,
-                   on_new: Optional[Callable[["Recipe", Tables], Any]] = None) -> "LayerCall":
+                   on_new: Optional[Callable[["Recipe", Tables], Any]] = None) -> Any:
         """The bound launch of one layer for this plan key (built on first use, then reused). ``heads``:
         the layer's ``TableKey``; the layer is then remembered for ``prebuild``, and ``on_new`` is called
         with it and ``tables`` when it is new, before its kernel is built (``torch_bridge.warmup``)."""
@@ -382,6 +382,8 @@ class LayerCall:
     a pad when the engine passes fewer tokens than the plan's bucket).
     """
 
+    heads: Optional[TableKey] = None  # the table key it reads (set by ``MosaicPath.layer_call``)
+
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
         spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks)
@@ -415,7 +417,7 @@ class LayerHit(CheckedLayer):
 
     reads_plan = False  # the launch reads the step's tables, not its plan words
 
-    def __init__(self, layer, lp: LayerParams, call: LayerCall, pool, buffers, no_sinks: bool, swa: bool = False):
+    def __init__(self, layer, lp: LayerParams, call: Any, pool, buffers, no_sinks: bool, swa: bool = False):
         super().__init__(layer, lp, call.t, pool, buffers, swa)
         self.call, self.no_sinks = call, no_sinks
         self.heads = call.heads or table_key(lp, swa)  # the tables the call reads

@@ -127,6 +127,8 @@ class LayerCall:
     """One layer's attention for one plan key over Triton tables: the kernels bound to the layer's pools,
     the tables and persistent scratch; a call repoints q and a new output tensor and launches."""
 
+    heads: Optional[Tuple[int, ...]] = None  # the table key it reads (set by ``MosaicPath.layer_call``)
+
     def __init__(self, path, lp, tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
         lay = tables.layout
         hq, d = lp.num_q_heads, lp.head_dim
