@@ -49,6 +49,25 @@ def test_absorbed_mla_matches_reference(case):
     assert got[0].shape == q.shape[:2] + (LATENT,)
 
 
+@pytest.mark.parametrize("name", ["decode_page1", "verify_q4_page16_split2"])
+def test_head_group_split_over_programs(name):
+    """A query-head group whose tile exceeds ``max_tile_elements`` (DeepSeek's 128 heads x 512 latent
+    columns on a GPU) is split over programs, each with its part of the heads: same result."""
+    from jax_attn.kernels.config import KernelConfig
+    from jax_attn.kernels.triton_paged import head_split
+
+    case = dataclasses.replace(next(c for c in CASES if c.name == name), heads=(32, 1))
+    cfg = KernelConfig(max_tile_elements=16 * LATENT)  # decode: 32 rows x 32 latent columns, split in 2
+    assert head_split(1, 32, 1, LATENT, cfg.max_tile_elements) == 2
+    assert head_split(4, 32, 1, LATENT, cfg.max_tile_elements) == 8  # verify: 4 tokens x 32 heads
+    q, k, _, md, kw = build_inputs(case)
+    got = paged_attention(q, k, None, md, latent_dim=LATENT, num_splits=case.num_splits, config=cfg, **kw)
+    want = reference_by_sequence(q, k, k[..., :LATENT], md, **kw)
+    compare_per_sequence(got[0], want[0], md.cu_seqlens_q, tol=4e-5, what=name)
+    n = int(md.cu_seqlens_q[-1])
+    np.testing.assert_allclose(np.asarray(got[1][:n]), np.asarray(want[1][:n]), rtol=1e-4, atol=1e-4)
+
+
 def test_absorbed_equals_unabsorbed_attention():
     """MLA absorbed into the latent space equals the multi-head attention it compresses: per head,
     k_nope = c_kv @ W_uk, v = c_kv @ W_uv; absorbed, q_nope @ W_uk^T meets c_kv and the latent output

@@ -78,6 +78,9 @@ class KernelConfig:
       merge_num_warps: warps per program of the merge kernels.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
         compiled (the interpreter always uses ``jnp.exp2``).
+      max_tile_elements: most float32 accumulator elements (rows x value block) of one program; a
+        query-head group whose tile holds more is split over programs (MLA's 128 heads x 512 latent
+        columns), each with at least 8 warps and key blocks of at most 64.
     """
 
     block_m: int = 128
@@ -99,6 +102,7 @@ class KernelConfig:
     merge_block_rows: int = 16
     merge_num_warps: int = 4
     fast_exp2: bool = True
+    max_tile_elements: int = 128 * 256
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "num_warps", "merge_block_rows", "merge_num_warps"):

@@ -102,6 +102,7 @@ class _Static:
     fast_exp2: bool  # ex2.approx through inline PTX (compiled GPU kernels only)
     fp8_kv: bool  # 1-byte caches: masked loads get no fill value (Triton cannot cast one)
     latent: bool = False  # MLA: V is the first Dv columns of each key row; the rest is the rope part
+    head_split: int = 1  # H, programs per (kv head, tile), each with 1/H of the query-head group (kv_pack 1)
 
     @property
     def group(self) -> int:
@@ -189,20 +190,22 @@ def _attn_kernel(*refs, st: _Static):
         rest = rest[2:]  # the aliased output initial values
     o_ref, lse_ref = rest
 
-    h = pl.program_id(0) * st.kv_pack  # first kv head of this program
+    h = pl.program_id(0) // st.head_split * st.kv_pack  # first kv head of this program
+    part = pl.program_id(0) % st.head_split  # which part of the query-head group
     n = pl.program_id(1)
     seq = tile_seq_ref[n]
 
     @pl.when(seq >= 0)
     def _():
-        _attn_tile(st, h, n, seq, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
+        _attn_tile(st, h, part, n, seq, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                    pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref)
 
 
-def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
+def _attn_tile(st, h, part, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref):
     g_count, hq, hkv = st.group, st.num_q_heads, st.num_kv_heads
-    heads_per_tok = g_count * st.kv_pack
+    g_part = g_count // st.head_split  # query heads of a kv head in this program
+    heads_per_tok = g_part * st.kv_pack
     q_block = tile_qb_ref[n]
     split = tile_split_ref[n]
     q_start = cu_q_ref[b]
@@ -211,8 +214,8 @@ def _attn_tile(st, h, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens
 
     rows = jnp.arange(st.rows, dtype=jnp.int32)
     tok_in_tile = rows // heads_per_tok
-    head = h * g_count + rows % heads_per_tok  # query head of each row
-    row_kvh = (rows % heads_per_tok) // g_count  # kv head of each row, relative to h
+    head = h * g_count + part * g_part + rows % heads_per_tok  # query head of each row
+    row_kvh = (rows % heads_per_tok) // g_part  # kv head of each row, relative to h
     q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
     row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
@@ -449,12 +452,25 @@ def run_tiles(st: _Static, num_tiles: int, max_splits: int, inputs, out_dtype, k
     return pl.pallas_call(
         functools.partial(_attn_kernel, st=st),
         out_shape=out_shape,
-        grid=(st.num_kv_heads // st.kv_pack, num_tiles),
+        grid=(st.num_kv_heads // st.kv_pack * st.head_split, num_tiles),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_attention_m{st.rows}_k{st.block_k}" + (f"_c{st.kv_pack}" if st.kv_pack > 1 else ""),
+        name=f"paged_attention_m{st.rows}_k{st.block_k}" + (f"_c{st.kv_pack}" if st.kv_pack > 1 else "")
+        + (f"_h{st.head_split}" if st.head_split > 1 else ""),
     )(*inputs)
+
+
+def head_split(block_q: int, group: int, pack: int, head_dim_v: int, max_elements: int) -> int:
+    """Programs that share a (kv head, tile)'s query heads: 1, or the least power of 2 that brings the
+    tile's float32 accumulator (rows x the value block) to ``max_elements`` (MLA's 128 heads x 512
+    latent columns do not fit one program's registers and shared memory; each part re-reads the tile's
+    keys, mostly from L2)."""
+    split = 1
+    while (pack == 1 and group % (2 * split) == 0
+           and tile_rows(block_q, group // split) * head_dim_block(head_dim_v) > max_elements):
+        split *= 2
+    return split
 
 
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
@@ -469,10 +485,14 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     hq, hkv = num_q_heads, num_kv_heads
     pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
     compute_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+    split = head_split(block_q, hq // hkv, pack, head_dim_v, config.max_tile_elements)
+    if split > 1:  # a wide value block: more warps for the accumulator, shorter key blocks for shared memory
+        block_k, num_warps = min(block_k, 64), max(num_warps, 8)
     st = _Static(
         num_tokens=num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=head_dim, head_dim_v=head_dim_v,
         page_size=page_size, max_pages=max_pages, block_q=block_q, block_k=block_k,
-        rows=tile_rows(block_q, pack * hq // hkv), kv_pack=pack, prefetch_pages=config.prefetch_pages,
+        rows=tile_rows(block_q, pack * hq // hkv // split), kv_pack=pack, head_split=split,
+        prefetch_pages=config.prefetch_pages,
         split_mode=split_mode, causal=causal, window=tuple(int(w) for w in window_size),  # type: ignore[arg-type]
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, has_k_descale=has_k_descale, has_v_descale=has_v_descale,
