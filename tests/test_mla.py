@@ -197,13 +197,17 @@ def test_jax_backend_mla_rules():
 
 
 # ----------------------------------------------------------------------------- torch bridge
-@pytest.mark.parametrize("mode,page,split_inputs", [("extend", 1, True), ("decode", 16, False)])
-def test_torch_bridge_mla(mode, page, split_inputs):
+@pytest.mark.parametrize("mode,page,split_inputs,launch", [("extend", 1, True, False), ("decode", 16, False, False),
+                                                           ("extend", 1, False, True), ("decode", 16, True, True)])
+def test_torch_bridge_mla(mode, page, split_inputs, launch):
     """An MLA model through the bridge (``model_config.attention_arch == "MLA"``, SGLang's
     ``MLATokenToKVPool``): the write goes through the pool's ``set_mla_kv_buffer``, attention reads the
     latent rows; equals the float64 reference over the updated pool; no other slot changes (NaN in every
-    unused slot); a second step reuses the checked layer."""
+    unused slot); a second step reuses the checked layer. ``launch``: through the Triton launch path
+    (``torch_bridge.triton_path``, its kernels interpreted), not a JAX executable."""
     import torch
+
+    from tests.test_triton_launch import InterpretedTriton, triton_path_for_tests
 
     from tests.paging import shuffled_table
     from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
@@ -220,8 +224,9 @@ def test_torch_bridge_mla(mode, page, split_inputs):
     pool.set_mla_kv_buffer = lambda *a, f=pool.set_mla_kv_buffer: (writes.append(a[1].clone()), f(*a))[1]
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool,
                          ModelConfig(MAX_CTX, attention_arch="MLA"), page_size=page)
-    backend = FlashAttentionBackend(runner)
+    backend = FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch else None)
     layer = RadixAttention(HQ, d, 0.21, 1, 0, v_head_dim=LATENT)
+    launches = InterpretedTriton.calls
     rows = np.array([3, 1, 5], np.int64)
     for step in range(2):
         committed = np.array([0, 9, 20]) + 5 * step if mode == "extend" else np.array([4, 9, 30]) + step
@@ -255,6 +260,7 @@ def test_torch_bridge_mla(mode, page, split_inputs):
                                          jnp.asarray(pt.astype(np.int32)), page_size=page, softmax_scale=0.21)
         compare_per_sequence(out.numpy().reshape(n, HQ, LATENT), np.asarray(want), cu, tol=2e-5, what=mode)
     assert len(backend.runner.hits) == 1
+    assert (InterpretedTriton.calls > launches) == launch
 
 
 def test_torch_bridge_mla_rules():

@@ -73,11 +73,13 @@ class InterpretedTriton:
         return Kernels(built[0], built[1] if len(built) > 1 else None)
 
 
+def triton_path_for_tests() -> MosaicPath:
+    """A CPU launch path whose layers all take the Triton-lowered kernel, interpreted."""
+    return MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton, hopper=False)
+
+
 def triton_setup(seed, page, device="cpu"):
-    path = None
-    if device == "cpu":
-        path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton, hopper=False)
-    return setup(seed, device=device, page=page, path=path)
+    return setup(seed, device=device, page=page, path=triton_path_for_tests() if device == "cpu" else None)
 
 
 # q_lens per case: decode rows (split-KV at these lengths), extend rows, a mixed batch

@@ -137,7 +137,7 @@ class LayerRunner:
         """This layer's bound launch (the Mosaic or the Triton-lowered kernel) when the launch path covers the
         call, else None."""
         path = self.mosaic_path
-        if path is None or lp.mla or path.reason(lp, step.key, q, k_buf, v_buf) is not None:  # MLA: JAX path
+        if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
             return None
         key = step.key
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
@@ -146,7 +146,7 @@ class LayerRunner:
         call = Call(max_q_len=max_q_len, page_size=key.page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
-                    has_sinks=sinks is not None, num_q_heads=lp.num_q_heads)
+                    has_sinks=sinks is not None, num_q_heads=lp.num_q_heads, latent=lp.mla)
         kernel = select_kernel(self.jax_backend.impl, call, from_torch=True, hopper=path.hopper)
         if kernel == "jax":
             return None  # decided before any table is made: layers off the path cost the plan nothing

@@ -167,9 +167,9 @@ class MosaicPath:
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
         if key.topk > 1 or lp.is_cross_attention:
             return "tree (topk > 1) steps and cross attention run through JAX"
-        if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
-        if v_buf.dtype != k_buf.dtype:
+        if v_buf is not None and v_buf.dtype != k_buf.dtype:
             return f"dtypes {k_buf.dtype}/{v_buf.dtype}: one dtype for the K and V pools"
         return None
 
@@ -247,7 +247,8 @@ class MosaicPath:
         """The bound launch of one layer for this plan key (built on first use, then reused). ``heads``:
         the layer's ``TableKey``; the layer is then remembered for ``prebuild``, and ``on_new`` is called
         with it and ``tables`` when it is new, before its kernel is built (``torch_bridge.warmup``)."""
-        ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf.data_ptr(), has_sinks)
+        ck = (lp, key, id(tables), q.shape[0], q.dtype, k_buf.data_ptr(), v_buf is None or v_buf.data_ptr(),
+              has_sinks)
         call = self._calls.get(ck)
         if call is None:
             if capturing():

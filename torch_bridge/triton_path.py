@@ -2,9 +2,9 @@
 
 The launch path's second kernel family (``torch_bridge.mosaic_path`` holds the first and the shared
 machinery): what the Mosaic kernel does not take (page sizes that are not a multiple of 8, SGLang's
-default of 1 among them; head dims it lacks; sinks on packed decode rows; GPUs that are not Hopper)
-runs ``jax_attn.kernels.triton_paged``'s kernel, compiled by ``torch_bridge.launcher`` from the same
-Triton IR that XLA would compile, and launched with raw pointers on torch's current stream. A layer is
+default of 1 among them; head dims it lacks; sinks on packed decode rows; absorbed MLA; GPUs that are
+not Hopper) runs ``jax_attn.kernels.triton_paged``'s kernel, compiled by ``torch_bridge.launcher`` from
+the same Triton IR that XLA would compile, and launched with raw pointers on torch's current stream. A layer is
 then a KV write, an output allocation and one launch (two with split-KV: the partials, then the merge),
 and is captured by ``torch.cuda.graph``.
 
@@ -99,7 +99,7 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
         page_size=lay.page_size, max_pages=lay.max_pages, max_q_len=lay.max_q_len, block_q=lay.block_q,
         max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.causal, window_size=lp.window_size,
         softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks, has_k_descale=False,
-        has_v_descale=False, latent=False, config=DEFAULT_CONFIG, interpret=interpret)
+        has_v_descale=False, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
     inputs = TABLE_PARTS + 3 + int(has_sinks)
     r = lay.num_tokens * hq
 
@@ -147,7 +147,8 @@ class LayerCall:
             if split:
                 self.partial_o = torch.empty(lay.max_splits * r, dv, dtype=torch.float32, device=dev)
                 self.partial_lse = torch.empty(lay.max_splits * r, dtype=torch.float32, device=dev)
-        tile_args = [*table_args, q_ex, k_buf.view(-1, d), v_buf.view(-1, dv)]
+        # an MLA layer's one latent pool: each key row, its first Dv columns the value row
+        tile_args = [*table_args, q_ex, k_buf.view(-1, d), k_buf.view(-1, d) if lp.mla else v_buf.view(-1, dv)]
         tile_args += [self.sinks] if has_sinks else []
         self.q_index = TABLE_PARTS
         examples = [tile_args + ([] if split else [self.out_ex, self.lse])]
