@@ -148,7 +148,7 @@ class LayerRunner:
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=sinks is not None, num_q_heads=lp.num_q_heads, latent=lp.mla)
         kernel = select_kernel(self.jax_backend.impl, call, from_torch=True, hopper=path.hopper)
-        if kernel == "jax":
+        if kernel == "jax" or (kernel == "triton" and not path.triton):
             return None  # decided before any table is made: layers off the path cost the plan nothing
         # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
         heads = table_key(lp, swa, triton=kernel == "triton")

@@ -135,13 +135,16 @@ class MosaicPath:
       make_triton: ``make_triton(fns_of, examples)`` -> ``triton_path.Kernels`` from the layer's kernel
         functions (``fns_of(interpret)``) and example arguments; default: compiled for torch launches.
       hopper: whether the Mosaic kernel can run here (else only the Triton-lowered kernel launches).
+      triton: whether the Triton-lowered kernel launches here; default: when compiled (no ``make_kernel``)
+        or given ``make_triton`` (a path with only an interpreting Mosaic kernel sends those layers to JAX).
     """
 
     def __init__(self, make_kernel: Optional[Callable] = None, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG,
-                 make_triton: Optional[Callable] = None, hopper: bool = True):
+                 make_triton: Optional[Callable] = None, hopper: bool = True, triton: Optional[bool] = None):
         self._make_kernel = make_kernel or launcher_kernel
         self._make_triton = make_triton
         self.config, self.hopper = config, hopper
+        self.triton = (make_kernel is None or make_triton is not None) if triton is None else triton
         self.deterministic = False  # Triton tables: one kv split per sequence (the backend sets it)
         self._kernels: Dict[tuple, Any] = {}
         self._table_fns: Dict[tuple, Any] = {}
