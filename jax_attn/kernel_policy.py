@@ -15,7 +15,7 @@
 
 The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
 graph) the Mosaic kernel for every call it covers on Hopper, else the Triton-lowered kernel for every
-call it covers without fp8 descale (``triton_launchable``; MLA latent caches included); the rest go
+call it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go
 through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
 ``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
@@ -107,8 +107,6 @@ def triton_launchable(call: Call) -> bool:
     """Whether torch launches the Triton-lowered kernel for this call (``torch_bridge.triton_path``)."""
     from jax_attn.kernels.triton_paged import unsupported
 
-    if call.fp8_descale or jax.numpy.dtype(call.kv_dtype).itemsize == 1:  # type: ignore[call-overload]
-        return False  # fp8 descale runs through JAX
     return unsupported(call.dtype, call.head_dim, call.head_dim_v, latent=call.latent) is None
 
 

@@ -65,9 +65,9 @@ class _InterpretedLaunch:
         self.outs[0].copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
 
 
-def setup(seed, device="cpu", page=PAGE, path=None):
+def setup(seed, device="cpu", page=PAGE, path=None, dtype=torch.bfloat16):
     table, num_slots = shuffled_table(6, MAX_CTX, page, seed)
-    pool = MHATokenToKVPool.create(num_slots, 1, HKV, D, torch.bfloat16, device)
+    pool = MHATokenToKVPool.create(num_slots, 1, HKV, D, dtype, device)
     for buf in pool.k_buffer + pool.v_buffer:  # NaN everywhere a step does not write or read
         buf.fill_(float("nan"))
         buf[0] = 0.0
@@ -86,8 +86,10 @@ def fill(runner, table, rows, lens, rng):
             b[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(b)
 
 
-def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None):
-    kb, vb = (jnp.asarray(b.float().cpu().numpy()) for b in runner.token_to_kv_pool.get_kv_buffer(0))
+def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None, kv_scales=(None, None)):
+    """Float32 attention over the pool (``kv_scales``: an fp8 pool's stored values times the layer's scales)."""
+    kb, vb = (jnp.asarray(b.float().cpu().numpy()) * (1.0 if s is None else s)
+              for b, s in zip(runner.token_to_kv_pool.get_kv_buffer(0), kv_scales))
     page = runner.page_size
     pt = table[rows][:, ::page] // page
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -121,7 +123,8 @@ def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, 
     layer = RadixAttention(HQ, D, D**-0.5, HKV, 0) if layer is None else layer
     out = backend.forward(q, k, v, layer, fb, sinks=sinks)
     assert out.shape == (n, HQ * D) and out.dtype == torch.bfloat16
-    ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks)
+    ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks,
+                    kv_scales=(layer.k_scale_float, layer.v_scale_float))
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
     return backend
 
@@ -166,7 +169,8 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
                dtype="float32", kv_dtype="bfloat16")
     assert select_kernel("auto", f32, from_torch=True) == "triton"  # the Mosaic kernel takes bf16 / f16 only
     fp8 = dataclasses.replace(f32, dtype="bfloat16", kv_dtype="float8_e4m3fn", fp8_descale=True)
-    assert select_kernel("auto", fp8, from_torch=True) == "jax"  # fp8 descale: through JAX
+    assert select_kernel("auto", fp8, from_torch=True) == "triton"  # fp8 descale: the Triton-lowered kernel
+    assert select_kernel("triton", dataclasses.replace(f32, head_dim=100), from_torch=True) == "jax"  # raises there
 
 
 def test_checked_layer_rebinds_when_the_pool_buffer_changes():

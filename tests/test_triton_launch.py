@@ -24,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
 
 def _to_jax(t: torch.Tensor):
-    if t.dtype == torch.bfloat16:
-        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    if t.dtype in (torch.bfloat16, torch.float8_e4m3fn):  # numpy has neither: through float32 (exact)
+        return jnp.asarray(t.float().numpy()).astype(jnp.dtype(str(t.dtype).removeprefix("torch.")))
     return jnp.asarray(t.numpy())
 
 
@@ -131,6 +131,19 @@ def test_triton_launch_sinks_window_softcap_scale():
         sinks=jnp.asarray(sinks.numpy()), softmax_scale=0.3, softcap=4.0, window_size=(11, 0))
     for b in range(2):  # per sequence
         np.testing.assert_allclose(out[b].float().numpy(), np.asarray(ref).reshape(2, -1)[b], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("page,case", [(1, "decode"), (16, "mixed")])
+def test_triton_launch_fp8_pool(page, case):
+    """An fp8 (e4m3) pool with the layer's K / V scales: the write stores values over the scales, the
+    launched kernel reads them times the scales (the Mosaic kernel does not take fp8: Triton even at page 16)."""
+    rng = np.random.default_rng(40 + page)
+    runner, table, backend = setup(40 + page, page=page, path=triton_path_for_tests(), dtype=torch.float8_e4m3fn)
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0, k_scale_float=0.5, v_scale_float=2.0)
+    q_lens, kv_lens = CASES[case]
+    before = InterpretedTriton.calls
+    step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng, layer=layer)
+    assert InterpretedTriton.calls > before
 
 
 def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):

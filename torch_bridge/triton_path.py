@@ -89,18 +89,26 @@ class Kernels:
     merge: Any  # None without splits
 
 
+def descales(lp, kv_dtype) -> Tuple[bool, bool]:
+    """Whether the kernel takes a K / V descale: an fp8 pool with the layer's scale (the JAX path's rule,
+    ``jax_attn.backend.FlashAttentionBackend``: stored values times the scale)."""
+    fp8 = jax.numpy.dtype(kv_dtype).itemsize == 1
+    return fp8 and lp.k_scale is not None, fp8 and lp.v_scale is not None
+
+
 def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: bool) -> Tuple[Callable, ...]:
-    """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [sinks], [o, lse])`` and,
-    with splits, ``merge(partial_o, partial_lse, row_splits)``."""
+    """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [k_descale], [v_descale],
+    [sinks], [o, lse])`` and, with splits, ``merge(partial_o, partial_lse, row_splits)``."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
+    has_kd, has_vd = descales(lp, kv_dtype)
     dv = lp.v_head_dim or d
     st, knobs = kernel_statics(
         num_tokens=lay.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=lay.page_size, max_pages=lay.max_pages, max_q_len=lay.max_q_len, block_q=lay.block_q,
         max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.causal, window_size=lp.window_size,
-        softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks, has_k_descale=False,
-        has_v_descale=False, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
-    inputs = TABLE_PARTS + 3 + int(has_sinks)
+        softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks, has_k_descale=has_kd,
+        has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
+    inputs = TABLE_PARTS + 3 + int(has_kd) + int(has_vd) + int(has_sinks)
     r = lay.num_tokens * hq
 
     def tiles(*args):
@@ -149,6 +157,11 @@ class LayerCall:
                 self.partial_lse = torch.empty(lay.max_splits * r, dtype=torch.float32, device=dev)
         # an MLA layer's one latent pool: each key row, its first Dv columns the value row
         tile_args = [*table_args, q_ex, k_buf.view(-1, d), k_buf.view(-1, d) if lp.mla else v_buf.view(-1, dv)]
+        for has, scale in zip(descales(lp, jax_dtype(k_buf.dtype)), (lp.k_scale, lp.v_scale)):
+            if has:  # f32[B * Hkv]: the layer's scale for every (sequence, kv head)
+                with torch.inference_mode(False):
+                    tile_args.append(torch.full((lay.batch * lp.num_kv_heads,), scale, dtype=torch.float32,
+                                                device=dev))
         tile_args += [self.sinks] if has_sinks else []
         self.q_index = TABLE_PARTS
         examples = [tile_args + ([] if split else [self.out_ex, self.lse])]
