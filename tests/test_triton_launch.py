@@ -17,7 +17,7 @@ import torch
 
 from tests.test_bridge_launch import HKV, HQ, D, InterpretedKernel, fill, reference, setup, step
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
-from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath
+from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import Kernels, Layout, kernel_fns
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
@@ -230,6 +230,19 @@ def test_triton_launch_gpu_eager_and_graph(page):
             np.testing.assert_allclose(out[b].float().cpu().numpy(), ref[b], atol=3e-2, rtol=3e-2)
         eager = backend.forward(q, k, v, layer, fb)  # the same step, eager: bitwise the graph's
         assert torch.equal(eager, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page,case", [(1, "decode"), (16, "mixed")])
+def test_triton_launch_gpu_fp8(page, case):
+    """Compiled launches over an fp8 pool with K / V scales equal the reference over the scaled pool."""
+    _needs_cuda()
+    rng = np.random.default_rng(50 + page)
+    runner, table, backend = setup(50 + page, device="cuda", page=page, dtype=torch.float8_e4m3fn)
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0, k_scale_float=0.5, v_scale_float=2.0)
+    q_lens, kv_lens = CASES[case]
+    step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng, layer=layer)
+    assert isinstance(backend.runner.hits[0], LayerHit)  # launched, not a JAX executable
 
 
 def test_layouts_are_static_facts():
