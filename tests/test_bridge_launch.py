@@ -319,33 +319,42 @@ def test_launch_path_gpu_graph_capture():
     assert backend.mosaic_path is not None, "Hopper + impl auto must enable the launch path"
     step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng)
     step(runner, table, backend, [4, 5], [33, 60], [3, 20], rng)
-    bs = 4
+    captured_decode_replays(runner, table, backend, rng, RadixAttention(HQ, D, D**-0.5, HKV, 0),
+                            [([1, 2, 3, 4], [50, 9, 77, 31])])
+
+
+def captured_decode_replays(runner, table, backend, rng, layer, steps, bs: int = 4):
+    """Capture a 1-layer decode step of bucket ``bs`` in a torch CUDA graph (after a warm-up forward), then
+    for each ``(rows, kv_lens)`` of ``steps``: the replay hook re-plans those lengths, the graph replays,
+    and its output equals the reference per sequence and, bitwise, the same step run eagerly."""
     backend.init_cuda_graph_state(bs, bs)
     z = torch.zeros(bs, dtype=torch.long, device="cuda")
     backend.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
-    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)
     q = torch.zeros(bs, HQ * D, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.zeros(bs, HKV * D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     loc = torch.zeros(bs, dtype=torch.long, device="cuda")
     fb = ForwardBatch(ForwardMode.DECODE, bs, z, z + 1, loc, token_to_kv_pool=runner.token_to_kv_pool)
     backend.forward(q, k, v, layer, fb)  # warm-up outside the capture
-    graph = torch.cuda.graph
     g = torch.cuda.CUDAGraph()
-    with graph(g):
+    with torch.cuda.graph(g):
         out = backend.forward(q, k, v, layer, fb)
-    rows, kv_lens = np.array([1, 2, 3, 4]), np.array([50, 9, 77, 31])
-    fill(runner, table, rows, kv_lens - 1, rng)
-    new_loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
-    t = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, kv_lens, new_loc)]
-    backend.init_forward_metadata_replay_cuda_graph(bs, t[0], t[1], None, None, ForwardMode.DECODE, None, None,
-                                                    out_cache_loc=t[2])
-    loc.copy_(t[2])
-    for x, h in ((q, HQ), (k, HKV), (v, HKV)):
-        x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
-    g.replay()
-    torch.cuda.synchronize()
-    ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
-    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+    for rows, kv_lens in steps:
+        rows, kv_lens = np.array(rows), np.array(kv_lens)
+        fill(runner, table, rows, kv_lens - 1, rng)
+        new_loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
+        t = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, kv_lens, new_loc)]
+        backend.init_forward_metadata_replay_cuda_graph(bs, t[0], t[1], None, None, ForwardMode.DECODE, None, None,
+                                                        out_cache_loc=t[2])
+        loc.copy_(t[2])
+        for x, h in ((q, HQ), (k, HKV), (v, HKV)):
+            x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
+        for b in range(bs):  # per sequence
+            np.testing.assert_allclose(out[b].float().cpu().numpy(), ref[b], atol=3e-2, rtol=3e-2)
+        eager = backend.forward(q, k, v, layer, fb, save_kv_cache=False)  # the same step, eager: the graph's bits
+        assert torch.equal(eager, out)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_bridge_launch import HKV, HQ, D, InterpretedKernel, fill, reference, setup, step
+from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_decode_replays, fill, setup, step)
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import Kernels, Layout, kernel_fns
@@ -201,35 +201,8 @@ def test_triton_launch_gpu_eager_and_graph(page):
     step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng, layer=layer)
     assert any(len(h) > 2 and h[2] & TRITON_TABLES for h in backend.step.tables)
     step(runner, table, backend, [4, 5], [33, 60], [3, 20], rng, layer=layer)
-    bs = 4
-    backend.init_cuda_graph_state(bs, bs)
-    z = torch.zeros(bs, dtype=torch.long, device="cuda")
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
-    q = torch.zeros(bs, HQ * D, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.zeros(bs, HKV * D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    loc = torch.zeros(bs, dtype=torch.long, device="cuda")
-    fb = ForwardBatch(ForwardMode.DECODE, bs, z, z + 1, loc, token_to_kv_pool=runner.token_to_kv_pool)
-    backend.forward(q, k, v, layer, fb)  # warm-up outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = backend.forward(q, k, v, layer, fb)
-    for rows, kv_lens in (([1, 2, 3, 4], [50, 9, 77, 31]), ([4, 3, 5, 1], [90, 2, 15, 64])):
-        rows, kv_lens = np.array(rows), np.array(kv_lens)
-        fill(runner, table, rows, kv_lens - 1, rng)
-        new_loc = np.array([table[r, n - 1] for r, n in zip(rows, kv_lens)], np.int64)
-        t = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, kv_lens, new_loc)]
-        backend.init_forward_metadata_replay_cuda_graph(bs, t[0], t[1], None, None, ForwardMode.DECODE, None, None,
-                                                        out_cache_loc=t[2])
-        loc.copy_(t[2])
-        for x, h in ((q, HQ), (k, HKV), (v, HKV)):
-            x.copy_(torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(x))
-        g.replay()
-        torch.cuda.synchronize()
-        ref = reference(runner, table, rows, kv_lens, np.ones(bs, np.int64), q)
-        for b in range(bs):  # per sequence
-            np.testing.assert_allclose(out[b].float().cpu().numpy(), ref[b], atol=3e-2, rtol=3e-2)
-        eager = backend.forward(q, k, v, layer, fb)  # the same step, eager: bitwise the graph's
-        assert torch.equal(eager, out)
+    captured_decode_replays(runner, table, backend, rng, layer,
+                            [([1, 2, 3, 4], [50, 9, 77, 31]), ([4, 3, 5, 1], [90, 2, 15, 64])])
 
 
 @pytest.mark.gpu
