@@ -32,6 +32,7 @@ import torch
 from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
+from jax_attn.kernel_policy import Call, select_kernel
 from jax_attn.plan_key import PlanKey, guard_plan, plan_arrays
 from jax_attn.kernels import kernel_cache
 from jax_attn.local import with_local
@@ -41,8 +42,9 @@ from jax_attn.spec import draft_mask_from_custom_mask, with_swa_pool_step, with_
 from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
-from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
-                                      flatten_tables, key_flags)
+from torch_bridge.launcher import jax_dtype
+from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath,
+                                      TableKey, Tables, flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -70,13 +72,16 @@ class StepPlanner:
         self._jit = jax.jit(self._plan_fn, static_argnums=0)
         self.executables: Dict[tuple, Any] = {}  # (Packing, req_to_token shape) -> compiled planner
         self.launch_heads: set = set()  # table keys of launch-path layers: their tables come with each plan
-        if mosaic_path is not None and settings.heads is not None and jax_backend.page_size % 8 == 0:
-            # SGLang's model config names the layer shapes: their tables come with every plan
-            self.launch_heads.add(settings.heads)
-            if settings.attention_chunk_size:  # a local-attention model's use_irope layers read md.local
-                self.launch_heads.add(settings.heads + (LOCAL_TABLES,))
-            if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
-                self.launch_heads.add(settings.heads + (SWA_TABLES,))
+        if mosaic_path is not None and settings.heads is not None:
+            # SGLang's model config names the layer shapes: their tables come with every plan (a key first
+            # seen in a graph bucket's warm-up would otherwise change the plans its replays make)
+            for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend):
+                flags = TRITON_TABLES if triton else 0
+                self.launch_heads.add(settings.heads + ((flags,) if flags else ()))
+                if settings.attention_chunk_size:  # a local-attention model's use_irope layers read md.local
+                    self.launch_heads.add(settings.heads + (LOCAL_TABLES | flags,))
+                if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
+                    self.launch_heads.add(settings.heads + (SWA_TABLES | flags,))
         # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its
         # kernels' schedules from then on (layers of other heads plan theirs inside the call)
         self.jax_heads: Optional[Tuple[int, int]] = None
@@ -494,6 +499,31 @@ class StepPlanner:
         key = self.draft_key(bs, spec_info)
         return self.plan(packing(key, loc, None, None, None, all_steps=num_steps), rows, seq_lens, loc,
                          real_tokens=0, graph=graph)
+
+
+def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, jax_backend) -> Tuple[bool, ...]:
+    """Which launched kernels (False: Mosaic, True: Triton-lowered) the model's layers will take, from its
+    pool (head dims, dtype; q in the pool's dtype, bf16 over an fp8 pool) and the policy, for decode and
+    for extend steps."""
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    if settings.mla:
+        return (True,)  # absorbed MLA: the Triton-lowered kernel only
+    try:
+        k_buf, v_buf = pool.get_kv_buffer(0)
+    except (AttributeError, IndexError, TypeError):
+        return () if jax_backend.page_size % 8 else (False,)  # an unusual pool: Mosaic tables, as before
+    kv_dtype = jax_dtype(k_buf.dtype)
+    dtype = jnp.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
+    hq, hkv = settings.heads
+    kinds = set()
+    for max_q_len in (1, 2):
+        call = Call(max_q_len=max_q_len, page_size=jax_backend.page_size, num_tokens=0, num_kv_heads=hkv,
+                    head_dim=k_buf.shape[-1], head_dim_v=v_buf.shape[-1], dtype=dtype, kv_dtype=kv_dtype,
+                    num_q_heads=hq)
+        kind = select_kernel(jax_backend.impl, call, from_torch=True, hopper=path.hopper)
+        if kind == "mosaic" or (kind == "triton" and path.triton):
+            kinds.add(kind == "triton")
+    return tuple(sorted(kinds))
 
 
 def importer_device(model_runner) -> torch.device:
