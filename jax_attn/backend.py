@@ -177,12 +177,11 @@ class FlashAttentionBackend:
             part = functools.partial(self.attach_schedule, num_heads=heads)
             return dataclasses.replace(md, prefix=part(md.prefix, with_lse=True), expand=part(md.expand, with_lse=True),
                                        swa=None if md.swa is None else part(md.swa))
-        from jax_attn.kernels.config import DEFAULT_CONFIG
-        from jax_attn.kernels.schedule import plan_schedule
+        from jax_attn.kernels.schedule import step_schedule
 
         hq, hkv = heads
         splits = 1 if self.deterministic else None
-        sched = plan_schedule(md, num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG, num_splits=splits)
+        sched = step_schedule(md, num_q_heads=hq, num_kv_heads=hkv, deterministic=self.deterministic)
         mosaic = None
         call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
                     head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic,
@@ -195,8 +194,8 @@ class FlashAttentionBackend:
         local = None if md.local is None else self.attach_schedule(md.local, num_heads=heads)
         encoder = md.encoder
         if encoder is not None:  # cross layers: page size 1, so the Triton-lowered kernel (kernel_policy)
-            encoder = dataclasses.replace(encoder, schedule=plan_schedule(
-                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, config=DEFAULT_CONFIG, num_splits=splits))
+            encoder = dataclasses.replace(encoder, schedule=step_schedule(
+                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, deterministic=self.deterministic))
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
     def plan_settings(self) -> tuple:

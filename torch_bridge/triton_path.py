@@ -27,7 +27,7 @@ import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG
 from jax_attn.kernels.merge_state import merge_splits
-from jax_attn.kernels.schedule import plan_schedule, row_num_splits
+from jax_attn.kernels.schedule import row_num_splits, step_schedule
 from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
 from torch_bridge.launcher import compile_for_torch, jax_dtype
 
@@ -35,11 +35,10 @@ TABLE_PARTS = 7  # tile_seq, tile_q_block, tile_split, seq_num_splits, cache_seq
 
 
 def schedule(md, heads, deterministic: bool):
-    """The work schedule of layers of ``heads`` over plan ``md`` (the JAX path's: ``paged_attention``)."""
+    """The work schedule of layers of ``heads`` over plan ``md`` (the one the JAX path's plan carries)."""
     if md.num_tokens <= 0:
         raise ValueError("Triton launch tables need a plan with a static token count (md.num_tokens)")
-    return plan_schedule(md, num_q_heads=heads[0], num_kv_heads=heads[1], config=DEFAULT_CONFIG,
-                         num_splits=1 if deterministic else None, num_tokens=md.num_tokens)
+    return step_schedule(md, num_q_heads=heads[0], num_kv_heads=heads[1], deterministic=deterministic)
 
 
 def table_parts(md, heads, deterministic: bool) -> list:

@@ -193,3 +193,13 @@ def plan_schedule(
         split_waves=config.split_waves,
     )
     return dataclasses.replace(sched, heads=(num_q_heads, num_kv_heads))
+
+
+def step_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int, deterministic: bool) -> WorkSchedule:
+    """The schedule a step's plan carries for layers of these heads (``FlashAttentionBackend.attach_schedule``;
+    the torch bridge's Triton launch tables): the default config, one kv split per sequence when
+    ``deterministic``, else the heuristic."""
+    from jax_attn.kernels.config import DEFAULT_CONFIG
+
+    return plan_schedule(md, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, config=DEFAULT_CONFIG,
+                         num_splits=1 if deterministic else None)
