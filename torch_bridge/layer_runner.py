@@ -30,7 +30,7 @@ import torch
 
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
-from jax_attn.kernel_policy import Call, select_kernel
+from jax_attn.kernel_policy import Call
 from jax_attn.kernels.config import tracing_for_cpu
 from jax_attn.kv_cache import KVPool
 from torch_bridge.checks import (CheckedLayer, SafeLocs, check_layer, check_shapes, is_swa_layer, layer_buffers,
@@ -147,8 +147,8 @@ class LayerRunner:
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=sinks is not None, num_q_heads=lp.num_q_heads, latent=lp.mla)
-        kernel = select_kernel(self.jax_backend.impl, call, from_torch=True, hopper=path.hopper)
-        if kernel == "jax" or (kernel == "triton" and not path.triton):
+        kernel = path.kernel_for(self.jax_backend.impl, call)
+        if kernel is None:
             return None  # decided before any table is made: layers off the path cost the plan nothing
         # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
         heads = table_key(lp, swa, triton=kernel == "triton")

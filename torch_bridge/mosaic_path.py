@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from jax_attn.backend import LayerParams
+from jax_attn.kernel_policy import select_kernel
 from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
@@ -163,6 +164,12 @@ class MosaicPath:
         if capability < (8, 0):
             return None
         return MosaicPath(hopper=capability == (9, 0))
+
+    def kernel_for(self, impl: str, call) -> Optional[str]:
+        """The kernel this path launches for ``call`` (a ``kernel_policy.Call``): ``"mosaic"`` or ``"triton"``,
+        or None when the call goes through a JAX executable."""
+        kernel = select_kernel(impl, call, from_torch=True, hopper=self.hopper)
+        return kernel if kernel == "mosaic" or (kernel == "triton" and self.triton) else None
 
     def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
                v_buf: torch.Tensor) -> Optional[str]:

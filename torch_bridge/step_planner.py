@@ -32,7 +32,7 @@ import torch
 from jax_attn import batch as jbatch
 from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
-from jax_attn.kernel_policy import Call, select_kernel
+from jax_attn.kernel_policy import Call
 from jax_attn.plan_key import PlanKey, guard_plan, plan_arrays
 from jax_attn.kernels import kernel_cache
 from jax_attn.local import with_local
@@ -520,8 +520,8 @@ def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, j
         call = Call(max_q_len=max_q_len, page_size=jax_backend.page_size, num_tokens=0, num_kv_heads=hkv,
                     head_dim=k_buf.shape[-1], head_dim_v=v_buf.shape[-1], dtype=dtype, kv_dtype=kv_dtype,
                     num_q_heads=hq)
-        kind = select_kernel(jax_backend.impl, call, from_torch=True, hopper=path.hopper)
-        if kind == "mosaic" or (kind == "triton" and path.triton):
+        kind = path.kernel_for(jax_backend.impl, call)
+        if kind is not None:
             kinds.add(kind == "triton")
     return tuple(sorted(kinds))
 
