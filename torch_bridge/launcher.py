@@ -111,6 +111,7 @@ class TritonModule:
     num_warps: int
     num_stages: int
     grid: tuple[int, int, int]
+    num_buffers: int  # pointer parameters XLA would pass: the call's operands, then its results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _scan_block(block):
     return sources, call, ret
 
 
-def _triton_module(config) -> TritonModule:
+def _triton_module(config, num_buffers: int) -> TritonModule:
     from jax._src.pallas.triton.lowering import _new_ir_context  # the context that reads Triton IR
 
     def num(key):
@@ -184,13 +185,13 @@ def _triton_module(config) -> TritonModule:
     with _new_ir_context():
         ttir = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes).operation.get_asm(enable_debug_info=False))
     return TritonModule(ttir, ir.StringAttr(config["name"]).value, num("num_warps"), num("num_stages"),
-                        (num("grid_x"), num("grid_y"), num("grid_z")))
+                        (num("grid_x"), num("grid_y"), num("grid_z")), num_buffers)
 
 
 def _call_module(call):
     config = call.attributes["mhlo.backend_config"]
     if call.call_target_name.value == TRITON_TARGET:
-        return _triton_module(config)
+        return _triton_module(config, len(call.operands) + len(call.results))
     for flag in ("use_custom_barrier", "uses_xla_collective_metadata"):
         if flag in config and ir.BoolAttr(config[flag]).value:
             raise ValueError(f"the kernel sets {flag}: multi-device kernels cannot be launched from torch")
@@ -399,7 +400,7 @@ class TritonLaunch:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
 
 
-def triton_loader(module: TritonModule, device, num_buffers: int) -> Compiled:
+def triton_loader(module: TritonModule, device) -> Compiled:
     """Compile a Triton-lowered kernel for ``device`` and load it into torch's context."""
     import torch
     from triton.runtime import driver
@@ -415,19 +416,19 @@ def triton_loader(module: TritonModule, device, num_buffers: int) -> Compiled:
             md.name, kernel.asm["cubin"], md.shared, torch.device(device).index)
     if 32 * md.num_warps > max_threads:
         raise RuntimeError(f"Triton kernel {module.name}: {md.num_warps} warps exceed {max_threads} threads")
-    launch = TritonLaunch(function, module.grid, md.num_warps, md.shared, num_buffers,
+    launch = TritonLaunch(function, module.grid, md.num_warps, md.shared, module.num_buffers,
                           kernel_params(kernel.asm["ptx"], md.name))
     launch.keep = kernel  # the module stays loaded while the kernel object lives
     return Compiled(0, launch, lambda: None)
 
 
-def cuda_loader(module, device, num_buffers: int = 0) -> Compiled:
+def cuda_loader(module, device) -> Compiled:
     """Compile a lowered kernel (``KernelPlan.module``) for ``device``: a serialized Mosaic GPU module
     with the CUDA plugin, a ``TritonModule`` with ``triton`` (``triton_loader``)."""
     import torch
 
     if isinstance(module, TritonModule):
-        return triton_loader(module, device, num_buffers)
+        return triton_loader(module, device)
     lib = _plugin_library()
     with torch.cuda.device(device):
         torch.empty(1, device=device)  # the primary context exists
@@ -459,8 +460,7 @@ class TorchKernel:
         self.plan, self.device, self._empty = plan, torch.device(device), torch.empty
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        compiled = (cuda_loader(plan.module, self.device, len(plan.buffers)) if loader is cuda_loader
-                    else loader(plan.module, self.device))
+        compiled = loader(plan.module, self.device)
         self._handle, self._launch = compiled.handle, compiled.launch
         self._finalizer = weakref.finalize(self, compiled.unload)
         self._finalizer.atexit = False  # the process is ending: nothing to free, CUDA may be gone
