@@ -172,6 +172,7 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
         plan = launcher.plan_kernel(fns[0], *tiles_args)
         assert isinstance(plan.module, launcher.TritonModule) and plan.module.grid[1] == lay.num_tiles
         n_buf = len(plan.buffers)
+        assert plan.module.num_buffers == n_buf  # what the loader reads to fill the kernel's parameters
         if lay.max_splits == 1:  # aliased outputs are the last two arguments, written in place
             assert [s.kind for s in plan.returns] == ["arg", "arg"] and not plan.out_types
         else:
