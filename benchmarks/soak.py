@@ -353,6 +353,7 @@ def main(argv=None) -> int:
         args.steps, args.warmup, args.check_every = 2 * len(args.fronts.split(",")), 2, 1
         args.page_sizes, args.dtype, args.hq, args.hkv, args.head_dim = "4", "float32", 4, 2, 16
         args.max_reqs, args.max_ctx, args.pool_tokens, args.buckets, args.extend_tokens = 3, 48, 256, "1,2", 8
+        fronts.EXTEND_TOKEN_BUCKETS = (128,)  # one extend bucket (2 requests x <= 64 tokens): fewer captures
     EXTEND_TOKENS = args.extend_tokens
     fronts.GRAPH_BUCKETS = tuple(int(b) for b in args.buckets.split(","))
     counters = Counters()

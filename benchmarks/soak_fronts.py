@@ -10,9 +10,9 @@ tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and o
   the kernel from torch (Hopper, page size a multiple of 8), other buckets run their layers eagerly
   after the replay hook. Extend and draft extend batches are planned eagerly (one plan per shape: the
   engine keeps their shapes to a small set, ``Engine(bucketed=True)``).
-* ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner``: uniform batches (decode, chain
-  verify, draft extend) replay its captured buckets; extend batches are padded to a batch and token
-  bucket and run through ``StepRunner.eager`` (one executable per padded shape).
+* ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner`` that captures every batch bucket
+  of the uniform modes (decode, chain verify, draft extend) and, with ``token_buckets``, of ragged extends
+  (``EXTEND_TOKEN_BUCKETS``); every step replays one of them, so nothing compiles after the capture.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.batch import ForwardBatch as JaxBatch
 from jax_attn.batch import SpecInfo as JaxSpec
-from jax_attn.batch import bucket_for, pad_batch
+from jax_attn.batch import bucket_for
 from jax_attn.capture import StepRunner
 from jax_attn.kv_cache import KVPool
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16)
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+EXTEND_TOKEN_BUCKETS = (64, 256, 1024)  # the JAX front's extend buckets (a batch of <= 16 requests x <= 64 tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ class JaxFront:
         self.kv = [KVPool(*(jnp.full((num_slots, self.hkv, self.d), jnp.nan, jdt) for _ in "kv")) for _ in layers]
         self.num_slots, self.poison_len = num_slots, -(-max_ctx // page_size) * page_size
         self.runner = StepRunner(self.backend, self._step_fn, batch_buckets=GRAPH_BUCKETS,
-                                 donate_argnums=(0,), compile_cache=False)
+                                 token_buckets=EXTEND_TOKEN_BUCKETS, donate_argnums=(0,), compile_cache=False)
 
     def _step_fn(self, md, token_inputs, pools):
         outs, new = [], []
@@ -248,33 +248,31 @@ class JaxFront:
         return JaxBatch(mode, i32(s.rows), i32(s.seq_lens), i32(s.loc), ext, spec_info=spec)
 
     def run(self, s: Step) -> list:
-        batch = self._batch(s)
-        # host arrays: the runner pads them on the host and sends them with the step (no per-shape device op)
+        # host arrays: the runner pads them on the host and sends them with the step (no per-shape device op);
+        # outputs come back at the bucket's size and are sliced in torch (slicing in JAX compiles per size)
         tokens = tuple(tuple(host(t) for t in x) for x in s.qkv)
+        outs, self.kv = self.runner.replay(self._batch(s), tokens, self.kv, trim=False)
         n = len(s.loc)
-        if s.mode == "extend":
-            bs = bucket_for(len(s.rows), GRAPH_BUCKETS + (32, 64))
-            padded = pad_batch(batch, bs, bucket_for(n, TOKEN_BUCKETS))
-            tokens = jax.tree.map(lambda x: np.pad(x, ((0, padded.num_tokens - n),) + ((0, 0),) * (x.ndim - 1)),
-                                  tokens)
-            outs, self.kv = self.runner.eager(padded, tokens, self.kv)
-        else:
-            outs, self.kv = self.runner.replay(batch, tokens, self.kv)
         return [torch.from_dlpack(o)[:n].reshape(n, self.hq, self.d) for o in outs]
 
     def capture(self) -> None:
-        """Capture every bucket of the uniform modes (decode, chain verify, draft extend)."""
+        """Capture every bucket: decode, chain verify and draft extend per batch bucket, extends per batch
+        and token bucket."""
         n, dt = self.num_draft, self.kv[0].k.dtype
         tokens = tuple((jnp.zeros((1, self.hq, self.d), dt), jnp.zeros((1, self.hkv, self.d), dt),
                         jnp.zeros((1, self.hkv, self.d), dt)) for _ in self.layers)
-        for mode, per in (("decode", 1), ("verify", n), ("draft_extend", n)):
-            batches = []
-            for bs in GRAPH_BUCKETS:
-                ones = np.ones(bs, np.int64)
-                step = Step(mode, ones * 0, ones * n, ones * 0, ones * per, np.zeros(bs * per, np.int64), [],
-                            num_draft=n)
-                batches.append(self._batch(step))
-            self.runner.capture(batches, tokens, self.kv, verbose=False)
+        batches = []
+        for bs in GRAPH_BUCKETS:
+            ones = np.ones(bs, np.int64)
+            for mode, per in (("decode", 1), ("verify", n), ("draft_extend", n)):
+                batches.append(self._batch(Step(mode, ones * 0, ones * n, ones * 0, ones * per,
+                                                np.zeros(bs * per, np.int64), [], num_draft=n)))
+            for t in EXTEND_TOKEN_BUCKETS:
+                if t >= bs:  # a request per row, the rest of the bucket's tokens in the first
+                    new = ones.copy()
+                    new[0] += t - bs
+                    batches.append(self._batch(Step("extend", ones * 0, new, ones * 0, new, np.zeros(t, np.int64), [])))
+        self.runner.capture(batches, tokens, self.kv, verbose=False)
 
     def compiles(self) -> int:
         return self.runner.trace_count

@@ -9,7 +9,10 @@ single attention call) is composed with the planner, padded to a batch bucket an
     token_out, other_out = runner.replay(batch, token_inputs, *args)
 
 ``token_inputs`` / ``token_outputs`` are pytrees whose leaves have the token axis first; replay
-pads them (zeros) and slices the outputs back. Replay and the eager path run the same function.
+pads them (zeros) and slices the outputs back. Uniform modes (decode, verify, draft extend) pad to a
+batch bucket; with ``token_buckets``, ragged extend batches pad to a batch and a token bucket and are
+captured and replayed the same way (as SGLang's piecewise graphs serve prefill), so an engine loop
+compiles nothing after its capture. Replay and the eager path run the same function.
 A step's host inputs travel in one transfer: the plan's int32 batch fields and every token input
 that is a host (numpy) int32 array, such as positions, are packed into one vector (``pack_step``);
 device arrays (ids sampled on the device) are passed as they are, and one executable takes either.
@@ -33,6 +36,7 @@ from jax_attn import compile_cache
 from jax_attn.backend import FlashAttentionBackend
 from jax_attn.plan_key import PlanKey, batch_arrays, plan_arrays
 from jax_attn.batch import DEFAULT_BATCH_BUCKETS, ForwardBatch, bucket_for, pad_batch
+from jax_attn.metadata import ForwardMode
 from jax_attn.kernels import kernel_cache
 from jax_attn.progress import Progress
 
@@ -70,6 +74,9 @@ class StepRunner:
       backend: the planning backend (page size, request table, planner choice).
       step_fn: ``step_fn(md, token_inputs, *args) -> (token_outputs, other_outputs)``.
       batch_buckets: padded batch sizes; a larger batch runs eagerly (said once).
+      token_buckets: padded token counts of extend / mixed batches (rows padded to ``batch_buckets``):
+        such a batch of at most the last bucket's tokens pads to (batch bucket, token bucket) and can be
+        captured; without them (the default), extends run ``eager``, one executable per distinct shape.
       donate_argnums: indices into ``args`` (e.g. the KV pools) donated to the executable.
       compiler_options: XLA options for every executable of this runner.
       command_buffers: let XLA record the kernels of each executable into command buffers (CUDA
@@ -96,7 +103,8 @@ class StepRunner:
     """
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
-                 batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, donate_argnums: Sequence[int] = (),
+                 batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, token_buckets: Sequence[int] = (),
+                 donate_argnums: Sequence[int] = (),
                  compiler_options: Optional[dict] = None, command_buffers: bool = True,
                  static_buffers: bool = False, compile_cache: bool = True,
                  eager_compiler_options: Optional[dict] = None):
@@ -105,6 +113,7 @@ class StepRunner:
         compiler_options = _with_command_buffers(compiler_options, command_buffers)
         self.step_fn = step_fn
         self.batch_buckets = tuple(sorted(batch_buckets))
+        self.token_buckets = tuple(sorted(token_buckets))
         # Positional layout of _full: (key, StepLayout, req_to_token, packed host inputs, token arguments,
         # *args).
         donate = tuple(5 + i for i in donate_argnums)
@@ -135,12 +144,27 @@ class StepRunner:
         del token_outputs  # donated: only their buffers are used, for the new token outputs
         return self._full(key, layout, req_to_token, *inputs, *args)
 
-    def _padded(self, batch: ForwardBatch):
+    def _padded(self, batch: ForwardBatch) -> Optional[ForwardBatch]:
+        """``batch`` padded to its bucket, or None when no bucket serves it (see ``capturable``)."""
         bs = bucket_for(batch.batch_size, self.batch_buckets)
-        per_req = batch.tokens_per_req_bound()
-        if bs is None or per_req is None:
+        if bs is None:
             return None
-        return pad_batch(batch, bs, bs * per_req)
+        per_req = batch.tokens_per_req_bound()
+        if per_req is not None:
+            return pad_batch(batch, bs, bs * per_req)
+        tokens = self._extend_tokens(batch)
+        return None if tokens is None else pad_batch(batch, bs, tokens)
+
+    def _extend_tokens(self, batch: ForwardBatch) -> Optional[int]:
+        """The token bucket of a ragged extend / mixed batch (None: not bucketed)."""
+        if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or not self.token_buckets:
+            return None
+        return bucket_for(batch.num_tokens, self.token_buckets)
+
+    def capturable(self, batch: ForwardBatch) -> bool:
+        """Whether a bucket serves ``batch``: a uniform mode (decode, verify, draft extend) or, with
+        ``token_buckets``, an extend / mixed batch, within the last batch (and token) bucket."""
+        return self._padded(batch) is not None
 
     def capture(self, batches: Iterable[ForwardBatch], token_inputs, *args, verbose: bool = True,
                 parallel: Union[bool, int] = True) -> CaptureReport:
@@ -193,8 +217,9 @@ class StepRunner:
         """``(plan key, jax.stages.Traced)`` of one batch's bucket (static buffers made here)."""
         padded = self._padded(batch)
         if padded is None:
-            raise ValueError(f"{batch.forward_mode.name} bs={batch.batch_size} is not capturable: "
-                             f"modes with a static token count per request only, bs <= {self.batch_buckets[-1]}")
+            raise ValueError(f"{batch.forward_mode.name} bs={batch.batch_size} tokens={batch.num_tokens} is not "
+                             f"capturable: bs <= {self.batch_buckets[-1]}, and uniform modes (decode, verify, draft "
+                             f"extend) or extends within the token buckets {self.token_buckets}")
         key = self.backend.plan_static(padded)
         layout, packed, tokens = self.pack(padded, _pad_tokens(token_inputs, padded.num_tokens))
         if not self.static_buffers:
@@ -205,15 +230,19 @@ class StepRunner:
         self.buffers[key] = bufs
         return key, self._jit_static.trace(key, layout, self.backend.req_to_token, *bufs, *args)
 
-    def replay(self, batch: ForwardBatch, token_inputs, *args):
-        """Pad to the bucket, run the captured executable, slice token outputs to the real tokens."""
+    def replay(self, batch: ForwardBatch, token_inputs, *args, trim: bool = True):
+        """Pad to the bucket, run the captured executable, slice token outputs to the real tokens.
+
+        ``trim=False`` returns the token outputs at the bucket's token count (the step's rows first):
+        slicing a device array compiles a small XLA program per distinct size, which a caller that
+        converts the outputs anyway (DLPack to torch, a host copy) can do there instead."""
         padded = self._padded(batch)
         key = None if padded is None else self.backend.plan_static(padded)
         exe = self.executables.get(key)
         if exe is None:
-            if not self._warned_eager and batch.tokens_per_req_bound() is not None:
-                print(f"no captured executable for {batch.forward_mode.name} bs={batch.batch_size}: "
-                      "running eagerly (compiles per shape)", file=sys.stderr)
+            if not self._warned_eager and padded is not None:
+                print(f"no captured executable for {batch.forward_mode.name} bs={batch.batch_size} "
+                      f"tokens={batch.num_tokens}: running eagerly (compiles per shape)", file=sys.stderr)
                 self._warned_eager = True
             return self.eager(batch, token_inputs, *args)
         n = batch.num_tokens
@@ -228,7 +257,7 @@ class StepRunner:
             bufs[1] = tok_out  # the donated output buffers, refilled
         else:
             tok_out, other = exe(self.backend.req_to_token, packed, tokens, *args)
-        if n == padded.num_tokens:
+        if n == padded.num_tokens or not trim:
             return tok_out, other
         return jax.tree.map(lambda x: x[:n], tok_out), other
 

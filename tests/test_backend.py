@@ -178,6 +178,58 @@ def test_static_buffer_replay_equals_eager_and_keeps_addresses(mode):
         np.testing.assert_allclose(got.reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+def test_extend_token_buckets_capture_and_replay():
+    """``token_buckets``: a ragged extend pads to (batch bucket, token bucket) and replays its captured
+    executable (no retrace), equal to the eager step and the reference per token, with the step's K/V
+    written and nothing else changed; ``trim=False`` hands back the bucket's rows, the step's first; an
+    extend past the last token bucket runs eagerly. Catches padded tokens planned into a real request,
+    padded writes landing outside slot 0, and a replay that retraces per ragged shape."""
+    rng = np.random.default_rng(21)
+    table, num_slots = make_table(16, 4, seed=9)
+    backend = FlashAttentionBackend(table, page_size=4, max_context_len=MAX_CTX, impl="triton", num_heads=(HQ, HKV))
+    runner = StepRunner(backend, attn_step(backend), batch_buckets=(4, 8), token_buckets=(16, 32),
+                        donate_argnums=())
+    rows0 = np.arange(1, 9, dtype=np.int32)
+    lens0 = np.array([4] * 7 + [28], np.int32)  # 32 tokens: the (8, 32) bucket
+    fb0 = ForwardBatch(ForwardMode.EXTEND, rows0, lens0, np.zeros(32, np.int32), extend_seq_lens=lens0)
+    assert runner.capturable(fb0) and fb0.num_tokens == 32
+    pool0 = make_pool(num_slots, table, rows0, np.full(8, 40), rng)
+    runner.capture([fb0], rand_tokens(rng, 32), pool0, verbose=False)
+    traces = runner.trace_count
+    for bs in (5, 7):  # two ragged shapes, one bucket (8 rows, 32 tokens)
+        rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
+        committed = rng.integers(0, 20, bs).astype(np.int32)
+        fb, q_lens = make_batch("extend", rows, committed, table, rng)
+        assert runner.capturable(fb), fb.num_tokens
+        pool = make_pool(num_slots, table, rows, committed, rng)
+        tok = rand_tokens(rng, fb.num_tokens)
+        want = expected(pool, table, rows, fb, q_lens, tok, 4, 0)
+        eager = np.asarray(runner.eager(fb, tok, pool)[0])
+        traces = runner.trace_count
+        full, new_pool = runner.replay(fb, tok, pool, trim=False)
+        assert runner.trace_count == traces, "an extend inside a captured token bucket must not retrace"
+        full = np.asarray(full)
+        assert full.shape == (32, HQ * D)
+        got = full[:fb.num_tokens]
+        np.testing.assert_allclose(got, eager, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(got.reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
+        k_want = np.array(pool.k)
+        k_want[fb.out_cache_loc] = np.asarray(tok["k"]).reshape(-1, HKV, D)
+        k_got = np.array(new_pool.k)
+        k_want[0] = k_got[0]  # slot 0 takes the padded tokens' writes
+        np.testing.assert_array_equal(k_got, k_want)
+    # past the last token bucket: eager (a new trace), still right
+    rows = np.arange(1, 5, dtype=np.int32)
+    fb = ForwardBatch(ForwardMode.EXTEND, rows, np.full(4, 10, np.int32), table[rows, :10].reshape(-1),
+                      extend_seq_lens=np.full(4, 10, np.int32))
+    assert not runner.capturable(fb)
+    pool = make_pool(num_slots, table, rows, np.zeros(4, np.int32), rng)
+    tok = rand_tokens(rng, 40)
+    got, _ = runner.replay(fb, tok, pool)
+    want = expected(pool, table, rows, fb, np.full(4, 10), tok, 4, 0)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1, HQ, D), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_extend_with_prefix_eager(impl):
     rng = np.random.default_rng(7)
