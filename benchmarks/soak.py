@@ -12,8 +12,8 @@ pages are NaN-poisoned and go back to the free list, which hands pages out in sh
 * every ``--check-every``-th step, and every step that serves one of the traced requests, each request's
   output rows are compared with a float64 oracle over that request's own K/V (per-request relative error);
 * every 100 steps torch's and JAX's device memory is sampled; after the warm-up steps, retraces of the
-  front end's step functions (the bridge's planners and layer executables, the ``StepRunner``'s) and
-  Mosaic kernel builds are counted (target: none), and so are all XLA compiles (glue ops included).
+  front end's step functions (the bridge's planners and layer executables, the ``StepRunner``'s), Mosaic
+  kernel builds and all XLA compiles (glue ops included) are counted (target: none).
 
 ``--pair``: a second (draft-model) engine and backend in the same process, stepped alternately on a second
 torch stream, each checked against its own oracle (EAGLE runs target and draft this way).
@@ -270,11 +270,11 @@ def device_memory(device) -> tuple:
 def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters: Counters, streams) -> list:
     """Step the engines in turn (each on its stream); returns a report per engine."""
     reports = [dict(mem=[]) for _ in engines]
-    base = None
+    base, warm_s = None, 0.0
     t0 = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
-            base, t0 = counters.now(), time.perf_counter()
+            base, warm_s, t0 = counters.now(), time.perf_counter() - t0, time.perf_counter()
             for e in engines:
                 e.front.warm_traces = e.front.compiles()
         for e, rep, stream in zip(engines, reports, streams):
@@ -285,7 +285,7 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
     wall = time.perf_counter() - t0
     builds = tuple(b - a for a, b in zip(base, counters.now())) if base else (0, 0)
     for e, rep in zip(engines, reports):
-        rep.update(e.stats, wall=wall, xla_compiles=builds[0], kernel_builds=builds[1],
+        rep.update(e.stats, wall=wall, warm_s=warm_s, xla_compiles=builds[0], kernel_builds=builds[1],
                    traces=e.front.compiles() - getattr(e.front, "warm_traces", 0))
     return reports
 
@@ -363,23 +363,26 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else max(per // 5, 300)
     ok = True
     for n, (front_name, page_size) in enumerate(configs):
+        t0 = time.perf_counter()
         engines = [make_engine(front_name, page_size, args, args.seed + n)]
         streams = [None]
         if args.pair and front_name == "bridge" and args.device.startswith("cuda"):
             engines.append(make_engine(front_name, page_size, args, args.seed + 100 + n, layers=LAYERS[:1]))
             streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        setup_s = time.perf_counter() - t0
         for k, (e, rep) in enumerate(zip(engines, run(engines, per, warmup, args.check_every, tol, counters,
                                                       streams))):
             mem = rep.pop("mem")
             growth = [(b[0] - mem[0][0], b[1] - mem[0][1]) for b in mem] if mem else [(0, 0)]
             grow_mib = max(max(t, j) for t, j in growth) / 2**20
-            # retraces of the step functions and kernel builds fail the run; XLA compiles of small glue ops
-            # (a new real batch size sliced out of its bucket) are reported
-            warm = args.smoke or (rep["kernel_builds"] == 0 and rep["traces"] == 0)
+            # after warm-up, any retrace of a step function, kernel build or XLA compile (glue ops included)
+            # fails the run
+            warm = args.smoke or rep["kernel_builds"] == rep["traces"] == rep["xla_compiles"] == 0
             good = rep["mismatches"] == 0 and rep["corrupted"] == 0 and rep["checked"] > 0 and warm
             ok &= good
             print(f"{front_name}{'/draft' if k else ''} page {page_size}: {rep['steps']} steps "
-                  f"({warmup} warm-up) in {rep['wall']:.1f} s, checked {rep['checked']}, mismatches "
+                  f"({warmup} warm-up) in {rep['wall']:.1f} s (set-up {setup_s:.1f} s, warm-up {rep['warm_s']:.1f} s), "
+                  f"checked {rep['checked']}, mismatches "
                   f"{rep['mismatches']} (worst rel err {rep['worst']:.2e}), corrupted slots {rep['corrupted']}, "
                   f"finished {rep['finished']} preempted {rep['preempted']}, after warm-up: XLA compiles "
                   f"{rep['xla_compiles']} kernel builds {rep['kernel_builds']} traces {rep['traces']}, "

@@ -157,3 +157,20 @@ def test_second_process_reuses_executables_and_kernels(tmp_path):
     assert second["hlo"] == first["hlo"]
     files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
     assert files and all(_mode(d) == 0o700 for d, _, _ in os.walk(root))
+
+
+def test_prebuild_worker_program_runs(tmp_path):
+    """The program ``kernel_cache.prebuild`` starts per worker imports and answers (an empty share: an
+    empty list back), without the double-import warning of ``python -m``. Catches a worker command that
+    no longer runs: every prebuild would then fall back to building serially, silently."""
+    import pickle
+
+    from jax_attn.kernels import kernel_cache
+    inp, out = tmp_path / "0.in", tmp_path / "0.out"
+    inp.write_bytes(pickle.dumps([]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", kernel_cache._WORKER, str(inp), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert pickle.loads(out.read_bytes()) == []
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr

@@ -294,6 +294,11 @@ def kernels_in(jaxpr) -> list:
     return list(found)
 
 
+# A prebuild worker's program (``python -c``: running this module with ``-m`` would import it twice, the
+# package importing it first, and warn).
+_WORKER = "import sys; from jax_attn.kernels import kernel_cache; kernel_cache._worker(*sys.argv[1:3])"
+
+
 def prebuild(kernels: Iterable, *, workers: Optional[int] = None) -> int:
     """Build the kernels this process has not built yet (``kernels_in`` pairs), in parallel processes.
 
@@ -318,7 +323,7 @@ def prebuild(kernels: Iterable, *, workers: Optional[int] = None) -> int:
             with open(inp, "wb") as f:
                 pickle.dump(todo[w::workers], f)
             procs.append((todo[w::workers], out, subprocess.Popen(
-                [sys.executable, "-m", __name__, inp, out], env=env, stdout=subprocess.DEVNULL)))
+                [sys.executable, "-c", _WORKER, inp, out], env=env, stdout=subprocess.DEVNULL)))
         built = 0
         for share, out, proc in procs:
             if proc.wait() != 0 or not os.path.exists(out):
@@ -358,7 +363,7 @@ def _package_root() -> str:
 
 
 def _worker(inp: str, out: str) -> None:
-    """``python -m jax_attn.kernels.kernel_cache IN OUT``: build the pickled kernels, pickle their calls."""
+    """A prebuild worker (``_WORKER IN OUT``): build the pickled kernels, pickle their calls."""
     with open(inp, "rb") as f:
         todo = pickle.load(f)
     calls = [_build(build, types) for build, types in todo]
@@ -432,9 +437,3 @@ def _disk_store(text: str, call: KernelCall) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a full or read-only disk costs the next process a build, nothing else
-
-
-if __name__ == "__main__":  # a prebuild worker: run the imported module's code, not this copy's
-    from jax_attn.kernels import kernel_cache
-
-    kernel_cache._worker(*sys.argv[1:3])
