@@ -1,8 +1,10 @@
-"""Tensor parallel (``examples/tp.py``, ``decode_llama.py --tp``): 2 shards against 1 on the CPU.
+"""Tensor parallel (``examples/tp.py``, ``decode_llama.py --tp``): 2 shards against 1, on the CPU and on 2 GPUs.
 
 XLA's host device count is fixed when JAX starts, and this process already has 1 device, so the checks
 run in a subprocess with ``--xla_force_host_platform_device_count=2`` (``tests/tp_check.py``). They use
 the persistent compilation cache like the rest of the suite: about 30 s here when warm, about 140 s cold.
+``test_tp2_matches_tp1_on_two_gpus`` (``gpu``) runs the same checks on the first 2 GPUs, in float32 and
+bfloat16: no host devices, JAX not preallocating.
 
 ``test_tp2_matches_tp1`` checks two things:
 
@@ -23,6 +25,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -30,22 +33,45 @@ import llama  # noqa: E402
 import tp  # noqa: E402
 
 
-def _run(which: str) -> list:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tp_check.py"), which], env=env,
-                          capture_output=True, text=True, timeout=600)
+def _run(which: str, platform: str = "cpu", dtypes: str = "float32") -> list:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    if platform == "cpu":
+        env.update(JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    else:  # the real devices; JAX shares them with this process's torch
+        env.pop("JAX_PLATFORMS", None)
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "tp_check.py"), which, "--platform", platform,
+           "--dtypes", dtypes]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert cases and proc.returncode in (0, 1), f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return cases
 
 
+def _check(cases: list, dtypes) -> None:
+    """Every dtype's 2 attention cases are bitwise and its 3 model cases match tp=1."""
+    for dtype in dtypes:
+        mine = [c for c in cases if c["case"].endswith(f"dtype={dtype}")]
+        attention = [c for c in mine if c["case"].startswith("attention")]
+        model = [c for c in mine if c["case"].startswith("model")]
+        assert len(attention) == 2 and all(c["ok"] for c in attention), f"per-shard attention not bitwise: {attention}"
+        assert len(model) == 3 and all(c["ok"] for c in model), f"tp=2 model differs from tp=1: {model}"
+
+
 def test_tp2_matches_tp1():
-    cases = _run("all")  # one subprocess for both kinds: JAX starts once, and xdist cannot split them
-    attention = [c for c in cases if c["case"].startswith("attention")]
-    model = [c for c in cases if c["case"].startswith("model")]
-    assert len(attention) == 2 and all(c["ok"] for c in attention), f"per-shard attention not bitwise: {attention}"
-    assert len(model) == 3 and all(c["ok"] for c in model), f"tp=2 model differs from tp=1: {model}"
+    _check(_run("all"), ["float32"])  # one subprocess for both kinds: JAX starts once, and xdist cannot split them
+
+
+@pytest.mark.gpu
+def test_tp2_matches_tp1_on_two_gpus():
+    """The same checks on 2 GPUs (the kernels compiled, not interpreted), float32 and bfloat16: attention per
+    shard bitwise equal to the whole layer's heads; the model's greedy tokens and logits equal to tp=1's
+    within the dtype's rounding (``tp_check.LOGIT_TOL``)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        pytest.skip(f"needs 2 CUDA GPUs; torch sees {gpus}")
+    _check(_run("all", platform="gpu", dtypes="float32,bfloat16"), ["float32", "bfloat16"])
 
 
 def test_tp_config_errors_name_the_flag():

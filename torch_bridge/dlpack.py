@@ -58,19 +58,37 @@ def check_not_capturing() -> None:
         )
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA ordinal of a torch device (``cuda`` alone: torch's current device, as torch reads it); 0 for
+    the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def jax_device_for(device: torch.device):
+    """The JAX device whose memory is ``device``'s: for ``cuda:i``, JAX's CUDA device of local hardware id
+    ``i`` (a tensor-parallel rank's ``cuda:1`` is not ``jax.devices()[0]``), for the CPU JAX's CPU device.
+    Everything the bridge runs in JAX follows it: the imported views are committed there, and executables
+    compile for the device of their committed arguments. None without jaxlib's internals (other jax versions)."""
+    if _xla_bridge is None:
+        return None
+    device = torch.device(device)
+    backend = _xla_bridge.get_backend("cuda" if device.type == "cuda" else "cpu")
+    return backend.device_from_local_hardware_id(device_index(device))
+
+
 class Importer:
     """Imports torch tensors of one device into JAX without copying, stream-ordered."""
 
     def __init__(self, device: torch.device):
         device = torch.device(device)
         self.dl_type = _KDL_CUDA if device.type == "cuda" else _KDL_CPU
-        index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 0
+        index = device_index(device)
         self.stream: Optional[int] = None
-        self.jax_device = None
-        if _xla_bridge is not None:
-            backend = _xla_bridge.get_backend("cuda" if device.type == "cuda" else "cpu")
-            self.jax_device = backend.device_from_local_hardware_id(index)
+        self.jax_device = jax_device_for(device)
+        if self.jax_device is not None:
             try:
                 self.stream = self.jax_device.get_stream_for_external_ready_events()
             except Exception:  # UNIMPLEMENTED on CPU
