@@ -37,6 +37,7 @@ if __name__ == "__main__" and "--smoke" in sys.argv[1:]:  # before JAX starts: i
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # as bench_jax_step: allocate what the steps need
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (os.path.join(os.path.dirname(_HERE), "examples"), _HERE):
     if _p not in sys.path:
