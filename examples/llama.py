@@ -13,10 +13,11 @@ is a chunked local layer with RoPE (a query sees only the keys of its own ``atte
 chunk: ``LayerParams(use_irope=True)``), every fourth layer is global and NoPE (no rotary
 embedding). ``CONFIGS["tiny-llama4"]`` is such a model.
 
-Two attention paths share every other line: ``forward_paged`` runs jax_attn's backend over a
-paged KV pool; ``forward_dense`` recomputes whole sequences with dense causal attention and is
-the check. The weights and pools can be laid out several ways (``LAYOUTS``): per-layer arrays, or
-fused and stacked over layers so that a compiled step takes a dozen arguments instead of ~180.
+Two attention paths share every other line (``forward_layers``: the model around a caller's
+attention): ``forward_paged`` runs jax_attn's backend over a paged KV pool; ``forward_dense``
+recomputes whole sequences with dense causal attention and is the check. The weights and pools
+can be laid out several ways (``LAYOUTS``): per-layer arrays, or fused and stacked over layers so
+that a compiled step takes a dozen arguments instead of ~180.
 """
 
 from __future__ import annotations
@@ -284,19 +285,20 @@ def _block(cfg, lp, x, positions, i, attend, reduce=None):
     return _mlp(cfg, lp, x + (_norm(cfg, out, lp["n1p"]) if cfg.sandwich_norms else out), reduce), state
 
 
+def _paged_attend(cfg, backend, md, i, q, k, v, pools):
+    """Layer ``i``'s attention through the paged backend: ``(out [T, Hq * D], pools)``; ``pools`` a per-layer
+    list or one stacked pool (``i`` may be traced then: identical layers, so layer 0's knobs)."""
+    layer = layer_params(cfg, i if isinstance(i, int) else 0)
+    if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
+        return backend.forward(q, k, v, layer, pools, md, layer_index=i)
+    attn, pool = backend.forward(q, k, v, layer, pools[i], md)
+    return attn, [*pools[:i], pool, *pools[i + 1:]]
+
+
 def _layer(cfg, backend, lp, md, x, positions, pools, i, reduce=None):
-    """One decoder layer; ``pools`` a per-layer list or one stacked pool (``i`` may be traced then: identical
-    layers, so layer 0's knobs)."""
-    static_i = i if isinstance(i, int) else 0
-    layer = layer_params(cfg, static_i)
-
-    def attend(q, k, v):
-        if isinstance(pools, KVPool):  # the stacked pool, read whole with this layer's slot offset
-            return backend.forward(q, k, v, layer, pools, md, layer_index=i)
-        attn, pool = backend.forward(q, k, v, layer, pools[i], md)
-        return attn, [*pools[:i], pool, *pools[i + 1:]]
-
-    return _block(cfg, lp, x, positions, static_i, attend, reduce)
+    """One decoder layer over the paged pools (``lax.scan``'s body: ``i`` traced)."""
+    attend = lambda q, k, v: _paged_attend(cfg, backend, md, i, q, k, v, pools)  # noqa: E731
+    return _block(cfg, lp, x, positions, i if isinstance(i, int) else 0, attend, reduce)
 
 
 def _embed(cfg, params, token_ids):  # Gemma: times sqrt(dim), the scale rounded to the model dtype (as HF)
@@ -319,8 +321,8 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
     weights and pool only). ``reduce`` (tensor parallel, ``examples/tp.py``): called on the o and down
     projections' partial outputs, e.g. ``lambda x: lax.psum(x, "tp")``; ``cfg`` then has the shard's heads.
     """
-    x = _embed(cfg, params, token_ids)
     if scan:
+        x = _embed(cfg, params, token_ids)
         if not isinstance(params["layers"], dict) or not isinstance(pools, KVPool):
             raise ValueError("scan=True needs layer-stacked weights (with_layout(params, 'scan')) and a stacked pool")
         if not cfg.uniform_layers():
@@ -332,10 +334,24 @@ def forward_paged(cfg: Config, backend: FlashAttentionBackend, params, md, token
 
         steps = (params["layers"], jnp.arange(cfg.n_layers, dtype=jnp.int32))
         (x, pools), _ = jax.lax.scan(body, (x, pools), steps)
-    else:
-        for i in range(cfg.n_layers):
-            x, pools = _layer(cfg, backend, layer_weights(params["layers"], i), md, x, positions, pools, i, reduce)
-    return _logits(cfg, params, x), pools
+        return _logits(cfg, params, x), pools
+    return forward_layers(cfg, params, token_ids, positions, functools.partial(_paged_attend, cfg, backend, md), pools,
+                          reduce)
+
+
+def forward_layers(cfg: Config, params, token_ids, positions, attend, state, reduce=None):
+    """The model around a caller's attention: embedding, the layers unrolled (static index ``i``), the head.
+
+    ``attend(i, q, k, v, state) -> (out [T, Hq * D], state)`` with q ``[T, Hq, D]`` and k/v ``[T, Hkv, D]``
+    (roped) runs layer ``i``'s attention; ``state`` (KV pools or caches) is threaded through the layers.
+    ``forward_paged`` and ``forward_dense`` are this with their attention; so is the contiguous-cache
+    baseline of ``benchmarks/bench_jax_step.py --mode baseline``. Returns ``(logits f32[T, V], state)``.
+    """
+    x = _embed(cfg, params, token_ids)
+    for i in range(cfg.n_layers):
+        layer_attend = lambda q, k, v, i=i, state=state: attend(i, q, k, v, state)  # noqa: E731
+        x, state = _block(cfg, layer_weights(params["layers"], i), x, positions, i, layer_attend, reduce)
+    return _logits(cfg, params, x), state
 
 
 def _dense_causal(q, k, v, chunk: int = 0, window: int = 0, scale=None, softcap: float = 0.0):
@@ -363,19 +379,16 @@ def forward_dense(cfg: Config, params, token_ids):
     layers: the window): ``logits f32[S, V]``."""
     cfg.check_context(token_ids.shape[0])
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    x = _embed(cfg, params, token_ids)
 
-    def dense(i):
+    def dense(i, q, k, v, state):
         chunk = cfg.attention_chunk_size if cfg.is_local(i) else 0
         window = cfg.sliding_window if cfg.is_sliding(i) else 0
-        return lambda q, k, v: (_dense_causal(q, k, v, chunk, window, cfg.softmax_scale(), cfg.attn_softcap), None)
+        return _dense_causal(q, k, v, chunk, window, cfg.softmax_scale(), cfg.attn_softcap), state
 
     if isinstance(params["layers"], dict) and cfg.uniform_layers():  # stacked layers: one compiled body
-        body = lambda x, lp: _block(cfg, lp, x, positions, 0, dense(0))  # noqa: E731
-        return _logits(cfg, params, jax.lax.scan(body, x, params["layers"])[0])
-    for i in range(cfg.n_layers):
-        x, _ = _block(cfg, layer_weights(params["layers"], i), x, positions, i, dense(i))
-    return _logits(cfg, params, x)
+        body = lambda x, lp: _block(cfg, lp, x, positions, 0, lambda q, k, v: dense(0, q, k, v, None))  # noqa: E731
+        return _logits(cfg, params, jax.lax.scan(body, _embed(cfg, params, token_ids), params["layers"])[0])
+    return forward_layers(cfg, params, token_ids, positions, dense, None)[0]
 
 
 def decode_arg_parser(doc: str) -> argparse.ArgumentParser:
