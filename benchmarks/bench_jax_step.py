@@ -38,15 +38,33 @@ timeline (GPU; CUPTI through torch.profiler): ``StepRunner.replay`` blocking on 
   name. ``--piped``: steps issued without blocking (as ``piped`` above), per step the GPU span, busy
   and idle time and the activities by kind, for the replays and for bare executable calls.
 replay-parts: each part of ``StepRunner.replay`` alone, host time (one variant; every call path).
+baseline (``--baseline dense-cudnn``; issue 38): our captured step (one variant, default ``fused``) against
+  what JAX users run today, in one process: the same model (``llama.forward_layers``: same config, weights
+  and layers) with dense attention over a contiguous ``[B, max_ctx, Hkv, D]`` cache per layer, the new k/v
+  written at each request's position, ``jax.nn.dot_product_attention(implementation="cudnn")`` with its
+  native GQA and per-request lengths (``dense_baseline.py``; off a GPU or for float32 models XLA's
+  implementation, and the header says so). Both start from the same random weights and KV contents (the
+  dense caches are gathered from our pools). Decode at each ``--batches`` x ``--ctxs`` (lengths near ctx,
+  ragged by up to 6), prefill at each ``--prefills`` ``BxS`` (B prompts of S tokens from position 0;
+  logits of every token in both). One table, times in ms per step:
+  ours / dense          steady-state wall time per step of calls issued without blocking on the same
+                        device inputs (our bare executable; the jitted dense step), median of 3 windows
+  ours/dense tok/s      dense ms / ours ms (> 1: ours is faster); tok/s of each
+  blocking              a step from host inputs blocked on every step, median (``StepRunner.replay``;
+                        the jitted dense step), lengths advancing one per decode step
+  logits rel err        max |dense - ours| / max |ours| of one more step's logits (model dtype)
 
     python benchmarks/bench_jax_step.py --config 1b --batch 64 --ctx 4096 --variant main
     python benchmarks/bench_jax_step.py --mode timeline --config 1b --batch 64 --ctx 4096 --variant fused [--piped]
     python benchmarks/bench_jax_step.py --mode replay-parts --config 1b --batch 64 --ctx 4096 --variant fused
-    JAX_PLATFORMS=cpu python benchmarks/bench_jax_step.py --smoke   # CPU: tiny model, host + replay-parts
+    python benchmarks/bench_jax_step.py --baseline dense-cudnn --config 1b \
+        --batches 1,8,64 --ctxs 512,4096 --prefills 8x512,1x4096
+    JAX_PLATFORMS=cpu python benchmarks/bench_jax_step.py --smoke   # CPU: tiny model, baseline, replay-parts, host
 
 Flags: ``--config`` (``llama.CONFIGS``), ``--batch``, ``--ctx``, ``--page-size``, ``--layers``, ``--impl``;
-``--steps`` (host 30, timeline 20), ``--variant`` (host ``main``, timeline ``fused``, replay-parts
-``list``), ``--piped`` (timeline), ``--smoke``.
+``--steps`` (host 30, timeline 20, baseline 20), ``--variant`` (host ``main``, timeline ``fused``, replay-parts
+``list``, baseline ``fused``), ``--piped`` (timeline), ``--baseline``, ``--batches``, ``--ctxs``,
+``--prefills`` (baseline, in place of ``--batch`` and ``--ctx``), ``--smoke``.
 """
 
 from __future__ import annotations
@@ -70,6 +88,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import dense_baseline  # noqa: E402
 import llama  # noqa: E402
 from step_analysis import analyze, analyze_window, hlo_counts, print_report, print_window  # noqa: E402
 
@@ -109,12 +128,12 @@ def runner_options(opts) -> dict:
     return dict(compiler_options=xla or None, static_buffers="static" in opts, command_buffers="nocb" not in opts)
 
 
-def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opts=()):
-    """Model in ``layout``, backend and a runner with the decode bucket captured; batch/token factories."""
+def build(config, batch, max_ctx, page_size, layers, impl, layout="list", opts=(), token_buckets=()):
+    """Model in ``layout`` with random weights and random pools, rows 1..batch of a request table with
+    shuffled pages, the backend and a runner of the model's step (nothing captured yet)."""
     cfg = llama.CONFIGS[config]
     if layers:
         cfg = dataclasses.replace(cfg, n_layers=layers)
-    max_ctx = ctx + 2 * steps + 16
     pages_per = -(-max_ctx // page_size)
     table = np.zeros((batch + 1, pages_per * page_size), np.int32)
     perm = np.random.default_rng(0).permutation(np.arange(1, batch * pages_per + 1))
@@ -132,20 +151,31 @@ def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opt
                                             scan=layout == "scan")
         return dict(logits=logits, next_ids=jnp.argmax(logits, -1).astype(jnp.int32)), pools
 
-    runner = StepRunner(backend, step, batch_buckets=(batch,), donate_argnums=(1,), **runner_options(opts))
-    rows = np.arange(1, batch + 1, dtype=np.int32)
+    runner = StepRunner(backend, step, batch_buckets=(batch,), token_buckets=token_buckets, donate_argnums=(1,),
+                        **runner_options(opts))
+    return dict(cfg=cfg, backend=backend, runner=runner, table=table, rows=np.arange(1, batch + 1, dtype=np.int32),
+                params=params, pools=pools, batch=batch)
+
+
+def decode_batch(table, rows, lens) -> ForwardBatch:  # lens i32[B]: lengths with the new token
+    """One new token per request, at position ``lens - 1``."""
+    return ForwardBatch(ForwardMode.DECODE, rows, lens, table[rows, lens - 1])
+
+
+def setup(config, batch, ctx, page_size, steps, layers, impl, layout="list", opts=()):
+    """``build`` with the decode bucket captured, at lengths near ``ctx``; batch/token factories of lengths."""
+    env = build(config, batch, ctx + 2 * steps + 16, page_size, layers, impl, layout, opts)
+    cfg, table, rows = env["cfg"], env["table"], env["rows"]
     lens = np.full(batch, ctx, np.int32) - np.arange(batch, dtype=np.int32) % 7
 
     def fb(lens):
-        return ForwardBatch(ForwardMode.DECODE, rows, lens, table[rows, lens - 1])
+        return decode_batch(table, rows, lens)
 
     def tok(lens):
         return dict(ids=np.asarray(lens % cfg.vocab, np.int32), pos=np.asarray(lens - 1, np.int32))
 
-    runner.capture([fb(lens)], tok(lens), params, pools)
-    exe = next(iter(runner.executables.values()))
-    return dict(cfg=cfg, backend=backend, runner=runner, exe=exe, fb=fb, tok=tok, params=params, pools=pools,
-                lens=lens, batch=batch)
+    env["runner"].capture([fb(lens)], tok(lens), env["params"], env["pools"])
+    return dict(env, exe=next(iter(env["runner"].executables.values())), fb=fb, tok=tok, lens=lens)
 
 
 def step_inputs(runner, padded, tokens):
@@ -494,11 +524,197 @@ def main_replay_parts(config="1b", batch=64, ctx=4096, page_size=16, layers=None
     print(f"leaves per call: {len(jax.tree.leaves((params, pools)))} (params + pools)")
 
 
+# ---- --mode baseline: our captured step against a dense-cache model (dense_baseline.py) -------------------
+BASELINES = (dense_baseline.NAME,)
+
+
+def setup_prefill(config, prompt_lens, page_size, layers, impl, layout="fused", opts=(), room=0, capture=True):
+    """``build`` for prompts of ``prompt_lens`` random tokens from position 0 (EXTEND, one token bucket of
+    their sum; ``room`` more positions per request), the bucket captured unless ``capture=False``;
+    factories as ``setup``'s, and ``prompts`` i32[B, max(prompt_lens)] (the dense baseline's input)."""
+    lens = np.asarray(prompt_lens, np.int32)
+    env = build(config, len(lens), int(lens.max()) + room, page_size, layers, impl, layout, opts,
+                token_buckets=(int(lens.sum()),))
+    table, rows = env["table"], env["rows"]
+    prompts = np.random.default_rng(2).integers(1, env["cfg"].vocab, (len(lens), lens.max())).astype(np.int32)
+
+    def fb(lens):
+        slots = np.concatenate([table[r, :n] for r, n in zip(rows, lens)])
+        return ForwardBatch(ForwardMode.EXTEND, rows, lens, slots, extend_seq_lens=lens)
+
+    def tok(lens):
+        return dict(ids=np.concatenate([p[:n] for p, n in zip(prompts, lens)]),
+                    pos=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))
+
+    if capture:
+        env["runner"].capture([fb(lens)], tok(lens), env["params"], env["pools"])
+    exe = next(iter(env["runner"].executables.values()), None)
+    return dict(env, exe=exe, fb=fb, tok=tok, lens=lens, prompts=prompts)
+
+
+def dense_ids(env, lens) -> np.ndarray:
+    """The dense step's ids i32[B, S] for the paged step's tokens at ``lens`` (decode: one per request)."""
+    return env["prompts"] if "prompts" in env else env["tok"](lens)["ids"][:, None]
+
+
+def steady_us(issue, steps: int, warm: int = 3, windows: int = 3) -> float:
+    """Median over ``windows`` runs of the steady-state wall us per step of calls ``issue(i) -> ids`` issued
+    without blocking (``_SteadyClock``: the GPU's time per step, the host's hidden behind it)."""
+    per, ids = [], None
+    for _ in range(windows):
+        clock = _SteadyClock(warm)
+        for i in range(warm + steps):
+            ids = issue(i)
+            clock.after_issue(i, ids)
+        jax.block_until_ready(ids)
+        per.append(clock.per_step_us(steps))
+    return statistics.median(per)
+
+
+def blocking_us(call, steps: int, warm: int = 3) -> float:
+    """Median wall us of ``call(i)`` blocked on its result, ``i`` from ``warm`` (``warm`` untimed calls first)."""
+    ts = []
+    for i in range(warm + steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(i))
+        ts.append(time.perf_counter() - t0)
+    return _median_us(ts[warm:])
+
+
+def time_ours(env, run, steps: int, advance: int):
+    """Our captured step: (device us: bare executable calls on the same device inputs, steady state;
+    blocking us: ``run`` (``call_path``) from host inputs, lengths ``lens + advance * i``; the logits of
+    the step after those, host)."""
+    lens, params, call, args = env["lens"], env["params"], bare_call(env), device_args(env)
+    state = dict(pools=env["pools"])
+
+    def issue(i):
+        out, state["pools"] = call(args, state["pools"])
+        return out["next_ids"]
+
+    def blocking(i):
+        cur = lens + advance * i
+        out, state["pools"] = run(env["fb"](cur), env["tok"](cur), params, state["pools"])
+        return out
+
+    times = steady_us(issue, steps), blocking_us(blocking, steps)
+    logits = np.asarray(blocking(steps + 3)["logits"])
+    env["pools"] = state["pools"]
+    return (*times, logits)
+
+
+def time_dense(env, step, caches, steps: int, advance: int):
+    """The dense baseline on ``env``'s weights, tokens and lengths, as ``time_ours`` times ours (device: the
+    jitted step on device-resident inputs; blocking: from host inputs, lengths advancing)."""
+    lens, params = env["lens"], env["params"]
+    args = jax.device_put((dense_ids(env, lens), lens))
+    state = dict(caches=caches)
+
+    def issue(i):
+        out, state["caches"] = step(params, state["caches"], *args)
+        return out["next_ids"]
+
+    def blocking(i):
+        cur = lens + advance * i
+        out, state["caches"] = step(params, state["caches"], dense_ids(env, cur), cur)
+        return out
+
+    times = steady_us(issue, steps), blocking_us(blocking, steps)
+    return (*times, np.asarray(blocking(steps + 3)["logits"]))
+
+
+def rel_err(ours, dense) -> float:
+    """max |dense - ours| / max |ours|."""
+    return float(np.max(np.abs(dense - ours)) / (np.max(np.abs(ours)) + 1e-30))
+
+
+def compare_case(env, call: str, dense_impl, steps: int, phase: str) -> tuple:
+    """One table row: our step and the dense baseline on the same weights, tokens and KV contents (the dense
+    caches gathered from the pools before either runs), and the two paths' logits of one more step."""
+    caches = dense_baseline.caches_from_pools(env["pools"], env["table"][env["rows"]])
+    advance = int(phase == "decode")
+    ours = time_ours(env, call_path(env, call), steps, advance)
+    dense = time_dense(env, dense_baseline.make_step(env["cfg"], dense_impl), caches, steps, advance)
+    tokens = len(env["tok"](env["lens"])["ids"])
+    ctx = int(env["lens"].max()) if phase == "prefill" else int(env["lens"][0])
+    return (phase, env["batch"], ctx, tokens, ours[0], dense[0], ours[1], dense[1], rel_err(ours[2], dense[2]))
+
+
+def print_baseline_table(rows) -> None:
+    print("| phase | batch | ctx | ours ms | dense ms | ours/dense tok/s | ours tok/s | dense tok/s "
+          "| ours blocking ms | dense blocking ms | ours/dense blocking | logits rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for phase, batch, ctx, tokens, ours, dense, ours_b, dense_b, err in rows:
+        print(f"| {phase} | {batch} | {ctx} | {ours / 1e3:.3f} | {dense / 1e3:.3f} | {dense / ours:.2f} | "
+              f"{tokens / ours * 1e6:.0f} | {tokens / dense * 1e6:.0f} | {ours_b / 1e3:.3f} | {dense_b / 1e3:.3f} | "
+              f"{dense_b / ours_b:.2f} | {err:.1e} |")
+
+
+def int_list(spec: str) -> list:
+    return [int(x) for x in str(spec).split(",") if x]
+
+
+def main_baseline(config="1b", batches="1,8,64", ctxs="512,4096", prefills="8x512,1x4096", page_size=16, steps=20,
+                  layers=None, impl="auto", variant="fused", baseline=dense_baseline.NAME):
+    """Our captured step against ``baseline`` (``BASELINES``): decode at each batch and context, prefill at
+    each ``BxS`` (B prompts of S tokens); one table."""
+    groups = parse_variants(variant)
+    if len(groups) != 1 or len(next(iter(groups.values()))) != 1:
+        raise ValueError(f"{variant=} must name one variant, e.g. 'fused' or 'fused-static'")
+    if baseline not in BASELINES:
+        raise ValueError(f"{baseline=} must be one of {BASELINES}")
+    (layout, opts), [(name, call)] = next(iter(groups.items()))
+    cfg = llama.CONFIGS[config]
+    dense_impl, why = dense_baseline.attention_impl(cfg.dtype)
+    dense_baseline.check_config(cfg)  # before any compile
+    print(f"device={jax.devices()[0].device_kind} config={config} layers={layers or cfg.n_layers} "
+          f"page_size={page_size} ours={name} (impl={impl}) steps={steps}; baseline {baseline}: dense attention over "
+          f"a contiguous [B, max_ctx, Hkv, D] cache per layer, jax.nn.dot_product_attention through {why}")
+    cases = [("decode", b, c) for b in int_list(batches) for c in int_list(ctxs)]
+    cases += [("prefill", *map(int, p.split("x"))) for p in prefills.split(",") if p]
+    rows = []
+    for phase, batch, n in cases:
+        t0 = time.perf_counter()
+        if phase == "decode":
+            env = setup(config, batch, n, page_size, steps, layers, impl, layout, opts)
+        else:
+            env = setup_prefill(config, [n] * batch, page_size, layers, impl, layout, opts)
+        rows.append(compare_case(env, call, dense_impl, steps, phase))
+        r = rows[-1]
+        print(f"  {phase} batch {batch} ctx {n}: ours {r[4] / 1e3:.3f} ms, dense {r[5] / 1e3:.3f} ms, logits rel err "
+              f"{r[8]:.1e} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        del env
+        gc.collect()
+    print_baseline_table(rows)
+
+
+def check_baseline(config="tiny", prompt_lens=(5, 12, 9), page_size=4, layers=None, impl="auto", layout="list"):
+    """The dense baseline against our paged step on the same weights and KV contents: ragged prompts
+    prefilled by both, then one decode step by both. Returns ``(prefill, decode)`` logits ``rel_err`` (a
+    float32 config on the CPU: both near float32 rounding)."""
+    env = setup_prefill(config, prompt_lens, page_size, layers, impl, layout, room=1, capture=False)
+    lens, table, rows, params, runner = env["lens"], env["table"], env["rows"], env["params"], env["runner"]
+    step = dense_baseline.make_step(env["cfg"], dense_baseline.attention_impl(env["cfg"].dtype)[0])
+    caches = dense_baseline.caches_from_pools(env["pools"], table[rows])
+    ours, pools = runner.eager(env["fb"](lens), env["tok"](lens), params, env["pools"])
+    dense, caches = step(params, caches, env["prompts"], lens)
+    width = env["prompts"].shape[1]
+    real = np.concatenate([b * width + np.arange(n) for b, n in enumerate(lens)])
+    prefill = rel_err(np.asarray(ours["logits"]), np.asarray(dense["logits"])[real])
+    ids = np.asarray(ours["next_ids"])[np.cumsum(lens) - 1]  # each request's next token, at position lens
+    ours, pools = runner.eager(decode_batch(table, rows, lens + 1), dict(ids=ids, pos=lens), params, pools)
+    dense, caches = step(params, caches, ids[:, None], lens + 1)
+    return prefill, rel_err(np.asarray(ours["logits"]), np.asarray(dense["logits"]))
+
+
 # ---- command line --------------------------------------------------------------------------------
 MODES = {"host": (main_host, dict(steps=30, variant="main")),
          "timeline": (main_timeline, dict(steps=20, variant="fused")),
-         "replay-parts": (main_replay_parts, dict(variant="list"))}
+         "replay-parts": (main_replay_parts, dict(variant="list")),
+         "baseline": (main_baseline, dict(steps=20, variant="fused"))}
 SMOKE = dict(config="tiny", batch=4, ctx=64, layers=2, page_size=16)  # --smoke: every mode at these sizes
+SMOKE_BASELINE = dict(config="tiny", layers=2, page_size=16, batches="2", ctxs="48", prefills="2x16")
+BASELINE_FLAGS = ("baseline", "batches", "ctxs", "prefills")  # --mode baseline only (its cases replace --batch, --ctx)
 
 
 def run_mode(mode: str, steps=None, variant=None, piped=False, **kw) -> None:
@@ -514,7 +730,7 @@ def run_mode(mode: str, steps=None, variant=None, piped=False, **kw) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", default="host", choices=sorted(MODES))
+    ap.add_argument("--mode", default=None, choices=sorted(MODES), help="default host; baseline with --baseline")
     ap.add_argument("--config", default="1b", choices=sorted(llama.CONFIGS))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
@@ -528,12 +744,23 @@ def main(argv=None) -> int:
                          "(default: host main, timeline fused, replay-parts list)")
     ap.add_argument("--piped", action="store_true",
                     help="timeline: steps issued without blocking (and bare calls on the same inputs)")
+    ap.add_argument("--baseline", default=None, choices=BASELINES,
+                    help="--mode baseline (implied): our step against this baseline (dense_baseline.py)")
+    ap.add_argument("--batches", default=None, help="baseline: decode batch sizes (default 1,8,64)")
+    ap.add_argument("--ctxs", default=None, help="baseline: decode context lengths (default 512,4096)")
+    ap.add_argument("--prefills", default=None, help="baseline: prefill shapes BxS, B prompts of S tokens "
+                                                     "(default 8x512,1x4096; '' for none)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (or GPU): every mode that runs there")
     args = vars(ap.parse_args(argv))
     mode, smoke = args.pop("mode"), args.pop("smoke")
+    baseline_args = {k: v for k in BASELINE_FLAGS if (v := args.pop(k)) is not None}
+    mode = mode or ("baseline" if baseline_args else "host")
+    if baseline_args and mode != "baseline":
+        sys.exit(f"--{'/--'.join(baseline_args)} belong to --mode baseline, not --mode {mode}")
     if smoke:
         import torch
 
+        run_mode("baseline", **SMOKE_BASELINE, steps=3)
         run_mode("replay-parts", **SMOKE, variant="fused")
         if torch.cuda.is_available():
             run_mode("timeline", **SMOKE, steps=3, variant="fused")
@@ -546,6 +773,9 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             sys.exit("--mode timeline needs a CUDA GPU (the timeline comes from a CUPTI trace)")
+    if mode == "baseline":
+        del args["batch"], args["ctx"]
+        args.update(baseline_args)
     run_mode(mode, **args)
     return 0
 

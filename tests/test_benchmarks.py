@@ -62,11 +62,17 @@ def test_bench_mla_smoke(tmp_path):
 def test_bench_jax_step_smoke(tmp_path):
     """Catches a JAX decode-step benchmark broken by a change to StepRunner / capture internals it
     calls (``_pad_tokens``, ``pack``, ``executables``, ``buffers``), to the example model's
-    layouts, or to the HLO text that step_analysis parses."""
+    layouts (``llama.forward_layers``, which the dense baseline runs too), or to the HLO text that
+    step_analysis parses; and a ``--mode baseline`` whose two paths stopped agreeing on the logits."""
     out = run_smoke("bench_jax_step.py", tmp_path)
     assert header_line(out, "| variant | leaves | device | replay |")
     assert header_line(out, "| variant | call same | call fresh |")
     assert header_line(out, "| part | host us |")  # --mode replay-parts
+    assert header_line(out, "| phase | batch | ctx | ours ms | dense ms | ours/dense tok/s |")  # --mode baseline
+    assert "through XLA (implementation=None)" in out  # no cuDNN on the CPU, and the output says so
+    rows = re.findall(r"^\| (decode|prefill) \|.* \| (\S+) \|$", out, re.M)  # last column: logits rel err
+    assert [phase for phase, _ in rows] == ["decode", "prefill"], out
+    assert all(float(err) < 1e-5 for _, err in rows), rows
 
 
 def test_bench_bridge_smoke(tmp_path):
@@ -98,3 +104,18 @@ def test_tune_smoke(tmp_path):
     assert header_line(out, "point", "config", "TB/s", "relerr", "status")  # triton-decode
     assert os.path.exists(tmp_path / "tune_triton_decode.json")
 
+
+
+def test_dense_baseline_matches_paged_step():
+    """Catches a dense baseline (``bench_jax_step.py --baseline dense-cudnn``) that computes something other
+    than our paged step, which would make its comparison meaningless: a cache write at the wrong position,
+    a length mask off by one, a layer's cache mixed up with another's, the prompt padding attended. Same
+    weights and KV contents (float32, tiny config), ragged prompts prefilled by both, then a decode step
+    by both; in process, on the CPU: the baseline's XLA path (its cuDNN path runs on a GPU only, where the
+    mode's table carries the two paths' logits error)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_jax_step
+
+    prefill, decode = bench_jax_step.check_baseline("tiny", prompt_lens=(5, 12, 9), page_size=4)
+    assert prefill < 1e-5, f"prefill logits: rel err {prefill:.1e}"
+    assert decode < 1e-5, f"decode logits: rel err {decode:.1e}"
