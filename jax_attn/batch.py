@@ -118,6 +118,18 @@ def batch_class(bs: int) -> int:
     return bucket_for(bs, DEFAULT_BATCH_BUCKETS) or cdiv(bs, 64) * 64
 
 
+def token_class(n: int) -> int:
+    """The compiled token count that serves an eager ragged step (extend, mixed, draft extend) of ``n``
+    tokens: the smallest of 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times them) that holds it,
+    so a class pads at most a third and ragged traffic compiles two classes per doubling of its size."""
+    if n < 1:
+        raise ValueError(f"{n=} must be >= 1")
+    c = 16
+    while c < n:
+        c = c * 3 // 2 if c & (c - 1) == 0 else c * 4 // 3
+    return c
+
+
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:
     if x is None or x.shape[0] == size:
         return x

@@ -13,6 +13,7 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.batch import ForwardBatch as JaxBatch
 from jax_attn.batch import SpecInfo as JaxSpec
+from jax_attn.batch import token_class
 from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.reference import paged_attention_reference
 from tests.paging import shuffled_table
@@ -197,6 +198,40 @@ def _layer_options_case():
     want = reference(runner, table, fb, q_lens, q, "extend", 4, softcap=5.0, window_size=(7, 0),
                      sinks=jnp.asarray(sinks.numpy()))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode", "draft_extend"])
+def test_eager_steps_compile_once_per_shape_class(mode):
+    """Eager steps plan at their shape class (``step_planner.eager_shape``: batch class, token class for
+    ragged modes), so engine traffic of ever-new shapes stops compiling once its classes are seen: three
+    batches of 5-8 requests (class 8) and ragged token counts trace nothing after the first, and each
+    equals the reference with its K/V written and every other slot unchanged. Catches a plan keyed on the
+    exact shape (a compile per step), padded rows or tokens read as real ones, and padded writes."""
+    rng = np.random.default_rng(hash(("class", mode)) % 2**31)
+    runner, table = make_runner(16, 4, seed=7)
+    backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
+    traces, cls = None, None
+    for bs in (6, 8, 5):
+        for _ in range(500):  # ragged token counts, all of the first batch's token class
+            rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
+            fb, q_lens, start = make_batch(mode, rows, rng.integers(1, 30, bs), table, rng, runner)
+            cls = cls or token_class(int(q_lens.sum()))
+            if token_class(int(q_lens.sum())) == cls:
+                break
+        fill_committed(runner, table, rows, start, rng)
+        q, k, v = rand_qkv(rng, int(q_lens.sum()))
+        before = [b.clone() for b in runner.token_to_kv_pool.get_kv_buffer(0)]
+        backend.init_forward_metadata(fb)
+        got = backend.forward(q, k, v, layer(), fb).numpy()
+        if traces is not None:
+            assert backend.trace_count == traces, f"{mode} bs={bs}, {q.shape[0]} tokens: a new shape class compiled"
+        traces = backend.trace_count
+        np.testing.assert_allclose(got, reference(runner, table, fb, q_lens, q, mode, 4), rtol=1e-4, atol=1e-4)
+        loc = fb.out_cache_loc
+        for old, new, written in zip(before, runner.token_to_kv_pool.get_kv_buffer(0), (k, v)):
+            want = old.clone()
+            want[loc] = written.reshape(-1, HKV, D)
+            torch.testing.assert_close(new, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("mode,page_size", [("decode", 1), ("verify", 4), ("draft_extend", 4), ("draft_decode", 4)])

@@ -92,15 +92,20 @@ class Packing:
     has_enc: bool = False  # encoder_lens (cross attention)
     mask_words: int = 0  # int32 words of the flat verify custom mask (tree verify)
     all_steps: int = 0  # > 0: plan draft steps 0..all_steps-1 at once (multi-step backend)
-    exact: bool = False  # eager: extend lengths must cover every token (no bucket padding)
+    exact: bool = False  # eager: extend lengths must add up to the step's real tokens (checked in the plan)
     wide: bool = False  # the inputs are int64 seen as int32 word pairs (narrowed in the planner)
     split: bool = False  # only rows and seq_lens, int64 (a replay of SGLang's static buffers)
     heads: Tuple[TableKey, ...] = ()  # table keys whose launch tables come out of the call
     jax_heads: Optional[Tuple[int, int]] = None  # (Hq, Hkv) of the JAX-path layers: the plan carries their schedules
 
+    @property
+    def counted(self) -> bool:
+        """An eager extend: its real token count travels as one more input word (``StepPlanner.plan``)."""
+        return self.exact and self.has_ext
+
     def sizes(self) -> Tuple[int, ...]:
         b = self.key.batch_size
-        return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words)
+        return (b, b, self.num_locs, b * self.has_ext, b * self.has_enc, self.mask_words, int(self.counted))
 
 
 def narrow(words: jax.Array) -> jax.Array:

@@ -122,7 +122,7 @@ class StepPlanner:
         else:
             packed = narrow(inputs[0]) if pk.wide else inputs[0]
             offs = np.cumsum((0,) + pk.sizes())
-            rows, lens, loc, ext, enc, words = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
+            rows, lens, loc, ext, enc, words, count = (packed[a:b] for a, b in zip(offs[:-1], offs[1:]))
         key = pk.key
         if pk.all_steps:
             plans = plan_draft_steps(req_to_token, rows, lens, loc, topk=key.topk, num_steps=pk.all_steps,
@@ -141,8 +141,8 @@ class StepPlanner:
             mask = draft_mask_from_custom_mask(flat, lens, num_draft=key.q_len_per_req)
         md = plan_arrays(key, req_to_token, rows, lens, loc, ext if pk.has_ext else None,
                          enc if pk.has_enc else None, mask, swa_mapping=mapping)
-        if pk.exact and pk.has_ext:  # fewer extend tokens than slots would send the rest to the padding slot
-            md = safety.flag(md, md.cu_seqlens_q[-1] != md.num_tokens, 16)
+        if pk.counted:  # extend lengths that do not add up to the step's tokens would drop or misplace some
+            md = safety.flag(md, md.cu_seqlens_q[-1] != count[0], 16)
         path = self.mosaic_path
         tables = tuple(flatten_tables(md, heads, path.config, path.deterministic) for heads in pk.heads)
         return self.jax_backend.attach_schedule(md, num_heads=pk.jax_heads), tables
@@ -203,6 +203,8 @@ class StepPlanner:
         """Run the planner on the step's tensors; returns the plan (a tuple of plans for
         ``pk.all_steps``) and installs it as the current ``Step`` unless ``pk.all_steps``."""
         parts = [t for t in (rows, lens, loc, ext, enc, words) if t is not None]
+        if pk.counted:  # the step's real token count, which its extend lengths must add up to
+            parts.append(torch.full((1,), real_tokens, dtype=parts[0].dtype, device=parts[0].device))
         if any(t.device != self.device for t in parts):
             raise ValueError(f"index tensors must be on the pools' device {self.device}")
         wide = pk.split or all(t.dtype == torch.int64 for t in parts)  # split inputs come as int64
@@ -335,7 +337,8 @@ class StepPlanner:
         return max(server or own, 1)
 
     def eager(self, forward_batch, mode: ForwardMode) -> None:
-        """``init_forward_metadata``: plan the batch as it is (no bucket)."""
+        """``init_forward_metadata``: plan the batch at its shape class (``eager_shape``), so ragged engine
+        traffic compiles one planner and one kernel per class, not per batch shape."""
         spec = self.spec(forward_batch.spec_info, mode)
         ext = extend_lens(mode, forward_batch.extend_seq_lens, forward_batch.spec_info)
         enc = getattr(forward_batch, "encoder_lens", None)
@@ -343,18 +346,24 @@ class StepPlanner:
         if bs == 0:
             raise ValueError(f"a {mode.name} batch of size 0: SGLang plans an empty step as ForwardMode.IDLE")
         loc = plan_locs(forward_batch.out_cache_loc, spec, mode, bs, self.step_id)
-        tokens = int(loc.shape[0]) // locs_per_token(spec, mode)
-        key = self.key(mode, bs, tokens, spec, ext is not None, enc is not None)
+        per_loc = locs_per_token(spec, mode)
+        tokens = int(loc.shape[0]) // per_loc
+        rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+        pbs, ptokens = eager_shape(mode, bs, tokens, spec, ext is not None, enc is not None)
+        key = self.key(mode, pbs, ptokens, spec, ext is not None, enc is not None)
         check_host_lengths(forward_batch, mode, tokens, ext is not None, capacity=self.jax_backend.capacity,
                            kv_offset=key.kv_offset)
+        if (pbs, ptokens) != (bs, tokens):  # padded rows: row 0, seq_len 1, no new token; padded tokens: slot 0
+            rows, lens = pad_as_is(rows, pbs, 0), pad_as_is(lens, pbs, jbatch.SEQ_LEN_FILL_VALUE)
+            loc = pad_as_is(loc, ptokens * per_loc, 0)
+            ext = None if ext is None else pad_as_is(ext, pbs, 0)
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
             n = int(custom_mask(forward_batch.spec_info).numel())
             words = pack_mask_words(forward_batch.spec_info.custom_mask, max(64, 1 << (n - 1).bit_length()),
                                     self.device).to(loc.dtype)
         pk = packing(key, loc, ext, enc, words, exact=True)
-        self.plan(pk, forward_batch.req_pool_indices, forward_batch.seq_lens, loc, ext, enc, words,
-                  real_tokens=tokens, draft_steps=loc_steps(spec, mode))
+        self.plan(pk, rows, lens, loc, ext, enc, words, real_tokens=tokens, draft_steps=loc_steps(spec, mode))
 
     def init_graphs(self, max_bs: int, max_num_tokens: int) -> None:
         self.graph_max = (int(max_bs), int(max_num_tokens))
@@ -528,3 +537,22 @@ def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, j
 
 def importer_device(model_runner) -> torch.device:
     return model_runner.req_to_token_pool.req_to_token.device
+
+
+def eager_shape(mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool) -> Tuple[int, int]:
+    """(rows, tokens) an eager plan of ``bs`` requests and ``tokens`` tokens is compiled for: the batch class
+    (``jax_attn.batch.batch_class``) and, for ragged modes (extend, mixed, draft extend), the token class
+    (``jax_attn.batch.token_class``); uniform modes keep their tokens per request. Tree (topk > 1) and
+    cross-attention steps plan at their exact shape."""
+    if (spec is not None and spec.topk > 1) or has_enc:
+        return bs, tokens
+    pbs = jbatch.batch_class(bs)
+    if has_ext:
+        return pbs, jbatch.token_class(tokens)
+    return pbs, pbs * (tokens // bs)
+
+
+def pad_as_is(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """``x`` (1-D) padded with ``fill`` to ``size`` entries in its own dtype: a padded eager plan takes the
+    same input widths, so the same compiled planner, as an unpadded one of its class."""
+    return torch.cat([x.reshape(-1), x.new_full((size - x.numel(),), fill)])
