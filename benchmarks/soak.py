@@ -146,7 +146,7 @@ class Engine:
     def _pick(self, mode: str):
         """(requests, keys before this step's tokens, this step's tokens) of a ``mode`` batch, or None.
 
-        ``bucketed`` (the bridge, whose eager plans compile per shape): extend batches hold a bucket of
+        ``bucketed`` (the bridge unless ``--ragged-bridge``): extend batches hold a bucket of
         requests and ``EXTEND_TOKENS`` tokens, draft extends a bucket of requests that all accepted N."""
         n = self.num_draft
         if mode == "extend":
@@ -275,6 +275,8 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
     for i in range(warmup + steps):
         if i == warmup:
             base, warm_s, t0 = counters.now(), time.perf_counter() - t0, time.perf_counter()
+            for rep in reports:
+                rep["warm_counts"] = base
             for e in engines:
                 e.front.warm_traces = e.front.compiles()
         for e, rep, stream in zip(engines, reports, streams):
@@ -321,7 +323,7 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
         front.capture()
     return Engine(front, page_size=page_size, num_pages=num_pages, max_reqs=args.max_reqs, max_ctx=args.max_ctx,
                   heads=heads, layers=layers, num_draft=args.num_draft, dtype=dtype, device=args.device, seed=seed,
-                  bucketed=front_name == "bridge")
+                  bucketed=front_name == "bridge" and not args.ragged_bridge)
 
 
 def main(argv=None) -> int:
@@ -346,6 +348,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--buckets", default="1,2,4,8,16", help="graph / StepRunner batch buckets")
     ap.add_argument("--extend-tokens", type=int, default=64, help="tokens of a bucketed extend batch")
+    ap.add_argument("--ragged-bridge", action="store_true",
+                    help="the bridge gets the JAX front's ragged extends and draft extends too (its eager steps "
+                         "compile per shape class: more classes, a longer cold warm-up)")
     ap.add_argument("--smoke", action="store_true",
                     help="a few CPU-sized steps per engine; compiles after warm-up are reported, not failed")
     args = ap.parse_args(argv)
@@ -363,7 +368,7 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else max(per // 5, 300)
     ok = True
     for n, (front_name, page_size) in enumerate(configs):
-        t0 = time.perf_counter()
+        t0, cold = time.perf_counter(), counters.now()
         engines = [make_engine(front_name, page_size, args, args.seed + n)]
         streams = [None]
         if args.pair and front_name == "bridge" and args.device.startswith("cuda"):
@@ -380,8 +385,10 @@ def main(argv=None) -> int:
             warm = args.smoke or rep["kernel_builds"] == rep["traces"] == rep["xla_compiles"] == 0
             good = rep["mismatches"] == 0 and rep["corrupted"] == 0 and rep["checked"] > 0 and warm
             ok &= good
+            warm_counts = [b - a for a, b in zip(cold, rep.pop("warm_counts", cold))]
             print(f"{front_name}{'/draft' if k else ''} page {page_size}: {rep['steps']} steps "
-                  f"({warmup} warm-up) in {rep['wall']:.1f} s (set-up {setup_s:.1f} s, warm-up {rep['warm_s']:.1f} s), "
+                  f"({warmup} warm-up) in {rep['wall']:.1f} s (set-up {setup_s:.1f} s, warm-up {rep['warm_s']:.1f} s, "
+                  f"{warm_counts[0]} XLA compiles and {warm_counts[1]} kernel builds before the timed steps), "
                   f"checked {rep['checked']}, mismatches "
                   f"{rep['mismatches']} (worst rel err {rep['worst']:.2e}), corrupted slots {rep['corrupted']}, "
                   f"finished {rep['finished']} preempted {rep['preempted']}, after warm-up: XLA compiles "
