@@ -101,11 +101,9 @@ def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None, k
     return np.asarray(out).reshape(q.shape[0], HQ * D)
 
 
-def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, sinks=None, layer=None):
-    """Plan (eager, or the replay hook of bucket ``replay_bs``), run one layer (``layer``: the engine's
-    object, kept across steps; default a new one), compare."""
-    rows, kv_lens, q_lens = (np.asarray(x) for x in (rows, kv_lens, q_lens))
-    fill(runner, table, rows, kv_lens - q_lens, rng)
+def plan_step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None):
+    """A decode (every ``q_lens`` 1) or extend batch of ``rows`` holding ``kv_lens`` keys after it, planned
+    eagerly or by the replay hook of bucket ``replay_bs``, and random bf16 ``q, k, v`` for its tokens."""
     loc = np.concatenate([table[r, n - m:n] for r, n, m in zip(rows, kv_lens, q_lens)]).astype(np.int64)
     decode = bool((q_lens == 1).all())
     dev = runner.req_to_token_pool.req_to_token.device
@@ -120,6 +118,16 @@ def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, 
     n = int(q_lens.sum())
     q, k, v = (torch.from_numpy(rng.standard_normal((n, h * D)).astype(np.float32)).to(torch.bfloat16).to(dev)
                for h in (HQ, HKV, HKV))
+    return fb, q, k, v
+
+
+def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, sinks=None, layer=None):
+    """Plan (eager, or the replay hook of bucket ``replay_bs``), run one layer (``layer``: the engine's
+    object, kept across steps; default a new one), compare."""
+    rows, kv_lens, q_lens = (np.asarray(x) for x in (rows, kv_lens, q_lens))
+    fill(runner, table, rows, kv_lens - q_lens, rng)
+    fb, q, k, v = plan_step(runner, table, backend, rows, kv_lens, q_lens, rng, replay_bs=replay_bs)
+    n = q.shape[0]
     layer = RadixAttention(HQ, D, D**-0.5, HKV, 0) if layer is None else layer
     out = backend.forward(q, k, v, layer, fb, sinks=sinks)
     assert out.shape == (n, HQ * D) and out.dtype == torch.bfloat16

@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script (the CPU check's subprocess)
     sys.path.insert(0, ROOT)
 
-from tests.test_bridge_launch import HKV, HQ, D, captured_decode_replays, fill, setup  # noqa: E402
-from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, RadixAttention  # noqa: E402
+from tests.test_bridge_launch import HKV, HQ, D, captured_decode_replays, fill, plan_step, setup  # noqa: E402
+from torch_bridge import FlashAttentionBackend, ForwardMode, RadixAttention  # noqa: E402
 from torch_bridge.dlpack import jax_device_for  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")  # grad modes: tests/conftest.py
@@ -70,20 +70,7 @@ def check_per_sequence(out, refs, what: str) -> None:
 def run_step(runner, table, backend, step, rng, *, replay_bs=None):
     """One layer of a step (eager plan, or the replay hook of bucket ``replay_bs``); checked; returns the output."""
     rows, kv_lens, q_lens = (np.asarray(x) for x in step)
-    dev = runner.req_to_token_pool.req_to_token.device
-    loc = np.concatenate([table[r, n - m:n] for r, n, m in zip(rows, kv_lens, q_lens)]).astype(np.int64)
-    t64 = [torch.from_numpy(x.astype(np.int64)).to(dev) for x in (rows, kv_lens, loc, q_lens)]
-    decode = bool((q_lens == 1).all())
-    fb = ForwardBatch(ForwardMode.DECODE if decode else ForwardMode.EXTEND, len(rows), t64[0], t64[1], t64[2],
-                      extend_seq_lens=None if decode else t64[3], token_to_kv_pool=runner.token_to_kv_pool)
-    if replay_bs is None:
-        backend.init_forward_metadata(fb)
-    else:
-        backend.init_forward_metadata_replay_cuda_graph(replay_bs, t64[0], t64[1], None, None, ForwardMode.DECODE,
-                                                        None, None, out_cache_loc=t64[2])
-    n = int(q_lens.sum())
-    q, k, v = (torch.from_numpy(rng.standard_normal((n, h * D)).astype(np.float32)).to(torch.bfloat16).to(dev)
-               for h in (HQ, HKV, HKV))
+    fb, q, k, v = plan_step(runner, table, backend, rows, kv_lens, q_lens, rng, replay_bs=replay_bs)
     out = backend.forward(q, k, v, RadixAttention(HQ, D, D**-0.5, HKV, 0), fb)
     check_per_sequence(out, reference64(runner, table, rows, kv_lens, q_lens, q), f"{fb.forward_mode.name} {step}")
     return out
