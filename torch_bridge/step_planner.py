@@ -554,5 +554,9 @@ def eager_shape(mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, ha
 
 def pad_as_is(x: torch.Tensor, size: int, fill: int) -> torch.Tensor:
     """``x`` (1-D) padded with ``fill`` to ``size`` entries in its own dtype: a padded eager plan takes the
-    same input widths, so the same compiled planner, as an unpadded one of its class."""
-    return torch.cat([x.reshape(-1), x.new_full((size - x.numel(),), fill)])
+    same input widths, so the same compiled planner, as an unpadded one of its class. Already ``size``
+    entries (the rows of a batch at its class, padded tokens only): ``x`` as it is, no copy."""
+    x = x.reshape(-1)
+    if x.numel() == size:
+        return x
+    return torch.cat([x, x.new_full((size - x.numel(),), fill)])
