@@ -275,8 +275,6 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
     for i in range(warmup + steps):
         if i == warmup:
             base, warm_s, t0 = counters.now(), time.perf_counter() - t0, time.perf_counter()
-            for rep in reports:
-                rep["warm_counts"] = base
             for e in engines:
                 e.front.warm_traces = e.front.compiles()
         for e, rep, stream in zip(engines, reports, streams):
@@ -287,7 +285,7 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
     wall = time.perf_counter() - t0
     builds = tuple(b - a for a, b in zip(base, counters.now())) if base else (0, 0)
     for e, rep in zip(engines, reports):
-        rep.update(e.stats, wall=wall, warm_s=warm_s, xla_compiles=builds[0], kernel_builds=builds[1],
+        rep.update(e.stats, wall=wall, warm_s=warm_s, at_warm=base, xla_compiles=builds[0], kernel_builds=builds[1],
                    traces=e.front.compiles() - getattr(e.front, "warm_traces", 0))
     return reports
 
@@ -385,7 +383,7 @@ def main(argv=None) -> int:
             warm = args.smoke or rep["kernel_builds"] == rep["traces"] == rep["xla_compiles"] == 0
             good = rep["mismatches"] == 0 and rep["corrupted"] == 0 and rep["checked"] > 0 and warm
             ok &= good
-            warm_counts = [b - a for a, b in zip(cold, rep.pop("warm_counts", cold))]
+            warm_counts = [b - a for a, b in zip(cold, rep.pop("at_warm") or cold)]  # set-up + warm-up
             print(f"{front_name}{'/draft' if k else ''} page {page_size}: {rep['steps']} steps "
                   f"({warmup} warm-up) in {rep['wall']:.1f} s (set-up {setup_s:.1f} s, warm-up {rep['warm_s']:.1f} s, "
                   f"{warm_counts[0]} XLA compiles and {warm_counts[1]} kernel builds before the timed steps), "

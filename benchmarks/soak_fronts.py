@@ -8,8 +8,9 @@ tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and o
   batches that fit a bucket go through the capture / replay hooks as SGLang's graph runner drives them;
   decode buckets replay a real ``torch.cuda.graph`` of every layer's attention where the bridge launches
   the kernel from torch (Hopper, page size a multiple of 8), other buckets run their layers eagerly
-  after the replay hook. Extend and draft extend batches are planned eagerly (one plan per shape: the
-  engine keeps their shapes to a small set, ``Engine(bucketed=True)``).
+  after the replay hook. Extend and draft extend batches are planned eagerly, at their shape class
+  (``jax_attn.batch.batch_class`` / ``token_class``: a cold planner compile and kernel builds per class);
+  the engine keeps their shapes to a small set unless ``--ragged-bridge`` (``Engine(bucketed=True)``).
 * ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner`` that captures every batch bucket
   of the uniform modes (decode, chain verify, draft extend) and, with ``token_buckets``, of ragged extends
   (``EXTEND_TOKEN_BUCKETS``); every step replays one of them, so nothing compiles after the capture.
