@@ -26,7 +26,9 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -257,6 +259,76 @@ class Counters:
     def now(self) -> tuple:
         return self.compiles, self._kernels.builds()
 
+    def profile(self) -> None:
+        """Record each jitted function's tracing, lowering and XLA compile seconds (``jax_log_compiles``), by
+        function name, for ``report``."""
+        import logging
+
+        import jax
+        self.by_name: Dict[str, list] = {}
+        pattern = re.compile(r"Finished (tracing |jaxpr to MLIR module conversion |XLA compilation of )(.+?)"
+                             r"(?: for jit)? in ([0-9.]+) sec")
+        phases = {"tracing ": 1, "jaxpr to MLIR module conversion ": 2, "XLA compilation of ": 3}
+        by_name = self.by_name
+
+        class Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                m = pattern.search(record.getMessage())
+                if m:  # [compiles, trace s, lower s, compile s]
+                    name = m.group(2).removeprefix("jit(").removesuffix(")")
+                    entry = by_name.setdefault(name, [0, 0.0, 0.0, 0.0])
+                    entry[0] += m.group(1) == "XLA compilation of "
+                    entry[phases[m.group(1)]] += float(m.group(3))
+        jax.config.update("jax_log_compiles", True)
+        logger = logging.getLogger("jax")
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False  # keep the compile lines off the console
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        logger.addHandler(Handler())
+        self.timed: Dict[str, list] = {}
+        from torch_bridge import launcher, mosaic_path
+        for owner, attr, label in ((launcher, "plan_kernel", "launcher.plan_kernel (Python lowering)"),
+                                   (mosaic_path, "plan_kernel", "launcher.plan_kernel (Python lowering)"),
+                                   (launcher, "compile_triton", "launcher.compile_triton (Triton to cubin)"),
+                                   (launcher, "triton_loader", "launcher.triton_loader (compile + load)"),
+                                   (launcher, "cuda_loader", "launcher.cuda_loader (compile + load)"),
+                                   (launcher.TorchKernel, "__init__", "TorchKernel (compile + load)"),
+                                   (mosaic_path.MosaicPath, "prebuild", "MosaicPath.prebuild (wall)")):
+            setattr(owner, attr, self._timer(getattr(owner, attr), label))
+
+    def _timer(self, fn, label: str):
+        timed = self.timed
+
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    entry = timed.setdefault(label, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - t0
+        return wrapper
+
+    def report(self, top: int = 25) -> None:
+        """The jitted functions so far by total seconds (trace + lower + compile), and kernel builds by name."""
+        rows = sorted(self.by_name.items(), key=lambda kv: -sum(kv[1][1:]))
+        total = [sum(e[i] for e in self.by_name.values()) for i in range(4)]
+        print(f"XLA compiles: {total[0]} (tracing {total[1]:.1f} s, lowering {total[2]:.1f} s, "
+              f"compiling {total[3]:.1f} s)")
+        for name, (n, tr, lo, co) in rows[:top]:
+            print(f"  {tr + lo + co:7.2f} s ({tr:6.2f} + {lo:6.2f} + {co:6.2f}) {n:4d} compiles of {name}")
+        for label, (n, t) in sorted(self.timed.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {t:7.2f} s {n:5d} calls of {label} (main thread)")
+        kernels: Dict[str, int] = {}
+        for (event, name), n in self._kernels.stats().items():
+            kernels[f"{event} {name}"] = kernels.get(f"{event} {name}", 0) + n
+        for name, n in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            print(f"  kernel {name}: {n}")
+        self.by_name.clear()  # the next report counts from here
+        self.timed.clear()
+
 
 def device_memory(device) -> tuple:
     """(torch allocated, JAX bytes in use) on the device, in bytes (0 where it does not say)."""
@@ -279,7 +351,7 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
                 e.front.warm_traces = e.front.compiles()
         for e, rep, stream in zip(engines, reports, streams):
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                one_step(e, check_every, tol, i)
+                one_step(e, check_every, tol, i, warm=i < warmup)
             if i >= warmup and (i - warmup) % 100 == 0:
                 rep["mem"].append(device_memory(e.device))
     wall = time.perf_counter() - t0
@@ -290,10 +362,26 @@ def run(engines, steps: int, warmup: int, check_every: int, tol: float, counters
     return reports
 
 
-def one_step(e: Engine, check_every: int, tol: float, i: int) -> None:
+PROFILE = False
+STEP_SECONDS: Dict[tuple, list] = {}  # (mode, warm-up?) -> [steps, seconds] (``--profile``)
+
+
+def one_step(e: Engine, check_every: int, tol: float, i: int, warm: bool = False) -> None:
+    t0 = time.perf_counter()
     step = e.next_step()
     if step is None:
         return
+    _one_step(e, step, check_every, tol, i)
+    if not PROFILE:
+        return
+    if torch.device(e.device).type == "cuda":
+        torch.cuda.synchronize(e.device)
+    entry = STEP_SECONDS.setdefault((step.mode, warm), [0, 0.0])
+    entry[0] += 1
+    entry[1] += time.perf_counter() - t0
+
+
+def _one_step(e: Engine, step, check_every: int, tol: float, i: int) -> None:
     before = [(k.clone(), v.clone()) for k, v in e.front.pools()]
     outs = e.front.run(step)
     after = e.front.pools()
@@ -325,7 +413,7 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
 
 
 def main(argv=None) -> int:
-    global EXTEND_TOKENS
+    global EXTEND_TOKENS, PROFILE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20000, help="steps after warm-up, split over the engines")
     ap.add_argument("--warmup", type=int, default=None, help="default: a fifth of each engine's steps, at least 300")
@@ -349,6 +437,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged-bridge", action="store_true",
                     help="the bridge gets the JAX front's ragged extends and draft extends too (its eager steps "
                          "compile per shape class: more classes, a longer cold warm-up)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the XLA compiles by function (seconds, count), kernel builds by kernel and step "
+                         "seconds by mode, in warm-up and after")
     ap.add_argument("--smoke", action="store_true",
                     help="a few CPU-sized steps per engine; compiles after warm-up are reported, not failed")
     args = ap.parse_args(argv)
@@ -360,6 +451,9 @@ def main(argv=None) -> int:
     EXTEND_TOKENS = args.extend_tokens
     fronts.GRAPH_BUCKETS = tuple(int(b) for b in args.buckets.split(","))
     counters = Counters()
+    if args.profile:
+        PROFILE = True
+        counters.profile()
     tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
     configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]
     per = max(args.steps // len(configs), 1)
@@ -392,6 +486,11 @@ def main(argv=None) -> int:
                   f"finished {rep['finished']} preempted {rep['preempted']}, after warm-up: XLA compiles "
                   f"{rep['xla_compiles']} kernel builds {rep['kernel_builds']} traces {rep['traces']}, "
                   f"memory growth {grow_mib:.2f} MiB: {'OK' if good else 'FAILED'}", flush=True)
+        if args.profile:
+            counters.report()
+            for (mode, warm_step), (n, t) in sorted(STEP_SECONDS.items(), key=lambda kv: -kv[1][1]):
+                print(f"  steps {'warm-up' if warm_step else 'timed':7s} {mode:12s} {n:6d} in {t:7.2f} s")
+            STEP_SECONDS.clear()
     return 0 if ok else 1
 
 
