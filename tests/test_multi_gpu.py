@@ -142,13 +142,6 @@ def test_bridge_on_cuda1(rank1, path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, found on 2 H100s (2026-11-27): on cuda:1 the graph bucket's replay matches the reference, but "
-    "the eager forward of the same step right after it returns rows the kernel never wrote (uninitialised "
-    "memory), so eager != replay; on cuda:0 the same test passes. Likely cause: the test's reference ran JAX on "
-    "device 0, XLA leaves that device's context current on the thread, and the launcher's raw launch on torch's "
-    "default stream (handle 0) goes to the current context; fix: make the pools' device context current before "
-    "a raw launch. Remove this mark when fixed."))
 def test_bridge_graph_bucket_on_cuda1(rank1):
     """A captured decode bucket on ``cuda:1`` (as ``test_bridge_launch.test_launch_path_gpu_graph_capture`` on
     device 0): replays equal the reference per sequence and, bitwise, the same step run eagerly."""

@@ -319,21 +319,48 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _bind_primary_context(device) -> None:
-    """Make ``device``'s primary context (torch's) current on this thread. A thread that has made no
-    CUDA runtime call has no current context, and the plugin's compile and module load use the driver."""
-    import torch
-
+def _primary_context(index: int) -> int:
+    """The primary context (torch's and JAX's) of CUDA device ``index``, as an address."""
     lib, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
-    index = torch.cuda.current_device() if device.index is None else device.index
     for what, rc in (("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), index)),
-                     ("cuDevicePrimaryCtxRetain", lambda: lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
-                     ("cuCtxSetCurrent", lambda: lib.cuCtxSetCurrent(ctx))):
+                     ("cuDevicePrimaryCtxRetain", lambda: lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
         err = rc()
         if err:
             raise RuntimeError(f"{what} failed with CUDA error {err} (device {index})")
     release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
     release(dev)  # the CUDA runtime (torch, JAX) keeps its own reference
+    return int(ctx.value)
+
+
+def _bind_primary_context(device) -> None:
+    """Make ``device``'s primary context (torch's) current on this thread. A thread that has made no
+    CUDA runtime call has no current context, and the plugin's compile and module load use the driver."""
+    import torch
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    err = _libcuda().cuCtxSetCurrent(ctypes.c_void_p(_primary_context(index)))
+    if err:
+        raise RuntimeError(f"cuCtxSetCurrent failed with CUDA error {err} (device {index})")
+
+
+class _DeviceStream:
+    """Torch's current stream on one CUDA device, with that device's context made current on this thread
+    first when another is. JAX leaves the context of the device it last ran on current (XLA does not
+    restore it), and a raw launch on the default stream (handle 0) goes to the current context: after JAX
+    ran on device 0, a kernel of a ``cuda:1`` pool would be launched into device 0's context."""
+
+    def __init__(self, index: int, raw: Callable[[], int]):
+        lib = _libcuda()
+        self._get, self._set, self._raw = lib.cuCtxGetCurrent, lib.cuCtxSetCurrent, raw
+        self._ctx = ctypes.c_void_p(_primary_context(index))
+        self._current = ctypes.c_void_p()
+        self._ref = ctypes.byref(self._current)
+
+    def __call__(self) -> int:
+        self._get(self._ref)
+        if self._current.value != self._ctx.value:
+            self._set(self._ctx)
+        return self._raw()
 
 
 def compile_triton(module: TritonModule, capability: Tuple[int, int]):
@@ -447,8 +474,8 @@ def _stream_getter(device) -> Callable[[], int]:
         return lambda: 0
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return functools.partial(raw, device.index)
-    return lambda: torch.cuda.current_stream(device).cuda_stream
+        return _DeviceStream(device.index, functools.partial(raw, device.index))
+    return _DeviceStream(device.index, lambda: torch.cuda.current_stream(device).cuda_stream)
 
 
 class TorchKernel:
