@@ -412,6 +412,39 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
                   bucketed=front_name == "bridge" and not args.ragged_bridge)
 
 
+def run_jobs(argv, configs, per: int, jobs: int) -> int:
+    """Each configuration in its own process (``jobs`` at once); prints their lines; non-zero if any failed."""
+    import subprocess
+    import tempfile
+
+    drop = {"--jobs", "--fronts", "--page-sizes", "--steps"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=")[0]
+        if name in drop:
+            skip = "=" not in a
+            continue
+        rest.append(a)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # processes share the GPU
+    pending = [[sys.executable, os.path.abspath(__file__), "--fronts", f, "--page-sizes", str(p), "--steps", str(per),
+                *rest] for f, p in configs]
+    running: list = []
+    rc = 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty process never blocks on it
+            running.append((subprocess.Popen(pending.pop(0), env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        proc, log = running.pop(0)
+        rc = proc.wait() or rc
+        log.seek(0)
+        print(log.read(), end="", flush=True)
+        log.close()
+    return rc
+
+
 def main(argv=None) -> int:
     global EXTEND_TOKENS, PROFILE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -437,6 +470,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged-bridge", action="store_true",
                     help="the bridge gets the JAX front's ragged extends and draft extends too (its eager steps "
                          "compile per shape class: more classes, a longer cold warm-up)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="run the (front end, page size) configurations in this many processes at once, sharing "
+                         "the GPU (each its own warm-up; the steps per configuration stay the same)")
     ap.add_argument("--profile", action="store_true",
                     help="print the XLA compiles by function (seconds, count), kernel builds by kernel and step "
                          "seconds by mode, in warm-up and after")
@@ -457,6 +493,8 @@ def main(argv=None) -> int:
     tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
     configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]
     per = max(args.steps // len(configs), 1)
+    if args.jobs > 1 and len(configs) > 1:
+        return run_jobs(argv if argv is not None else sys.argv[1:], configs, per, args.jobs)
     warmup = args.warmup if args.warmup is not None else max(per // 5, 300)
     ok = True
     for n, (front_name, page_size) in enumerate(configs):

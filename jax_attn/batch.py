@@ -130,6 +130,17 @@ def token_class(n: int) -> int:
     return c
 
 
+RAGGED_MIN_ROWS = 16  # rows of an eager ragged step of few requests (the smallest token class)
+
+
+def ragged_rows(bs: int) -> int:
+    """The compiled row count of an eager ragged step (extend, mixed, draft extend) of ``bs`` requests: the
+    batch class of at least ``RAGGED_MIN_ROWS``. Steps of up to 16 requests then differ only in their token
+    class, so chunked-prefill traffic compiles one plan and one kernel per token class, not per (batch
+    class, token class) pair (five times as many); a padded row costs a page-table row and no work."""
+    return batch_class(max(bs, RAGGED_MIN_ROWS))
+
+
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:
     if x is None or x.shape[0] == size:
         return x

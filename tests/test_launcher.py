@@ -14,7 +14,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares th
 
 import dataclasses
 import functools
+import gc
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -394,6 +396,28 @@ def test_gpu_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert same(args[3], want[0]) and same(args[4], want[1])
+
+
+@gpu
+@needs_gpu
+def test_gpu_identical_modules_compile_once_and_unload_with_the_last_kernel():
+    """Two kernels of one module (a target and a draft backend with the same layer shape) share one compiled
+    module; it stays loaded, and launchable, while either kernel lives (bug caught: a compile per kernel,
+    or the first kernel's death unloading what the second still launches)."""
+    x = torch.arange(N_SCALE, dtype=torch.float32, device="cuda")
+    plan = launcher.plan_kernel(lambda x: scale_fn(x)[1], jax.ShapeDtypeStruct((N_SCALE,), jnp.float32))
+    first = launcher.TorchKernel(plan, x.device)
+    second = launcher.TorchKernel(plan, x.device)
+    assert first._handle == second._handle, "an identical module was compiled twice"
+    loaded = [v for v in launcher._loaded.values() if v.handle == first._handle]
+    assert len(loaded) == 1
+    del first
+    gc.collect()
+    assert torch.equal(second(x), 2 * x + 1)  # still loaded
+    alive = weakref.ref(loaded.pop())
+    del second
+    gc.collect()
+    assert alive() is None, "the shared module outlived its last kernel"
 
 
 def _host_us(fn, n=2000) -> float:

@@ -116,6 +116,10 @@ def rank1():
         yield torch.device("cuda", 1)
     finally:
         torch.cuda.set_device(previous)
+    # the test's kernels of cuda:1, collected now, unload without moving this thread's current device (they
+    # did: a later test's ``device="cuda"`` tensors then landed on cuda:1)
+    gc.collect()
+    assert torch.cuda.current_device() == previous, "collecting the bridge's cuda:1 objects moved the current device"
 
 
 @pytest.mark.gpu

@@ -202,16 +202,18 @@ def _layer_options_case():
 
 @pytest.mark.parametrize("mode", ["extend", "decode", "draft_extend"])
 def test_eager_steps_compile_once_per_shape_class(mode):
-    """Eager steps plan at their shape class (``step_planner.eager_shape``: batch class, token class for
-    ragged modes), so engine traffic of ever-new shapes stops compiling once its classes are seen: three
-    batches of 5-8 requests (class 8) and ragged token counts trace nothing after the first, and each
-    equals the reference with its K/V written and every other slot unchanged. Catches a plan keyed on the
-    exact shape (a compile per step), padded rows or tokens read as real ones, and padded writes."""
+    """Eager steps plan at their shape class (``step_planner.eager_shape``: batch class for decode; for ragged
+    modes 16 rows up to 16 requests, ``jax_attn.batch.ragged_rows``, and the token class), so engine traffic of
+    ever-new shapes stops compiling once its classes are seen: three decode batches of 5-8 requests (class 8),
+    or three ragged batches of 1, 5 and 10 requests (batch classes 1, 6, 12) of one token class, trace nothing
+    after the first, and each equals the reference with its K/V written and every other slot unchanged.
+    Catches a plan keyed on the exact shape (a compile per step), a ragged plan keyed on the batch class,
+    padded rows or tokens read as real ones, and padded writes."""
     rng = np.random.default_rng(hash(("class", mode)) % 2**31)
     runner, table = make_runner(16, 4, seed=7)
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
     traces, cls = None, None
-    for bs in (6, 8, 5):
+    for bs in (6, 8, 5) if mode == "decode" else (1, 5, 10):
         for _ in range(500):  # ragged token counts, all of the first batch's token class
             rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
             fb, q_lens, start = make_batch(mode, rows, rng.integers(1, 30, bs), table, rng, runner)

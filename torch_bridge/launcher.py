@@ -32,8 +32,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import os
 import re
+import threading
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
@@ -343,11 +345,13 @@ def _bind_primary_context(device) -> None:
         raise RuntimeError(f"cuCtxSetCurrent failed with CUDA error {err} (device {index})")
 
 
-class _DeviceStream:
-    """Torch's current stream on one CUDA device, with that device's context made current on this thread
-    first when another is. JAX leaves the context of the device it last ran on current (XLA does not
-    restore it), and a raw launch on the default stream (handle 0) goes to the current context: after JAX
-    ran on device 0, a kernel of a ``cuda:1`` pool would be launched into device 0's context."""
+class _DeviceLaunch:
+    """Launches on torch's current stream of one CUDA device, in that device's context: when another context
+    is current on this thread, this one is made current for the launch and the other restored after it.
+    JAX leaves the context of the device it last ran on current (XLA does not restore it), and a raw launch
+    on the default stream (handle 0) goes to the current context: after JAX ran on device 0, a kernel of a
+    ``cuda:1`` pool would be launched into device 0's context. Restoring keeps the thread's current device
+    (torch's ``current_device()`` reads it) as the caller left it."""
 
     def __init__(self, index: int, raw: Callable[[], int]):
         lib = _libcuda()
@@ -356,11 +360,17 @@ class _DeviceStream:
         self._current = ctypes.c_void_p()
         self._ref = ctypes.byref(self._current)
 
-    def __call__(self) -> int:
+    def __call__(self, launch: Callable, handle, ptrs) -> None:
         self._get(self._ref)
-        if self._current.value != self._ctx.value:
-            self._set(self._ctx)
-        return self._raw()
+        if self._current.value == self._ctx.value:
+            launch(handle, self._raw(), ptrs)
+            return
+        previous = ctypes.c_void_p(self._current.value)
+        self._set(self._ctx)
+        try:
+            launch(handle, self._raw(), ptrs)
+        finally:
+            self._set(previous)
 
 
 def compile_triton(module: TritonModule, capability: Tuple[int, int]):
@@ -449,13 +459,48 @@ def triton_loader(module: TritonModule, device) -> Compiled:
     return Compiled(0, launch, lambda: None)
 
 
+class _Loaded:
+    """A Mosaic GPU module compiled and loaded into one device's context, shared by every ``TorchKernel`` of
+    an identical module in the process (two backends with the same layer shape: a target and its draft
+    model); unloaded when the last of them is gone."""
+
+    def __init__(self, handle: int, launch: Callable, unload: Callable[[], None]):
+        self.handle, self.launch = handle, launch
+        weakref.finalize(self, unload).atexit = False  # the process is ending: nothing to free
+
+
+_loaded: "weakref.WeakValueDictionary[tuple, _Loaded]" = weakref.WeakValueDictionary()
+_load_locks: dict = {}  # (module digest, device index) -> lock: one compile per module when threads race
+_load_lock = threading.Lock()
+
+
 def cuda_loader(module, device) -> Compiled:
     """Compile a lowered kernel (``KernelPlan.module``) for ``device``: a serialized Mosaic GPU module
-    with the CUDA plugin, a ``TritonModule`` with ``triton`` (``triton_loader``)."""
+    with the CUDA plugin (once per identical module and device in the process), a ``TritonModule`` with
+    ``triton`` (``triton_loader``; Triton's on-disk cache makes a repeated compile a lookup)."""
     import torch
 
     if isinstance(module, TritonModule):
         return triton_loader(module, device)
+    index = torch.device(device).index
+    key = (hashlib.sha256(module).digest(), index)
+    with _load_lock:
+        lock = _load_locks.setdefault(key, threading.Lock())
+    with lock:
+        loaded = _loaded.get(key)
+        if loaded is None:
+            loaded = _loaded[key] = _Loaded(*_mosaic_compile(module, device))
+    # the kernel's unload callback holds the shared module: it lives while any kernel of it does
+    return Compiled(loaded.handle, loaded.launch, functools.partial(_keep, loaded))
+
+
+def _keep(_loaded_module: _Loaded) -> None:
+    """A ``TorchKernel``'s unload of a shared module: only drops its reference (``_Loaded`` unloads)."""
+
+
+def _mosaic_compile(module: bytes, device) -> Tuple[int, Callable, Callable[[], None]]:
+    import torch
+
     lib = _plugin_library()
     with torch.cuda.device(device):
         torch.empty(1, device=device)  # the primary context exists
@@ -464,18 +509,32 @@ def cuda_loader(module, device) -> Compiled:
     if not res:
         raise RuntimeError("MosaicGpuCompile failed "
                            "(set MOSAIC_GPU_DUMP_PTX=1 / MOSAIC_GPU_DUMP_MLIR_PASSES=1 to see why)")
-    return Compiled(res[0], _LAUNCH_T(res[1]), functools.partial(lib.MosaicGpuUnload, res))
+    return res[0], _LAUNCH_T(res[1]), functools.partial(_keeping_context, lib.MosaicGpuUnload, res)
 
 
-def _stream_getter(device) -> Callable[[], int]:
+def _keeping_context(fn: Callable, *args) -> None:
+    """``fn(*args)`` with this thread's current CUDA context restored after it. Unloading a kernel makes its
+    device's context current, and a finalizer runs wherever the collector does: a kernel of ``cuda:1``
+    collected during a step on ``cuda:0`` would otherwise move torch's ``current_device()`` to 1."""
+    lib, ctx = _libcuda(), ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    try:
+        fn(*args)
+    finally:
+        lib.cuCtxSetCurrent(ctx)
+
+
+def _device_launcher(device) -> Callable[[Callable, Any, Any], None]:
+    """``run(launch, handle, ptrs)``: ``launch(handle, stream, ptrs)`` on torch's current stream of ``device``,
+    in its context (``_DeviceLaunch``); off CUDA (tests' fake loaders), on stream 0."""
     import torch
 
     if device.type != "cuda":
-        return lambda: 0
+        return lambda launch, handle, ptrs: launch(handle, 0, ptrs)
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return _DeviceStream(device.index, functools.partial(raw, device.index))
-    return _DeviceStream(device.index, lambda: torch.cuda.current_stream(device).cuda_stream)
+        return _DeviceLaunch(device.index, functools.partial(raw, device.index))
+    return _DeviceLaunch(device.index, lambda: torch.cuda.current_stream(device).cuda_stream)
 
 
 class TorchKernel:
@@ -491,7 +550,7 @@ class TorchKernel:
         self._handle, self._launch = compiled.handle, compiled.launch
         self._finalizer = weakref.finalize(self, compiled.unload)
         self._finalizer.atexit = False  # the process is ending: nothing to free, CUDA may be gone
-        self._stream = _stream_getter(self.device)
+        self._run = _device_launcher(self.device)
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         self._torch_arg = [(tuple(s), getattr(torch, d)) for s, d in plan.arg_types]
         self._torch_out = [(tuple(s), getattr(torch, d)) for s, d in plan.out_types]
@@ -556,7 +615,7 @@ class TorchKernel:
         outs = self._prepare(self._ptrs, args, out, check)
         for t, v in self._refill:
             t.fill_(v)
-        self._launch(self._handle, self._stream(), self._ptrs)
+        self._run(self._launch, self._handle, self._ptrs)
         return self._result(args, outs)
 
     def bind(self, *args, out=None) -> "BoundLaunch":
@@ -575,7 +634,7 @@ class BoundLaunch:
 
     def __init__(self, kernel: TorchKernel, ptrs, result, keep_alive):
         self._kernel, self._ptrs, self.result, self._keep = kernel, ptrs, result, keep_alive
-        self._launch, self._handle, self._stream = kernel._launch, kernel._handle, kernel._stream
+        self._launch, self._handle, self._run = kernel._launch, kernel._handle, kernel._run
         self._arg_slots = {a: [i for j, i in kernel._arg_pos if j == a] for a, _ in kernel._arg_pos}
         self._out_slots = {o: [i for j, i in kernel._out_pos if j == o] for o, _ in kernel._out_pos}
 
@@ -590,7 +649,7 @@ class BoundLaunch:
     def __call__(self):
         for t, v in self._kernel._refill:
             t.fill_(v)
-        self._launch(self._handle, self._stream(), self._ptrs)
+        self._run(self._launch, self._handle, self._ptrs)
         return self.result
 
 

@@ -214,7 +214,7 @@ class MosaicPath:
         if hit is None:
             with torch.inference_mode(False):  # a normal tensor: later steps update it in place
                 buf = torch.empty_like(flat)
-            hit = self._persistent[buf_key] = self._views(buf, table_plan(step.plan(), heads), heads)
+            hit = self._persistent[buf_key] = self._views(buf, table_plan(step.plan_shapes(), heads), heads)
             if step.graph:
                 self._pinned.add(buf_key)
             self._evict()  # only a new buffer can take the unpinned ones over the bound

@@ -81,6 +81,11 @@ class Step:
     def plan(self):
         return self.layout.unpack(self.words)
 
+    def plan_shapes(self):
+        """The plan's structure, static fields and array shapes, with no device work (``plan()`` run eagerly
+        compiles a slice per leaf and new shape)."""
+        return jax.eval_shape(self.layout.unpack, self.words)
+
 
 @dataclasses.dataclass(frozen=True)
 class Packing:

@@ -540,15 +540,15 @@ def importer_device(model_runner) -> torch.device:
 
 
 def eager_shape(mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool) -> Tuple[int, int]:
-    """(rows, tokens) an eager plan of ``bs`` requests and ``tokens`` tokens is compiled for: the batch class
-    (``jax_attn.batch.batch_class``) and, for ragged modes (extend, mixed, draft extend), the token class
-    (``jax_attn.batch.token_class``); uniform modes keep their tokens per request. Tree (topk > 1) and
-    cross-attention steps plan at their exact shape."""
+    """(rows, tokens) an eager plan of ``bs`` requests and ``tokens`` tokens is compiled for: for ragged modes
+    (extend, mixed, draft extend) ``jax_attn.batch.ragged_rows`` and the token class
+    (``jax_attn.batch.token_class``), for uniform modes the batch class (``jax_attn.batch.batch_class``) and
+    their tokens per request. Tree (topk > 1) and cross-attention steps plan at their exact shape."""
     if (spec is not None and spec.topk > 1) or has_enc:
         return bs, tokens
-    pbs = jbatch.batch_class(bs)
     if has_ext:
-        return pbs, jbatch.token_class(tokens)
+        return jbatch.ragged_rows(bs), jbatch.token_class(tokens)
+    pbs = jbatch.batch_class(bs)
     return pbs, pbs * (tokens // bs)
 
 
