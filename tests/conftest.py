@@ -20,6 +20,20 @@ from hypothesis import settings
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+
+
+def pytest_configure(config):
+    """On a host with several GPUs: create JAX's GPU client now, keeping the thread's CUDA context. Created at
+    JAX's first use (a module-level array in a test helper), it leaves the last GPU's context current, and
+    torch's ``device="cuda"`` follows that context: single-GPU tests' tensors then landed on cuda:1."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return
+    import jax
+
+    from torch_bridge.dlpack import keeping_cuda_context
+    keeping_cuda_context(jax.devices)
+
+
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")

@@ -120,6 +120,10 @@ def rank1():
     # did: a later test's ``device="cuda"`` tensors then landed on cuda:1)
     gc.collect()
     assert torch.cuda.current_device() == previous, "collecting the bridge's cuda:1 objects moved the current device"
+    # JAX makes the context of the device it last worked on current, and its runtime frees a dropped array's
+    # buffer later, during another call: one JAX op on the previous device now, so the next test starts on it
+    jax.block_until_ready(jax.device_put(np.int32(0), jax.devices()[previous]) + 1)
+    torch.cuda.set_device(previous)
 
 
 @pytest.mark.gpu
@@ -188,3 +192,19 @@ def test_bridge_follows_the_pools_jax_device():
 
 if __name__ == "__main__":
     print(json.dumps(_host_device_1()), flush=True)
+
+
+@pytest.mark.gpu
+def test_bridge_creating_jax_client_keeps_torch_current_device():
+    """JAX's GPU client, created at JAX's first use, leaves its last GPU's context current, and torch's
+    ``current_device()`` follows it. The bridge's first JAX use (``dlpack.jax_device_for``) keeps the thread's
+    context: a fresh process that makes a ``cuda:0`` importer first still creates ``device="cuda"`` tensors on
+    cuda:0 (bug caught: they went to cuda:1 on a 2-GPU host)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    code = ("import torch; torch.empty(1, device='cuda:0'); from torch_bridge.dlpack import Importer; "
+            "Importer(torch.device('cuda', 0)); print(torch.empty(1, device='cuda').device.index)")
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "0", out.stdout

@@ -22,7 +22,9 @@ keeps ownership. The cache holds the DLPack capsule, which keeps the torch stora
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import ctypes
+import functools
+from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import torch
@@ -67,6 +69,24 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
+def libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def keeping_cuda_context(fn: Callable, *args):
+    """``fn(*args)`` with this thread's current CUDA context restored after it. CUDA calls of other libraries
+    leave the context of their device current: JAX's GPU client, created at JAX's first use, leaves its last
+    GPU's, and unloading a kernel leaves its device's. Torch's ``current_device()`` follows the current
+    context, so on a host with several GPUs a later ``device="cuda"`` tensor would land on the wrong one."""
+    lib, ctx = libcuda(), ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    try:
+        return fn(*args)
+    finally:
+        lib.cuCtxSetCurrent(ctx)
+
+
 def jax_device_for(device: torch.device):
     """The JAX device whose memory is ``device``'s: for ``cuda:i``, JAX's CUDA device of local hardware id
     ``i`` (a tensor-parallel rank's ``cuda:1`` is not ``jax.devices()[0]``), for the CPU JAX's CPU device.
@@ -75,7 +95,10 @@ def jax_device_for(device: torch.device):
     if _xla_bridge is None:
         return None
     device = torch.device(device)
-    backend = _xla_bridge.get_backend("cuda" if device.type == "cuda" else "cpu")
+    if device.type == "cuda":  # the first call creates JAX's GPU client
+        backend = keeping_cuda_context(_xla_bridge.get_backend, "cuda")
+    else:
+        backend = _xla_bridge.get_backend("cpu")
     return backend.device_from_local_hardware_id(device_index(device))
 
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import jax
 
 from jax_attn.kernels import kernel_cache
+from torch_bridge.dlpack import keeping_cuda_context, libcuda
 
 try:  # jax internals, pinned below (check_jax_internals says what to update when they move)
     import jax.experimental.mosaic.gpu as _mgpu
@@ -316,14 +317,9 @@ def _plugin_library():
     return lib
 
 
-@functools.cache
-def _libcuda():
-    return ctypes.CDLL("libcuda.so.1")
-
-
 def _primary_context(index: int) -> int:
     """The primary context (torch's and JAX's) of CUDA device ``index``, as an address."""
-    lib, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
+    lib, dev, ctx = libcuda(), ctypes.c_int(), ctypes.c_void_p()
     for what, rc in (("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), index)),
                      ("cuDevicePrimaryCtxRetain", lambda: lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
         err = rc()
@@ -340,7 +336,7 @@ def _bind_primary_context(device) -> None:
     import torch
 
     index = torch.cuda.current_device() if device.index is None else device.index
-    err = _libcuda().cuCtxSetCurrent(ctypes.c_void_p(_primary_context(index)))
+    err = libcuda().cuCtxSetCurrent(ctypes.c_void_p(_primary_context(index)))
     if err:
         raise RuntimeError(f"cuCtxSetCurrent failed with CUDA error {err} (device {index})")
 
@@ -354,7 +350,7 @@ class _DeviceLaunch:
     (torch's ``current_device()`` reads it) as the caller left it."""
 
     def __init__(self, index: int, raw: Callable[[], int]):
-        lib = _libcuda()
+        lib = libcuda()
         self._get, self._set, self._raw = lib.cuCtxGetCurrent, lib.cuCtxSetCurrent, raw
         self._ctx = ctypes.c_void_p(_primary_context(index))
         self._current = ctypes.c_void_p()
@@ -399,7 +395,7 @@ def kernel_params(ptx: str, name: str) -> int:
 
 @functools.cache
 def _cu_launch_kernel():
-    fn = _libcuda().cuLaunchKernel
+    fn = libcuda().cuLaunchKernel
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
@@ -509,19 +505,7 @@ def _mosaic_compile(module: bytes, device) -> Tuple[int, Callable, Callable[[], 
     if not res:
         raise RuntimeError("MosaicGpuCompile failed "
                            "(set MOSAIC_GPU_DUMP_PTX=1 / MOSAIC_GPU_DUMP_MLIR_PASSES=1 to see why)")
-    return res[0], _LAUNCH_T(res[1]), functools.partial(_keeping_context, lib.MosaicGpuUnload, res)
-
-
-def _keeping_context(fn: Callable, *args) -> None:
-    """``fn(*args)`` with this thread's current CUDA context restored after it. Unloading a kernel makes its
-    device's context current, and a finalizer runs wherever the collector does: a kernel of ``cuda:1``
-    collected during a step on ``cuda:0`` would otherwise move torch's ``current_device()`` to 1."""
-    lib, ctx = _libcuda(), ctypes.c_void_p()
-    lib.cuCtxGetCurrent(ctypes.byref(ctx))
-    try:
-        fn(*args)
-    finally:
-        lib.cuCtxSetCurrent(ctx)
+    return res[0], _LAUNCH_T(res[1]), functools.partial(keeping_cuda_context, lib.MosaicGpuUnload, res)
 
 
 def _device_launcher(device) -> Callable[[Callable, Any, Any], None]:
