@@ -115,15 +115,12 @@ def rank1():
     try:
         yield torch.device("cuda", 1)
     finally:
+        # JAX makes the context of a device it works on current (torch's current device follows it), and its
+        # runtime frees a dropped array's buffer later, during another call: collect the test's objects, run
+        # one JAX op on the previous device, then set it, so the next test starts there
+        gc.collect()
+        jax.block_until_ready(jax.device_put(np.int32(0), jax.devices()[previous]) + 1)
         torch.cuda.set_device(previous)
-    # the test's kernels of cuda:1, collected now, unload without moving this thread's current device (they
-    # did: a later test's ``device="cuda"`` tensors then landed on cuda:1)
-    gc.collect()
-    assert torch.cuda.current_device() == previous, "collecting the bridge's cuda:1 objects moved the current device"
-    # JAX makes the context of the device it last worked on current, and its runtime frees a dropped array's
-    # buffer later, during another call: one JAX op on the previous device now, so the next test starts on it
-    jax.block_until_ready(jax.device_put(np.int32(0), jax.devices()[previous]) + 1)
-    torch.cuda.set_device(previous)
 
 
 @pytest.mark.gpu
