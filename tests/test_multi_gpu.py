@@ -14,6 +14,11 @@ the bridge told that the pools' JAX device is host device 1 (``torch_bridge.dlpa
 place that maps a torch device to a JAX device): every JAX array the bridge makes must land there. Catches
 an executable compiled, or an array made, for the default device: on a rank using ``cuda:1`` that is a copy
 per step or an error.
+
+Run this file's ``gpu`` tests in their own pytest process: JAX makes the context of the device it last worked
+on current, and torch's ``current_device()`` follows it, so after these tests a later single-GPU test's
+``device="cuda"`` tensors can land on cuda:1 (seen on 2 H200s, 2026-11-27, despite the ``rank1`` fixture's
+reset). The bridge itself keeps the context where it touches CUDA (launches, unloads, JAX's client creation).
 """
 
 import gc

@@ -1,9 +1,9 @@
 """The soak (``benchmarks/soak.py``): random engine steps through both front ends, each step's pool diffed
 and its outputs checked against a float64 oracle. The CPU run is a smoke test of the script; the ``gpu``
 run is the short soak (both front ends, page sizes 1 and 16, a target and a draft backend on two
-streams). Its wall time is printed; the issue's 60 s budget is not asserted: on the H100 (2026-11-27) the
-steps themselves run in seconds, but the bridge engines' cold warm-up (planner compiles and kernel builds of
-their eager shapes) takes minutes (see benchmarks/RESULTS.md)."""
+streams, the four configurations in four processes). Its wall time is printed, not asserted against the
+issue's 60 s: the steps run in seconds, the engines' warm-up (planner compiles, kernel builds) takes most
+of it: 103 s with a warm compile cache on an H200 host (2026-11-27, benchmarks/RESULTS.md)."""
 
 import os
 import subprocess
@@ -37,7 +37,9 @@ def test_short_soak_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     t0 = time.perf_counter()
-    out = run_soak("--steps", "2000", "--pair", env_extra={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    # 600 warm-up steps: after 300 a rare eager shape class could still first show up in the timed steps
+    out = run_soak("--steps", "2000", "--warmup", "600", "--pair", "--jobs", "4",
+                   env_extra={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     wall = time.perf_counter() - t0
     print(out)
     lines = [line for line in out.splitlines() if " page " in line]
