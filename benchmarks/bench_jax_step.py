@@ -581,26 +581,31 @@ def blocking_us(call, steps: int, warm: int = 3) -> float:
     return _median_us(ts[warm:])
 
 
+def time_stepper(device_step, host_step, steps: int) -> tuple:
+    """(device us: ``device_step(i)`` issued without blocking, steady state; blocking us: ``host_step(i)``
+    from host inputs, blocked on; the logits of ``host_step`` one step past those, host)."""
+    times = steady_us(lambda i: device_step(i)["next_ids"], steps), blocking_us(host_step, steps)
+    return (*times, np.asarray(host_step(steps + 3)["logits"]))
+
+
 def time_ours(env, run, steps: int, advance: int):
-    """Our captured step: (device us: bare executable calls on the same device inputs, steady state;
-    blocking us: ``run`` (``call_path``) from host inputs, lengths ``lens + advance * i``; the logits of
-    the step after those, host)."""
+    """Our captured step (``time_stepper``): bare executable calls on the same device inputs; ``run``
+    (``call_path``) from host inputs, lengths ``lens + advance * i``."""
     lens, params, call, args = env["lens"], env["params"], bare_call(env), device_args(env)
     state = dict(pools=env["pools"])
 
-    def issue(i):
+    def device_step(i):
         out, state["pools"] = call(args, state["pools"])
-        return out["next_ids"]
+        return out
 
-    def blocking(i):
+    def host_step(i):
         cur = lens + advance * i
         out, state["pools"] = run(env["fb"](cur), env["tok"](cur), params, state["pools"])
         return out
 
-    times = steady_us(issue, steps), blocking_us(blocking, steps)
-    logits = np.asarray(blocking(steps + 3)["logits"])
+    result = time_stepper(device_step, host_step, steps)
     env["pools"] = state["pools"]
-    return (*times, logits)
+    return result
 
 
 def time_dense(env, step, caches, steps: int, advance: int):
@@ -610,17 +615,16 @@ def time_dense(env, step, caches, steps: int, advance: int):
     args = jax.device_put((dense_ids(env, lens), lens))
     state = dict(caches=caches)
 
-    def issue(i):
+    def device_step(i):
         out, state["caches"] = step(params, state["caches"], *args)
-        return out["next_ids"]
+        return out
 
-    def blocking(i):
+    def host_step(i):
         cur = lens + advance * i
         out, state["caches"] = step(params, state["caches"], dense_ids(env, cur), cur)
         return out
 
-    times = steady_us(issue, steps), blocking_us(blocking, steps)
-    return (*times, np.asarray(blocking(steps + 3)["logits"]))
+    return time_stepper(device_step, host_step, steps)
 
 
 def rel_err(ours, dense) -> float:

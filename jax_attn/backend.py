@@ -22,6 +22,7 @@ from jax_attn import safety
 from jax_attn import spec as spec_plan
 from jax_attn.attention import attention
 from jax_attn.kernels.config import cdiv
+from jax_attn.kernels.schedule import num_splits_for
 from jax_attn.kernel_policy import Call, mosaic_wanted, resolve_impl
 from jax_attn.batch import ForwardBatch, check_batch, pad_batch
 from jax_attn.kv_cache import KVPool, is_fp8, paged_view, set_kv_buffer
@@ -180,7 +181,7 @@ class FlashAttentionBackend:
         from jax_attn.kernels.schedule import step_schedule
 
         hq, hkv = heads
-        splits = 1 if self.deterministic else None
+        splits = num_splits_for(self.deterministic)
         sched = step_schedule(md, num_q_heads=hq, num_kv_heads=hkv, deterministic=self.deterministic)
         mosaic = None
         call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
@@ -314,7 +315,7 @@ class FlashAttentionBackend:
         kw = dict(softcap=layer.logit_cap, softmax_scale=layer.scaling,
                   k_descale=layer.k_scale if fp8 else None, v_descale=layer.v_scale if fp8 else None)
         if self.impl != "reference":
-            kw["num_splits"] = 1 if self.deterministic else None
+            kw["num_splits"] = num_splits_for(self.deterministic)
         return kw
 
     def _attend(self, q, layer: LayerParams, pool: KVPool, md: AttentionMetadata, *, sinks, return_lse):
@@ -349,7 +350,7 @@ class FlashAttentionBackend:
         from jax_attn.kernel_policy import select_kernel
 
         kv_dtype = dtype if kv_dtype is None else kv_dtype
-        extra = {"sinks": True if has_sinks else None, "num_splits": 1 if self.deterministic else None}
+        extra = {"sinks": True if has_sinks else None, "num_splits": num_splits_for(self.deterministic)}
 
         def kernel(part) -> str:  # the facts forward's attention call would hand the policy (call_of)
             shape = (1, part.page_size, layer.num_kv_heads)

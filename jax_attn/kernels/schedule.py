@@ -10,6 +10,7 @@ Dimension legend: B sequences, N tiles (static bound).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,12 @@ def plan_schedule(
     return dataclasses.replace(sched, heads=(num_q_heads, num_kv_heads))
 
 
+def num_splits_for(deterministic: bool) -> Optional[int]:
+    """The kernels' ``num_splits`` argument of a backend: one kv split per sequence when ``deterministic`` (a
+    fixed reduction order), else None (the heuristic)."""
+    return 1 if deterministic else None
+
+
 def step_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int, deterministic: bool) -> WorkSchedule:
     """The schedule a step's plan carries for layers of these heads (``FlashAttentionBackend.attach_schedule``;
     the torch bridge's Triton launch tables): the default config, one kv split per sequence when
@@ -202,4 +209,4 @@ def step_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
     from jax_attn.kernels.config import DEFAULT_CONFIG
 
     return plan_schedule(md, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, config=DEFAULT_CONFIG,
-                         num_splits=1 if deterministic else None)
+                         num_splits=num_splits_for(deterministic))
