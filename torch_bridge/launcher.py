@@ -479,7 +479,7 @@ def cuda_loader(module, device) -> Compiled:
     if isinstance(module, TritonModule):
         return triton_loader(module, device)
     index = torch.device(device).index
-    key = (hashlib.sha256(module).digest(), index)
+    key = (hashlib.sha256(module).digest(), torch.cuda.current_device() if index is None else index)
     with _load_lock:
         lock = _load_locks.setdefault(key, threading.Lock())
     with lock:
