@@ -1,6 +1,8 @@
 """Backend contract: replay (padded, captured) equals eager and the reference for every mode;
 no retrace inside a bucket; idle and error paths (deterministic mode: tests/test_deterministic.py)."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -108,7 +110,7 @@ CASES = [("decode", 1), ("decode", 4), ("draft_decode", 4), ("verify", 1), ("ver
 @pytest.mark.parametrize("mode,page_size", CASES)
 def test_replay_equals_eager_and_reference(mode, page_size, impl, monkeypatch):
     forbid_kernel_planning(monkeypatch)
-    rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
+    rng = np.random.default_rng(zlib.crc32(repr((mode, page_size)).encode()))
     table, num_slots = make_table(16, page_size, seed=3)
     backend = FlashAttentionBackend(table, page_size=page_size, max_context_len=MAX_CTX, impl=impl,
                                     num_heads=(HQ, HKV))  # kernels: schedule planned once per step

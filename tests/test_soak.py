@@ -26,10 +26,14 @@ def run_soak(*args: str, env_extra=None, timeout: int = 600) -> str:
 
 
 def test_soak_smoke_on_cpu():
-    out = run_soak("--smoke", "--device", "cpu", env_extra={"JAX_PLATFORMS": "cpu"})
+    """Both front ends in two processes (``--jobs 2``), each with its compile profile (``--profile``)."""
+    out = run_soak("--smoke", "--device", "cpu", "--jobs", "2", "--profile", env_extra={"JAX_PLATFORMS": "cpu"})
     lines = [line for line in out.splitlines() if " page " in line]
     assert len(lines) == 2 and all(line.endswith("OK") for line in lines), out
+    assert {line.split()[0] for line in lines} == {"bridge", "jax"}, out
     assert all("mismatches 0" in line and "corrupted slots 0" in line for line in lines), out
+    profiles = [line for line in out.splitlines() if line.startswith("XLA compiles: ")]
+    assert len(profiles) == 2 and all(int(p.split()[2]) > 0 for p in profiles), out  # each process compiled
 
 
 @pytest.mark.gpu

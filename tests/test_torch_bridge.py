@@ -2,6 +2,8 @@
 capture/replay equals eager with re-planned lengths and never retraces; in-place KV writes are seen
 through the cached views; error paths leave the cache unchanged. GPU checks carry ``gpu``."""
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -124,7 +126,7 @@ MODES = ["extend", "decode", "draft_decode", "verify", "draft_extend"]
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("mode", MODES)
 def test_matches_reference_and_jax_backend(mode, page_size):
-    rng = np.random.default_rng(hash((mode, page_size)) % 2**31)
+    rng = np.random.default_rng(zlib.crc32(repr((mode, page_size)).encode()))
     runner, table = make_runner(8, page_size, seed=page_size)
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
     rows = np.array([3, 1, 6, 2], np.int32)
@@ -151,7 +153,7 @@ def test_jax_path_layers_take_their_schedules_from_the_plan(mode, monkeypatch):
     Bug caught: the JAX path planning the schedule again in every layer call of every step."""
     from tests.attention_cases import forbid_kernel_planning
 
-    rng = np.random.default_rng(hash(("jax_heads", mode)) % 2**31)
+    rng = np.random.default_rng(zlib.crc32(repr(("jax_heads", mode)).encode()))
     runner, table = make_runner(16, 4, seed=2, impl="triton")
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
     for step in range(2):
@@ -205,21 +207,22 @@ def test_eager_steps_compile_once_per_shape_class(mode):
     """Eager steps plan at their shape class (``step_planner.eager_shape``: batch class for decode; for ragged
     modes 16 rows up to 16 requests, ``jax_attn.batch.ragged_rows``, and the token class), so engine traffic of
     ever-new shapes stops compiling once its classes are seen: three decode batches of 5-8 requests (class 8),
-    or three ragged batches of 1, 5 and 10 requests (batch classes 1, 6, 12) of one token class, trace nothing
+    or three ragged batches of 1, 3 and 6 requests (batch classes 1, 4, 8) of one token class, trace nothing
     after the first, and each equals the reference with its K/V written and every other slot unchanged.
     Catches a plan keyed on the exact shape (a compile per step), a ragged plan keyed on the batch class,
     padded rows or tokens read as real ones, and padded writes."""
-    rng = np.random.default_rng(hash(("class", mode)) % 2**31)
+    rng = np.random.default_rng(zlib.crc32(f"class {mode}".encode()))  # not hash(): salted per process
     runner, table = make_runner(16, 4, seed=7)
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
     traces, cls = None, None
-    for bs in (6, 8, 5) if mode == "decode" else (1, 5, 10):
+    for bs in (6, 8, 5) if mode == "decode" else (1, 3, 6):
         for _ in range(500):  # ragged token counts, all of the first batch's token class
             rows = rng.choice(np.arange(1, 17), bs, replace=False).astype(np.int32)
             fb, q_lens, start = make_batch(mode, rows, rng.integers(1, 30, bs), table, rng, runner)
             cls = cls or token_class(int(q_lens.sum()))
             if token_class(int(q_lens.sum())) == cls:
                 break
+        assert token_class(int(q_lens.sum())) == cls, f"no batch of {bs} requests drawn in token class {cls}"
         fill_committed(runner, table, rows, start, rng)
         q, k, v = rand_qkv(rng, int(q_lens.sum()))
         before = [b.clone() for b in runner.token_to_kv_pool.get_kv_buffer(0)]
@@ -238,7 +241,7 @@ def test_eager_steps_compile_once_per_shape_class(mode):
 
 @pytest.mark.parametrize("mode,page_size", [("decode", 1), ("verify", 4), ("draft_extend", 4), ("draft_decode", 4)])
 def test_capture_replay_equals_eager_no_retrace(mode, page_size):
-    rng = np.random.default_rng(hash(("cap", mode, page_size)) % 2**31)
+    rng = np.random.default_rng(zlib.crc32(repr(("cap", mode, page_size)).encode()))
     runner, table = make_runner(16, page_size, seed=3)
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
     per_req = NUM_DRAFT if mode in ("verify", "draft_extend") else 1
