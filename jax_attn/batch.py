@@ -130,15 +130,17 @@ def token_class(n: int) -> int:
     return c
 
 
-RAGGED_MIN_ROWS = 16  # rows of an eager ragged step of few requests (the smallest token class)
+RAGGED_MIN_ROWS = 16  # rows of an eager ragged step of few requests on a GPU (the smallest token class)
 
 
-def ragged_rows(bs: int) -> int:
+def ragged_rows(bs: int, min_rows: int = RAGGED_MIN_ROWS) -> int:
     """The compiled row count of an eager ragged step (extend, mixed, draft extend) of ``bs`` requests: the
-    batch class of at least ``RAGGED_MIN_ROWS``. Steps of up to 16 requests then differ only in their token
-    class, so chunked-prefill traffic compiles one plan and one kernel per token class, not per (batch
-    class, token class) pair (five times as many); a padded row costs a page-table row and no work."""
-    return batch_class(max(bs, RAGGED_MIN_ROWS))
+    batch class of at least ``min_rows``. With the default, steps of up to 16 requests differ only in their
+    token class, so chunked-prefill traffic compiles one plan and one kernel per token class, not per (batch
+    class, token class) pair (five times as many). A padded row costs a page-table row and a work-tile slot
+    that holds no work: nothing on a GPU, where such a program exits at once, but a grid step of the
+    interpreted kernel on the CPU, where the torch bridge passes ``min_rows=1``."""
+    return batch_class(max(bs, min_rows))
 
 
 def _pad(x: Optional[np.ndarray], size: int, fill: int) -> Optional[np.ndarray]:

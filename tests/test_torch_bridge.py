@@ -15,7 +15,7 @@ from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.backend import LayerParams
 from jax_attn.batch import ForwardBatch as JaxBatch
 from jax_attn.batch import SpecInfo as JaxSpec
-from jax_attn.batch import token_class
+from jax_attn.batch import RAGGED_MIN_ROWS, token_class
 from jax_attn.kv_cache import KVPool, paged_view
 from jax_attn.reference import paged_attention_reference
 from tests.paging import shuffled_table
@@ -205,7 +205,7 @@ def _layer_options_case():
 @pytest.mark.parametrize("mode", ["extend", "decode", "draft_extend"])
 def test_eager_steps_compile_once_per_shape_class(mode):
     """Eager steps plan at their shape class (``step_planner.eager_shape``: batch class for decode; for ragged
-    modes 16 rows up to 16 requests, ``jax_attn.batch.ragged_rows``, and the token class), so engine traffic of
+    modes 16 rows up to 16 requests on a GPU, ``jax_attn.batch.ragged_rows``, and the token class), so engine traffic of
     ever-new shapes stops compiling once its classes are seen: three decode batches of 5-8 requests (class 8),
     or three ragged batches of 1, 3 and 6 requests (batch classes 1, 4, 8) of one token class, trace nothing
     after the first, and each equals the reference with its K/V written and every other slot unchanged.
@@ -214,6 +214,8 @@ def test_eager_steps_compile_once_per_shape_class(mode):
     rng = np.random.default_rng(zlib.crc32(f"class {mode}".encode()))  # not hash(): salted per process
     runner, table = make_runner(16, 4, seed=7)
     backend = FlashAttentionBackend(runner, speculative_step_id=STEP_ID, topk=1)
+    assert backend.planner.ragged_min_rows == 1  # the CPU's rule (a padded row costs an interpreted grid step)
+    backend.planner.ragged_min_rows = RAGGED_MIN_ROWS  # the GPU's, tested here
     traces, cls = None, None
     for bs in (6, 8, 5) if mode == "decode" else (1, 3, 6):
         for _ in range(500):  # ragged token counts, all of the first batch's token class

@@ -69,6 +69,9 @@ class StepPlanner:
         self.importer, self.mosaic_path = importer, mosaic_path
         self.step_id, self.num_steps = speculative_step_id, speculative_num_steps
         self.device = importer_device(model_runner)
+        # eager ragged steps' minimum rows (``jax_attn.batch.ragged_rows``): on the CPU a padded row's empty
+        # work tile is a grid step of the interpreted kernel, so rows stay at the batch class there
+        self.ragged_min_rows = jbatch.RAGGED_MIN_ROWS if self.device.type == "cuda" else 1
         self._jit = jax.jit(self._plan_fn, static_argnums=0)
         self.executables: Dict[tuple, Any] = {}  # (Packing, req_to_token shape) -> compiled planner
         self.launch_heads: set = set()  # table keys of launch-path layers: their tables come with each plan
@@ -349,7 +352,7 @@ class StepPlanner:
         per_loc = locs_per_token(spec, mode)
         tokens = int(loc.shape[0]) // per_loc
         rows, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
-        pbs, ptokens = eager_shape(mode, bs, tokens, spec, ext is not None, enc is not None)
+        pbs, ptokens = eager_shape(mode, bs, tokens, spec, ext is not None, enc is not None, self.ragged_min_rows)
         key = self.key(mode, pbs, ptokens, spec, ext is not None, enc is not None)
         check_host_lengths(forward_batch, mode, tokens, ext is not None, capacity=self.jax_backend.capacity,
                            kv_offset=key.kv_offset)
@@ -539,15 +542,16 @@ def importer_device(model_runner) -> torch.device:
     return model_runner.req_to_token_pool.req_to_token.device
 
 
-def eager_shape(mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool) -> Tuple[int, int]:
+def eager_shape(mode: ForwardMode, bs: int, tokens: int, spec, has_ext: bool, has_enc: bool,
+                min_rows: int = jbatch.RAGGED_MIN_ROWS) -> Tuple[int, int]:
     """(rows, tokens) an eager plan of ``bs`` requests and ``tokens`` tokens is compiled for: for ragged modes
-    (extend, mixed, draft extend) ``jax_attn.batch.ragged_rows`` and the token class
+    (extend, mixed, draft extend) ``jax_attn.batch.ragged_rows(bs, min_rows)`` and the token class
     (``jax_attn.batch.token_class``), for uniform modes the batch class (``jax_attn.batch.batch_class``) and
     their tokens per request. Tree (topk > 1) and cross-attention steps plan at their exact shape."""
     if (spec is not None and spec.topk > 1) or has_enc:
         return bs, tokens
     if has_ext:
-        return jbatch.ragged_rows(bs), jbatch.token_class(tokens)
+        return jbatch.ragged_rows(bs, min_rows), jbatch.token_class(tokens)
     pbs = jbatch.batch_class(bs)
     return pbs, pbs * (tokens // bs)
 
