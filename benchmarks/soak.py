@@ -288,11 +288,11 @@ class Counters:
         logger.addHandler(Handler())
         self.timed: Dict[str, list] = {}
         from torch_bridge import launcher, mosaic_path
+        # TorchKernel binds its default loader at definition: its time is TorchKernel's
         for owner, attr, label in ((launcher, "plan_kernel", "launcher.plan_kernel (Python lowering)"),
                                    (mosaic_path, "plan_kernel", "launcher.plan_kernel (Python lowering)"),
                                    (launcher, "compile_triton", "launcher.compile_triton (Triton to cubin)"),
                                    (launcher, "triton_loader", "launcher.triton_loader (compile + load)"),
-                                   (launcher, "cuda_loader", "launcher.cuda_loader (compile + load)"),
                                    (launcher.TorchKernel, "__init__", "TorchKernel (compile + load)"),
                                    (mosaic_path.MosaicPath, "prebuild", "MosaicPath.prebuild (wall)")):
             setattr(owner, attr, self._timer(getattr(owner, attr), label))
@@ -321,7 +321,7 @@ class Counters:
             print(f"  {tr + lo + co:7.2f} s ({tr:6.2f} + {lo:6.2f} + {co:6.2f}) {n:4d} compiles of {name}")
         for label, (n, t) in sorted(self.timed.items(), key=lambda kv: -kv[1][1]):
             print(f"  {t:7.2f} s {n:5d} calls of {label} (main thread)")
-        kernels: Dict[str, int] = {}
+        kernels: Dict[str, int] = {}  # since the process started
         for (event, name), n in self._kernels.stats().items():
             kernels[f"{event} {name}"] = kernels.get(f"{event} {name}", 0) + n
         for name, n in sorted(kernels.items(), key=lambda kv: -kv[1]):
