@@ -486,15 +486,15 @@ def main(argv=None) -> int:
         fronts.EXTEND_TOKEN_BUCKETS = (128,)  # one extend bucket (2 requests x <= 64 tokens): fewer captures
     EXTEND_TOKENS = args.extend_tokens
     fronts.GRAPH_BUCKETS = tuple(int(b) for b in args.buckets.split(","))
+    configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]
+    per = max(args.steps // len(configs), 1)
+    if args.jobs > 1 and len(configs) > 1:  # the child processes count and profile, this one only waits
+        return run_jobs(argv if argv is not None else sys.argv[1:], configs, per, args.jobs)
     counters = Counters()
     if args.profile:
         PROFILE = True
         counters.profile()
     tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
-    configs = [(f, int(p)) for f in args.fronts.split(",") for p in args.page_sizes.split(",")]
-    per = max(args.steps // len(configs), 1)
-    if args.jobs > 1 and len(configs) > 1:
-        return run_jobs(argv if argv is not None else sys.argv[1:], configs, per, args.jobs)
     warmup = args.warmup if args.warmup is not None else max(per // 5, 300)
     ok = True
     for n, (front_name, page_size) in enumerate(configs):

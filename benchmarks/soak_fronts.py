@@ -9,7 +9,7 @@ tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and o
   decode buckets replay a real ``torch.cuda.graph`` of every layer's attention where the bridge launches
   the kernel from torch (Hopper, page size a multiple of 8), other buckets run their layers eagerly
   after the replay hook. Extend and draft extend batches are planned eagerly, at their shape class
-  (``jax_attn.batch.batch_class`` / ``token_class``: a cold planner compile and kernel builds per class);
+  (``jax_attn.batch.ragged_rows`` / ``token_class``: a cold planner compile and kernel builds per class);
   the engine keeps their shapes to a small set unless ``--ragged-bridge`` (``Engine(bucketed=True)``).
 * ``JaxFront``: ``jax_attn.FlashAttentionBackend`` with a ``StepRunner`` that captures every batch bucket
   of the uniform modes (decode, chain verify, draft extend) and, with ``token_buckets``, of ragged extends

@@ -21,7 +21,6 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 
-
 def pytest_configure(config):
     """On a host with several GPUs: create JAX's GPU client now, keeping the thread's CUDA context. Created at
     JAX's first use (a module-level array in a test helper), it leaves the last GPU's context current, and

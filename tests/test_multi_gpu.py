@@ -192,10 +192,6 @@ def test_bridge_follows_the_pools_jax_device():
     assert json.loads(lines[-1]) == dict(ok=True, steps=3, jax_device=1)
 
 
-if __name__ == "__main__":
-    print(json.dumps(_host_device_1()), flush=True)
-
-
 @pytest.mark.gpu
 def test_bridge_creating_jax_client_keeps_torch_current_device():
     """JAX's GPU client, created at JAX's first use, leaves its last GPU's context current, and torch's
@@ -210,3 +206,8 @@ def test_bridge_creating_jax_client_keeps_torch_current_device():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "0", out.stdout
+
+
+if __name__ == "__main__":
+    print(json.dumps(_host_device_1()), flush=True)
+

@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import jax
 
 from jax_attn.kernels import kernel_cache
-from torch_bridge.dlpack import keeping_cuda_context, libcuda
+from torch_bridge.dlpack import device_index, keeping_cuda_context, libcuda
 
 try:  # jax internals, pinned below (check_jax_internals says what to update when they move)
     import jax.experimental.mosaic.gpu as _mgpu
@@ -333,9 +333,7 @@ def _primary_context(index: int) -> int:
 def _bind_primary_context(device) -> None:
     """Make ``device``'s primary context (torch's) current on this thread. A thread that has made no
     CUDA runtime call has no current context, and the plugin's compile and module load use the driver."""
-    import torch
-
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = device_index(device)
     err = libcuda().cuCtxSetCurrent(ctypes.c_void_p(_primary_context(index)))
     if err:
         raise RuntimeError(f"cuCtxSetCurrent failed with CUDA error {err} (device {index})")
@@ -478,8 +476,7 @@ def cuda_loader(module, device) -> Compiled:
 
     if isinstance(module, TritonModule):
         return triton_loader(module, device)
-    index = torch.device(device).index
-    key = (hashlib.sha256(module).digest(), torch.cuda.current_device() if index is None else index)
+    key = (hashlib.sha256(module).digest(), device_index(torch.device(device)))
     with _load_lock:
         lock = _load_locks.setdefault(key, threading.Lock())
     with lock:
