@@ -7,7 +7,8 @@ tensors (the JAX pools through zero-copy DLPack) for the soak's whole-pool and o
 * ``BridgeFront``: SGLang's interface of ``torch_bridge.FlashAttentionBackend``. Decode and chain verify
   batches that fit a bucket go through the capture / replay hooks as SGLang's graph runner drives them;
   decode buckets replay a real ``torch.cuda.graph`` of every layer's attention where the bridge launches
-  the kernel from torch (Hopper, page size a multiple of 8), other buckets run their layers eagerly
+  a kernel from torch (the Mosaic kernel at page sizes that are multiples of 8 on Hopper, else the
+  Triton-lowered one), other buckets run their layers eagerly
   after the replay hook. Extend and draft extend batches are planned eagerly, at their shape class
   (``jax_attn.batch.ragged_rows`` / ``token_class``: a cold planner compile and kernel builds per class);
   the engine keeps their shapes to a small set unless ``--ragged-bridge`` (``Engine(bucketed=True)``).
@@ -82,7 +83,7 @@ class BridgeFront:
                                      sliding_window_size=lay.window) for i, lay in enumerate(layers)]
         self.graphs: dict = {}  # decode bucket -> (torch CUDA graph, its outputs)
         self.num_draft = num_draft
-        self._capture(dtype, graphs and self.backend.mosaic_path is not None and page_size % 8 == 0)
+        self._capture(dtype, graphs and self.backend.mosaic_path is not None)
 
     def pools(self):
         pool = self.runner.token_to_kv_pool

@@ -65,9 +65,9 @@ class _InterpretedLaunch:
         self.outs[0].copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
 
 
-def setup(seed, device="cpu", page=PAGE, path=None, dtype=torch.bfloat16):
+def setup(seed, device="cpu", page=PAGE, path=None, dtype=torch.bfloat16, num_layers=1):
     table, num_slots = shuffled_table(6, MAX_CTX, page, seed)
-    pool = MHATokenToKVPool.create(num_slots, 1, HKV, D, dtype, device)
+    pool = MHATokenToKVPool.create(num_slots, num_layers, HKV, D, dtype, device)
     for buf in pool.k_buffer + pool.v_buffer:  # NaN everywhere a step does not write or read
         buf.fill_(float("nan"))
         buf[0] = 0.0
@@ -78,18 +78,18 @@ def setup(seed, device="cpu", page=PAGE, path=None, dtype=torch.bfloat16):
     return runner, table, FlashAttentionBackend(runner, mosaic_path=path)
 
 
-def fill(runner, table, rows, lens, rng):
-    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+def fill(runner, table, rows, lens, rng, layer_id=0):
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(layer_id)
     for r, n in zip(rows, lens):
         s = torch.from_numpy(table[r, :n].astype(np.int64)).to(kb.device)
         for b in (kb, vb):
             b[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(b)
 
 
-def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None, kv_scales=(None, None)):
+def reference(runner, table, rows, kv_lens, q_lens, q, sinks=None, scale=None, kv_scales=(None, None), layer_id=0):
     """Float32 attention over the pool (``kv_scales``: an fp8 pool's stored values times the layer's scales)."""
     kb, vb = (jnp.asarray(b.float().cpu().numpy()) * (1.0 if s is None else s)
-              for b, s in zip(runner.token_to_kv_pool.get_kv_buffer(0), kv_scales))
+              for b, s in zip(runner.token_to_kv_pool.get_kv_buffer(layer_id), kv_scales))
     page = runner.page_size
     pt = table[rows][:, ::page] // page
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -315,6 +315,69 @@ def test_prebuild_compiles_in_threads_and_retries_a_failed_one_alone(monkeypatch
     assert len(lowered) == 2 and loads.count(True) == 1 and len(loads) == 3  # 2 in threads, 1 retry here
     assert all(isinstance(k, Loaded) for k in path._kernels.values()) and len(path._kernels) == 2
     assert path.prebuild([spec]) == 0  # built: nothing to do
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["mosaic", "triton"])
+def test_a_new_eager_class_builds_every_layer_shape_at_once(triton):
+    """Two layer shapes (another scale on the second) run in an extend step; an extend step of a new shape
+    class then builds both layers' kernels at once, at its first layer's call (``MosaicPath._build_alike``),
+    and both layers still match the reference. Catches: each layer's kernel built at its own first call, one
+    after another (a cold class costing one build round per layer shape), and a kernel co-built for the wrong
+    layer's shape (the second layer's output)."""
+    from tests.test_triton_launch import triton_path_for_tests
+
+    rng = np.random.default_rng(17)
+    page = 1 if triton else PAGE
+    runner, table, backend = setup(17, page=page, path=triton_path_for_tests() if triton else None, num_layers=2)
+    layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, 0.3, HKV, 1)]
+    path = backend.mosaic_path
+    rows = np.array([2, 5])
+    built = []
+    for kv_lens, q_lens in (([40, 27], [3, 20]), ([60, 70], [30, 40])):  # token classes 32 and 128
+        kv_lens, q_lens = np.array(kv_lens), np.array(q_lens)
+        for i in range(2):
+            fill(runner, table, rows, kv_lens - q_lens, rng, layer_id=i)
+        fb, q, k, v = plan_step(runner, table, backend, rows, kv_lens, q_lens, rng)
+        for i, (layer, scale) in enumerate(zip(layers, (None, 0.3))):
+            before = len(path._kernels)
+            out = backend.forward(q, k, v, layer, fb)
+            built.append(len(path._kernels) - before)
+            ref = reference(runner, table, rows, kv_lens, q_lens, q, scale=scale, layer_id=i)
+            np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+    # first class: each layer shape is new at its own call; second class: both at the first layer's
+    assert built == [1, 1, 2, 0], built
+
+
+def test_prebuild_compiles_triton_kernels_in_threads(monkeypatch):
+    """``MosaicPath.prebuild`` of a ``triton_path.Spec`` with split-KV tables: the tiles and the merge lowered
+    here, compiled in threads, put together as the spec's ``Kernels``. Catches: the merge left unbuilt, the
+    kernels swapped, or a Triton compile on the calling thread."""
+    import threading
+
+    import torch_bridge.mosaic_path as mp
+    from tests.test_triton_launch import triton_path_for_tests
+    from torch_bridge import triton_path
+
+    rng = np.random.default_rng(19)
+    runner, table, backend = setup(19, page=1, path=triton_path_for_tests())
+    step(runner, table, backend, [2, 5, 1], [40, 27, 90], [1, 1, 1], rng)  # decode rows: split-KV tables
+    path, st = backend.mosaic_path, backend.step
+    (recipe,) = path.recipes_for(ForwardMode.DECODE, 1)
+    spec = recipe.spec(path.config, st.key, st.tables[recipe.heads])
+    assert isinstance(spec, triton_path.Spec) and spec.lay.max_splits > 1
+    main, loads = threading.current_thread(), []
+
+    class Loaded:
+        def __init__(self, plan, device):
+            loads.append(threading.current_thread() is main)
+            self.plan = plan
+
+    monkeypatch.setattr(mp, "TorchKernel", Loaded)
+    monkeypatch.setattr(mp, "plan_kernel", lambda fn, *structs: fn.__name__)
+    path._make_triton, path._kernels = None, {}
+    assert path.prebuild([spec, spec]) == 1
+    kernels = path._kernels[spec.key()]
+    assert (kernels.tiles.plan, kernels.merge.plan) == ("tiles", "merge") and loads == [False, False]
 
 
 @pytest.mark.gpu

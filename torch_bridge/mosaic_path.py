@@ -45,6 +45,7 @@ from jax_attn.kernels.config import cdiv
 from torch_bridge.launcher import TorchKernel, as_structs, compile_for_torch, jax_dtype, plan_kernel
 
 MAX_UNPINNED = 16  # table buffers kept for eager (non-graph) plan keys
+PROCESS_LOWERINGS = 4  # Mosaic kernels a prebuild lowers in worker processes, at least
 _WORDS = 4  # each table starts 16-byte aligned in the flat array (TMA and the launcher need it)
 WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not ready inside a torch.cuda.graph "
                    "capture. Run the bucket's forward once outside the capture first (a warm-up, as SGLang's "
@@ -263,71 +264,106 @@ class MosaicPath:
         if call is None:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
-            if tables.layout is not None:  # the Triton-lowered kernel (built here, at first use)
-                call = self._calls[ck] = triton_path.LayerCall(self, lp, tables, q, k_buf, v_buf, has_sinks)
-                call.heads = heads
-                return call
             if heads is not None:
-                recipe = Recipe(lp, heads, key.mode, key.q_len_per_req, q.dtype, q.device, has_sinks, k_buf, v_buf)
+                recipe = Recipe(dataclasses.replace(lp, layer_id=0), heads, key.mode, key.q_len_per_req, q.dtype,
+                                q.device, has_sinks, k_buf, v_buf)
                 if recipe not in self.recipes:
                     self.recipes[recipe] = recipe
                     if on_new is not None:
                         on_new(recipe, tables)
-            call = self._calls[ck] = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
+                self._build_alike(recipe, key, tables)
+            if tables.layout is not None:  # the Triton-lowered kernel
+                call = triton_path.LayerCall(self, lp, tables, q, k_buf, v_buf, has_sinks)
+            else:
+                call = LayerCall(self, lp, key, tables, q, k_buf, v_buf, has_sinks)
+            self._calls[ck] = call
             call.heads = heads
         return call
 
+    def _build_alike(self, recipe: "Recipe", key: PlanKey, tables: Tables) -> None:
+        """A layer's first call over ``tables``: when its kernels are not built, build those of every layer
+        shape seen in steps like ``key`` over the same tables at once (a new shape class of an eager step
+        then costs one round of parallel builds, not one build per layer shape in turn)."""
+        alike = [r for r in self.recipes_for(key.mode, key.q_len_per_req) if r.heads == recipe.heads]
+        if len(alike) > 1 and self.spec_key(recipe.spec(self.config, key, tables)) not in self._kernels:
+            self.prebuild([r.spec(self.config, key, tables) for r in alike])
+
     @staticmethod
-    def _kernel_key(st: KernelStatics, num_tiles: int, args) -> tuple:
+    def spec_key(spec) -> tuple:
+        """What a ``LaunchSpec``'s kernel or a ``triton_path.Spec``'s kernels depend on (shared by layers alike)."""
+        if isinstance(spec, triton_path.Spec):
+            return spec.key()
+        return MosaicPath._mosaic_key(spec.statics, spec.num_tiles, spec.args)
+
+    @staticmethod
+    def _mosaic_key(st: KernelStatics, num_tiles: int, args) -> tuple:
         return (st, num_tiles, tuple(tuple(a.shape) for a in args), args[0].device)
 
     def kernel(self, st: KernelStatics, num_tiles: int, args: Tuple[torch.Tensor, ...]):
         """The compiled kernel for ``st`` and these argument shapes (shared by layers alike)."""
-        ck = self._kernel_key(st, num_tiles, args)
+        ck = self._mosaic_key(st, num_tiles, args)
         kernel = self._kernels.get(ck)
         if kernel is None:
             kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
         return kernel
 
-    def triton_kernels(self, lp: LayerParams, lay, dtype, kv_dtype, has_sinks: bool, examples):
-        """The Triton-lowered kernels of a layer shape over tables of ``lay`` (shared by layers alike)."""
-        ck = triton_path.kernel_key(lp, lay, dtype, kv_dtype, has_sinks, examples)
-        kernels = self._kernels.get(ck)
-        if kernels is None:
-            kernels = self._kernels[ck] = triton_path.make_kernels(lp, lay, dtype, kv_dtype, has_sinks, examples,
-                                                                   self._make_triton)
-        return kernels
+    def triton_kernels(self, spec: "triton_path.Spec") -> "triton_path.Kernels":
+        """The Triton-lowered kernels of a layer shape over one layout (shared by layers alike): the tiles
+        and, with splits, the merge, compiled at once (``prebuild``)."""
+        self.prebuild([spec])
+        return self._kernels[spec.key()]
 
     def recipes_for(self, mode, q_len_per_req: int) -> list:
         """The layers seen on the launch path in steps of this mode and queries per request."""
         return [r for r in self.recipes.values() if r.mode == mode and r.q_len_per_req == q_len_per_req]
 
     def prebuild(self, specs) -> int:
-        """Build the kernels of these ``LaunchSpec`` s that are not built yet, all at once: the Python
-        lowerings in parallel processes (``kernel_cache.prebuild``), the GPU code in one thread per core (the
-        CUDA plugin's compile runs outside the GIL). Returns how many were built. A test's ``make_kernel``
-        builds them one by one."""
-        todo: Dict[tuple, LaunchSpec] = {}
+        """Build the kernels of these specs (``LaunchSpec`` s of the Mosaic kernel, ``triton_path.Spec`` s of the
+        Triton-lowered one) that are not built yet, all at once: the Python lowerings here (those of four or
+        more Mosaic kernels in parallel processes, ``kernel_cache.prebuild``), the GPU code in one thread per
+        core (the CUDA plugin's compile and Triton's run mostly outside the GIL). Returns how many specs were
+        built. A test's ``make_kernel`` / ``make_triton`` builds them one by one."""
+        todo: Dict[tuple, Any] = {}
         for spec in specs:
-            ck = self._kernel_key(spec.statics, spec.num_tiles, spec.args)
+            ck = self.spec_key(spec)
             if ck not in self._kernels:
                 todo.setdefault(ck, spec)
+        mosaic = {ck: s for ck, s in todo.items() if isinstance(s, LaunchSpec)}
+        triton = {ck: s for ck, s in todo.items() if isinstance(s, triton_path.Spec)}
         if self._make_kernel is not launcher_kernel:
-            for ck, spec in todo.items():
+            for ck, spec in mosaic.items():
                 self._kernels[ck] = self._make_kernel(spec.statics, spec.num_tiles, spec.args)
-            return len(todo)
-        fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in todo.items()}
-        structs = {ck: as_structs(spec.args) for ck, spec in todo.items()}
-        kernel_cache.prebuild([k for ck in todo for k in kernel_cache.kernels_in(
-            jax.make_jaxpr(fns[ck])(*structs[ck]).jaxpr)])
-        plans = {ck: plan_kernel(fns[ck], *structs[ck]) for ck in todo}  # the lowering reuses the builds
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            built = {ck: pool.submit(TorchKernel, plans[ck], todo[ck].args[0].device) for ck in todo}
-            for ck, future in built.items():
-                try:
-                    self._kernels[ck] = future.result()
-                except RuntimeError:  # a compile that failed in a thread gets one more try here, alone
-                    self._kernels[ck] = TorchKernel(plans[ck], todo[ck].args[0].device)
+            mosaic = {}
+        if self._make_triton is not None:
+            for ck, spec in triton.items():
+                self._kernels[ck] = self._make_triton(spec.fns, spec.examples)
+            triton = {}
+        plans: Dict[tuple, list] = {}  # (the lowered kernels of a spec, their device)
+        if mosaic:
+            fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in mosaic.items()}
+            structs = {ck: as_structs(spec.args) for ck, spec in mosaic.items()}
+            if len(mosaic) >= PROCESS_LOWERINGS:  # fewer: a worker's start-up costs about what it saves
+                kernel_cache.prebuild([k for ck in mosaic for k in kernel_cache.kernels_in(
+                    jax.make_jaxpr(fns[ck])(*structs[ck]).jaxpr)])
+            for ck, spec in mosaic.items():  # the lowering reuses the processes' builds
+                plans[ck] = [plan_kernel(fns[ck], *structs[ck])]
+        for ck, spec in triton.items():
+            plans[ck] = [plan_kernel(fn, *as_structs(ex)) for fn, ex in zip(spec.fns(False), spec.examples)]
+        jobs = [(ck, i, plan, todo[ck].examples[0][0].device if ck in triton else todo[ck].args[0].device)
+                for ck, ps in plans.items() for i, plan in enumerate(ps)]
+        built: Dict[tuple, Any] = {}
+        if jobs:
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+                futures = [(ck, i, plan, dev, pool.submit(TorchKernel, plan, dev)) for ck, i, plan, dev in jobs]
+                for ck, i, plan, dev, future in futures:
+                    try:
+                        built[ck, i] = future.result()
+                    except RuntimeError:  # a compile that failed in a thread gets one more try here, alone
+                        built[ck, i] = TorchKernel(plan, dev)
+        for ck in mosaic:
+            self._kernels[ck] = built[ck, 0]
+        for ck in triton:
+            self._kernels[ck] = triton_path.Kernels(built[ck, 0], built.get((ck, 1)))
         return len(todo)
 
 
@@ -378,8 +414,11 @@ class Recipe:
     k_buf: torch.Tensor = dataclasses.field(compare=False)
     v_buf: torch.Tensor = dataclasses.field(compare=False)
 
-    def spec(self, config: MosaicConfig, key: PlanKey, tables: Tables) -> LaunchSpec:
-        """The launch of this layer over ``tables`` (a step of ``key``)."""
+    def spec(self, config: MosaicConfig, key: PlanKey, tables: Tables):
+        """The launch of this layer over ``tables`` (a step of ``key``): a ``LaunchSpec``, or over Triton
+        tables a ``triton_path.Spec``."""
+        if tables.layout is not None:
+            return triton_path.spec(self.lp, tables, self.dtype, self.k_buf, self.v_buf, self.has_sinks)
         return launch_spec(config, self.lp, key, tables, self.dtype, self.device, self.k_buf, self.v_buf,
                            self.has_sinks)
 

@@ -29,7 +29,7 @@ from jax_attn.kernels.config import DEFAULT_CONFIG
 from jax_attn.kernels.merge_state import merge_splits
 from jax_attn.kernels.schedule import row_num_splits, step_schedule
 from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
-from torch_bridge.launcher import compile_for_torch, jax_dtype
+from torch_bridge.launcher import jax_dtype
 
 TABLE_PARTS = 7  # tile_seq, tile_q_block, tile_split, seq_num_splits, cache_seqlens, cu_seqlens_q, page_table
 
@@ -124,10 +124,73 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
     return tiles, merge
 
 
-def compiled_kernels(fns, examples) -> Kernels:
-    """The default kernel maker: each function compiled for torch launches (``torch_bridge.launcher``)."""
-    built = [compile_for_torch(fn, *ex) for fn, ex in zip(fns, examples)]
-    return Kernels(built[0], built[1] if len(built) > 1 else None)
+@dataclasses.dataclass
+class CallArgs:
+    """A layer's launch arguments over one layout's tables: the kernels' example arguments (``examples``:
+    the tiles', then with splits the merge's) and the persistent tensors among them."""
+
+    examples: list
+    sinks: Optional[torch.Tensor]  # f32[Hq], written per call from the layer's sinks
+    out: torch.Tensor  # [R, Dv]: the tiles' (no split) or the merge's output example
+    lse: torch.Tensor  # f32[R] scratch: the bridge returns no LSE
+    partial: Optional[Tuple[torch.Tensor, torch.Tensor]]  # f32[S * R, Dv], f32[S * R] (splits)
+
+
+def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool) -> CallArgs:
+    """The launch arguments of layer ``lp`` (pools ``k_buf`` / ``v_buf``) over ``tables``: the tables, an
+    example q, the pools' row views, descales, sinks, then the outputs or the split partials."""
+    lay, dev = tables.layout, k_buf.device
+    hq, d = lp.num_q_heads, lp.head_dim
+    dv = lp.v_head_dim or d
+    r = lay.num_tokens * hq
+    split = lay.max_splits > 1
+    with torch.inference_mode(False):  # persistent: later launches read and write them
+        sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if has_sinks else None
+        q_ex = torch.zeros(r, d, dtype=dtype, device=dev)
+        out = torch.empty(r, dv, dtype=dtype, device=dev)
+        lse = torch.empty(r, dtype=torch.float32, device=dev)
+        partial = (torch.empty(lay.max_splits * r, dv, dtype=torch.float32, device=dev),
+                   torch.empty(lay.max_splits * r, dtype=torch.float32, device=dev)) if split else None
+    # an MLA layer's one latent pool: each key row, its first Dv columns the value row
+    v_rows = k_buf.view(-1, d) if lp.mla else v_buf.view(-1, dv)
+    tile_args = [*tables.args[:TABLE_PARTS], q_ex, k_buf.view(-1, d), v_rows]
+    for has, scale in zip(descales(lp, jax_dtype(k_buf.dtype)), (lp.k_scale, lp.v_scale)):
+        if has:  # f32[B * Hkv]: the layer's scale for every (sequence, kv head)
+            with torch.inference_mode(False):
+                tile_args.append(torch.full((lay.batch * lp.num_kv_heads,), scale, dtype=torch.float32, device=dev))
+    tile_args += [sinks] if has_sinks else []
+    examples = [tile_args + ([] if split else [out, lse])]
+    if split:
+        examples.append([*partial, tables.args[TABLE_PARTS]])
+    return CallArgs(examples, sinks, out, lse, partial)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one layer shape's kernels over one ``Layout`` compile (``MosaicPath.prebuild`` builds them)."""
+
+    lp: Any
+    lay: Layout
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    has_sinks: bool
+    examples: list = dataclasses.field(compare=False)
+
+    def key(self) -> tuple:
+        """What the compiled kernels depend on: layers alike (any layer id, any pool) share them."""
+        shape = dataclasses.replace(self.lp, layer_id=0, k_scale=None, v_scale=None)
+        return (shape, self.lay, self.dtype, self.kv_dtype, self.has_sinks,
+                tuple(tuple(tuple(a.shape) for a in ex) for ex in self.examples), self.examples[0][0].device)
+
+    def fns(self, interpret: bool) -> Tuple[Callable, ...]:
+        return kernel_fns(self.lp, self.lay, jax_dtype(self.dtype), jax_dtype(self.kv_dtype), self.has_sinks,
+                          interpret)
+
+
+def spec(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool) -> Spec:
+    """The ``Spec`` of layer ``lp`` launched over ``tables``."""
+    return Spec(lp, tables.layout, dtype, k_buf.dtype, has_sinks,
+                call_args(lp, tables, dtype, k_buf, v_buf, has_sinks).examples)
 
 
 class LayerCall:
@@ -138,42 +201,19 @@ class LayerCall:
 
     def __init__(self, path, lp, tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
         lay = tables.layout
-        hq, d = lp.num_q_heads, lp.head_dim
-        dv = lp.v_head_dim or d
-        dev, dtype = q.device, q.dtype
-        self.t, self.rows, self.hq, self.d, self.dv = int(q.shape[0]), lay.num_tokens, hq, d, dv
-        self.dtype, self.device = dtype, dev
-        r = lay.num_tokens * hq
-        table_args = tables.args[:TABLE_PARTS]
-        with torch.inference_mode(False):  # persistent: later launches read and write them
-            self.sinks = torch.zeros(hq, dtype=torch.float32, device=dev) if has_sinks else None
-            q_ex = torch.zeros(r, d, dtype=dtype, device=dev)
-            self.out_ex = torch.empty(r, dv, dtype=dtype, device=dev)
-            self.lse = torch.empty(r, dtype=torch.float32, device=dev)  # scratch: the bridge returns no LSE
-            split = lay.max_splits > 1
-            if split:
-                self.partial_o = torch.empty(lay.max_splits * r, dv, dtype=torch.float32, device=dev)
-                self.partial_lse = torch.empty(lay.max_splits * r, dtype=torch.float32, device=dev)
-        # an MLA layer's one latent pool: each key row, its first Dv columns the value row
-        tile_args = [*table_args, q_ex, k_buf.view(-1, d), k_buf.view(-1, d) if lp.mla else v_buf.view(-1, dv)]
-        for has, scale in zip(descales(lp, jax_dtype(k_buf.dtype)), (lp.k_scale, lp.v_scale)):
-            if has:  # f32[B * Hkv]: the layer's scale for every (sequence, kv head)
-                with torch.inference_mode(False):
-                    tile_args.append(torch.full((lay.batch * lp.num_kv_heads,), scale, dtype=torch.float32,
-                                                device=dev))
-        tile_args += [self.sinks] if has_sinks else []
-        self.q_index = TABLE_PARTS
-        examples = [tile_args + ([] if split else [self.out_ex, self.lse])]
-        if split:
-            examples.append([self.partial_o, self.partial_lse, tables.args[TABLE_PARTS]])
-        kernels = path.triton_kernels(lp, lay, dtype, k_buf.dtype, has_sinks, examples)
-        if split:
-            self.tiles = kernels.tiles.bind(*examples[0], out=(self.partial_o, self.partial_lse))
-            self.merge = kernels.merge.bind(*examples[1], out=(self.out_ex, self.lse))
+        self.t, self.rows, self.hq, self.d = int(q.shape[0]), lay.num_tokens, lp.num_q_heads, lp.head_dim
+        self.dv, self.dtype, self.device = lp.v_head_dim or lp.head_dim, q.dtype, q.device
+        args = call_args(lp, tables, q.dtype, k_buf, v_buf, has_sinks)
+        self.sinks, self.out_ex, self.lse, self.q_index = args.sinks, args.out, args.lse, TABLE_PARTS
+        kernels = path.triton_kernels(Spec(lp, lay, q.dtype, k_buf.dtype, has_sinks, args.examples))
+        if args.partial is not None:
+            self.partial_o, self.partial_lse = args.partial
+            self.tiles = kernels.tiles.bind(*args.examples[0], out=args.partial)
+            self.merge = kernels.merge.bind(*args.examples[1], out=(self.out_ex, self.lse))
             self.out_index = None
         else:
-            self.tiles = kernels.tiles.bind(*examples[0])
-            self.merge, self.out_index = None, len(examples[0]) - 2
+            self.tiles = kernels.tiles.bind(*args.examples[0])
+            self.merge, self.out_index = None, len(args.examples[0]) - 2
         self.tables = tables
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -197,20 +237,3 @@ class LayerCall:
             self.merge()
         out = out.view(self.rows, self.hq * self.dv)
         return out if self.t == self.rows else out[:self.t]
-
-
-def kernel_key(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, examples) -> tuple:
-    """What the compiled kernels depend on: layers alike (any layer id, any pool) share them."""
-    shape = dataclasses.replace(lp, layer_id=0, k_scale=None, v_scale=None)
-    return (shape, lay, dtype, kv_dtype, has_sinks, tuple(tuple(tuple(a.shape) for a in ex) for ex in examples),
-            examples[0][0].device)
-
-
-def make_kernels(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, examples,
-                 maker: Optional[Callable] = None) -> Kernels:
-    """Build the layer's kernels: ``maker(fns_of(interpret), examples)``; the default compiles for torch."""
-    def fns_of(interpret: bool):
-        return kernel_fns(lp, lay, jax_dtype(dtype), jax_dtype(kv_dtype), has_sinks, interpret)
-    if maker is None:
-        return compiled_kernels(fns_of(False), examples)
-    return maker(fns_of, examples)

@@ -13,8 +13,11 @@ Two rules cut that down:
   shape; each keeps its own graph. (SGLang's 36 sizes fall in 15 classes.)
 * **Prebuild.** When the first bucket's warm-up forward launches a kind of layer for the first time,
   the planner plans the classes of the remaining sizes and builds that layer's kernels for all of them
-  at once, its own included: Python lowerings in parallel processes, GPU code in threads
-  (``MosaicPath.prebuild``). A capture hook does the same for layers seen before the capture.
+  at once, its own included: Python lowerings (in parallel processes for four or more Mosaic kernels),
+  GPU code in threads (``MosaicPath.prebuild``; the Mosaic kernel and the Triton-lowered one alike). A
+  capture hook does the same for layers seen before the capture. An eager step of a new shape class
+  builds the kernels of every layer shape seen in steps of its kind at once too, at its first layer
+  (``MosaicPath.layer_call``).
 
 Tree (topk > 1) steps, draft extend and cross attention keep one plan per bucket: they run through JAX.
 """
