@@ -63,6 +63,11 @@ class LayerParams:
     def window_size(self):
         return (self.sliding_window_size, 0) if self.sliding_window_size >= 0 else (-1, -1)
 
+    @property
+    def attends_causally(self) -> bool:
+        """Whether a query sees only the keys up to its own position (a cross layer attends every encoder token)."""
+        return self.causal and not self.is_cross_attention
+
 
 def _table_copy(table) -> jax.Array:
     """A request table as an int32 JAX array that shares no memory with ``table``: on the CPU,
@@ -196,7 +201,7 @@ class FlashAttentionBackend:
         encoder = md.encoder
         if encoder is not None:  # cross layers: page size 1, so the Triton-lowered kernel (kernel_policy)
             encoder = dataclasses.replace(encoder, schedule=step_schedule(
-                _cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, deterministic=self.deterministic))
+                cross_metadata(md), num_q_heads=hq, num_kv_heads=hkv, deterministic=self.deterministic))
         return dataclasses.replace(md, schedule=sched, mosaic_schedule=mosaic, local=local, encoder=encoder)
 
     def plan_settings(self) -> tuple:
@@ -323,8 +328,8 @@ class FlashAttentionBackend:
         if layer.is_cross_attention:
             if md.encoder is None:
                 raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
-            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), _cross_metadata(md), impl=self.impl,
-                             causal=False, **kw)
+            return attention(q, paged_view(pool.k, 1), paged_view(pool.v, 1), cross_metadata(md), impl=self.impl,
+                             causal=layer.attends_causally, **kw)
         if layer.sliding_window_size >= 0 and md.swa_page_table is not None:  # the SWAKVPool's SWA pool
             md = dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
         if layer.mla:  # values: the latent part of each key row (one read of the pool)
@@ -367,7 +372,7 @@ class FlashAttentionBackend:
         if layer.is_cross_attention:
             if md.encoder is None:
                 raise ValueError("a cross-attention layer needs metadata planned with encoder_lens")
-            return {**out, "cross": kernel(_cross_metadata(md))}
+            return {**out, "cross": kernel(cross_metadata(md))}
         if layer.use_irope:
             return {**out, "local": kernel(local_attn.local_plan_of(md))}
         return {**out, "attention": kernel(md)}
@@ -377,7 +382,7 @@ def _num_tokens(md) -> int:
     return md.prefix.num_tokens if isinstance(md, spec_plan.CascadeMetadata) else md.num_tokens
 
 
-def _cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
+def cross_metadata(md: AttentionMetadata) -> AttentionMetadata:
     """A cross layer's view of step plan ``md``: each request's encoder tokens are its keys (page size 1),
     with the encoder's own schedule (None until ``attach_schedule``: the kernel then plans its own)."""
     enc = md.encoder

@@ -211,14 +211,21 @@ def test_multistep_equals_single_step_backends_and_replay_equals_eager(topk):
 
 
 # ----------------------------------------------------------------------------- cross attention
+@pytest.mark.parametrize("launch", [False, True], ids=["jax", "launch"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_cross_attention_encoder_then_decoder_slots(page_size):
+def test_cross_attention_encoder_then_decoder_slots(page_size, launch):
     """Each request row holds its encoder slots first; a cross layer writes at encoder_out_cache_loc and
-    attends non-causally over them, a self layer attends causally over the decoder tokens after them."""
+    attends non-causally over them, a self layer attends causally over the decoder tokens after them.
+    ``launch``: both layers on the launch path (the Triton-lowered kernel, interpreted; the cross layer over
+    its encoder tables, ``CROSS_TABLES``). Catches: a cross layer reading the decoder's tables or masking
+    causally, its K/V written at out_cache_loc, or the launch path refusing cross layers."""
+    from tests.test_triton_launch import triton_path_for_tests
+    from torch_bridge.mosaic_path import CROSS_TABLES, TRITON_TABLES
+
     rng = np.random.default_rng(30 + page_size)
-    runner, table = make_runner(6, page_size, seed=11)
+    runner, table = make_runner(6, page_size, seed=11, impl="auto" if launch else "reference")
     runner.model_config.max_encoder_len = 16
-    backend = FlashAttentionBackend(runner)
+    backend = FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch else None)
     rows, enc, prefix, ext = np.array([4, 1, 3]), np.array([8, 4, 12]), np.array([0, 5, 2]), np.array([3, 2, 4])
     fill_committed(runner, table, rows, enc + prefix, rng)  # layer 0: committed decoder (and encoder) KV
     loc = np.concatenate([table[r, e + p:e + p + n] for r, e, p, n in zip(rows, enc, prefix, ext)])
@@ -234,6 +241,8 @@ def test_cross_attention_encoder_then_decoder_slots(page_size):
     got_cross = backend.forward(q, ke, ve, cross, fb).numpy()
     np.testing.assert_array_equal(runner.token_to_kv_pool.k_buffer[1][i64(enc_loc)].numpy(),
                                   ke.reshape(-1, HKV, D).numpy())
+    if launch:  # both layers launched: the step's tables, and the encoder's for the cross layer
+        assert set(backend.step.tables) == {(HQ, HKV, TRITON_TABLES), (HQ, HKV, TRITON_TABLES | CROSS_TABLES)}
     (k0, v0), (k1, v1) = pool_np(runner, 0), pool_np(runner, 1)
     qs, t = q.numpy().reshape(-1, HQ, D), 0
     for r, e, p, n in zip(rows, enc, prefix, ext):

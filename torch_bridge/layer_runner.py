@@ -106,12 +106,13 @@ class LayerRunner:
         if save_kv_cache and k is not None:  # SWA layers: slots the pool's own translation keeps in the SWA pool
             loc = self.safe_locs(write_loc(forward_batch, step, lp, t, k, v, self.step_id), self.forward,
                                  swa_mapping(forward_batch) if swa else None)
+        if loc is not None and (call is None or lp.is_cross_attention):
+            # written here: a JAX-path layer's, and a cross layer's (its slots are the encoder's, not one per token)
+            store_kv(pool, layer, lp, loc, k, v)
+            loc = None
         if call is not None:
             hit = LayerHit(layer, lp, call, pool, (k_buf, v_buf), sinks is None, swa)
         else:
-            if loc is not None:  # written here: a cross layer's slots are the encoder's, not one per query token
-                store_kv(pool, layer, lp, loc, k, v)
-                loc = None
             if self.planner.jax_heads is None and self.jax_backend.impl != "reference":
                 self.planner.jax_heads = (lp.num_q_heads, lp.num_kv_heads)  # the next eager plans carry its schedules
             hit = self._jax_hit(step, lp, layer, t, q, pool, k_buf, v_buf, sinks, swa)
@@ -143,14 +144,15 @@ class LayerRunner:
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
         if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
             max_q_len = min(max_q_len, key.attention_chunk_size)
-        call = Call(max_q_len=max_q_len, page_size=key.page_size,
+        # a cross layer reads the encoder tokens' slots (page size 1)
+        call = Call(max_q_len=max_q_len, page_size=1 if lp.is_cross_attention else key.page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=sinks is not None, num_q_heads=lp.num_q_heads, latent=lp.mla)
         kernel = path.kernel_for(self.jax_backend.impl, call)
         if kernel is None:
             return None  # decided before any table is made: layers off the path cost the plan nothing
-        # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's
+        # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's; cross layers: the encoder's
         heads = table_key(lp, swa, triton=kernel == "triton")
         tables = step.tables.get(heads)
         if tables is None:

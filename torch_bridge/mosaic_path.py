@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jax_attn.backend import LayerParams
+from jax_attn.backend import LayerParams, cross_metadata
 from jax_attn.kernel_policy import select_kernel
 from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
@@ -52,9 +52,10 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
                    "graph runner does): it compiles the kernel and learns the layer shapes the replay hooks "
                    "must prepare.")
 # (Hq, Hkv): the Mosaic kernel's tables of the step's plan; (Hq, Hkv, flags): LOCAL_TABLES over md.local,
-# SWA_TABLES over md.swa_page_table, TRITON_TABLES the Triton-lowered kernel's (``torch_bridge.triton_path``)
+# SWA_TABLES over md.swa_page_table, CROSS_TABLES over the encoder tokens (``jax_attn.backend.cross_metadata``),
+# TRITON_TABLES the Triton-lowered kernel's (``torch_bridge.triton_path``)
 TableKey = Tuple[int, ...]
-LOCAL_TABLES, SWA_TABLES, TRITON_TABLES = 1, 2, 4  # bits of a TableKey's third entry
+LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, CROSS_TABLES = 1, 2, 4, 8  # bits of a TableKey's third entry
 
 
 def key_flags(key: TableKey) -> int:
@@ -90,21 +91,26 @@ def _padded(n: int) -> int:
 
 
 def table_key(lp: LayerParams, swa: bool = False, triton: bool = False) -> TableKey:
-    """Which tables a layer reads: its head counts, whether it runs on the local virtual batch or
-    (``swa``: a sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table, and which kernel
-    (``triton``: the Triton-lowered one) reads them."""
-    flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else 0) | (TRITON_TABLES if triton else 0)
+    """Which tables a layer reads: its head counts, whether it runs on the local virtual batch, (``swa``: a
+    sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table or (a cross-attention layer) on
+    the encoder tokens, and which kernel (``triton``: the Triton-lowered one) reads them."""
+    flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else CROSS_TABLES if lp.is_cross_attention else 0)
+    flags |= TRITON_TABLES if triton else 0
     return (lp.num_q_heads, lp.num_kv_heads) + ((flags,) if flags else ())
 
 
 def table_plan(md, key: TableKey):
-    """The plan the tables of ``key`` describe: the step's, its local virtual batch, or the step's over
-    the SWA pool's page table."""
+    """The plan the tables of ``key`` describe: the step's, its local virtual batch, its encoder tokens
+    (page size 1, ``cross_metadata``), or the step's over the SWA pool's page table."""
     flags = key_flags(key)
-    if not flags & (LOCAL_TABLES | SWA_TABLES):
+    if not flags & (LOCAL_TABLES | SWA_TABLES | CROSS_TABLES):
         return md
     if flags & LOCAL_TABLES:
         return md.local
+    if flags & CROSS_TABLES:
+        if md.encoder is None:
+            raise ValueError("cross-attention tables of a plan without md.encoder (no encoder_lens)")
+        return cross_metadata(md)
     if md.swa_page_table is None:
         raise ValueError("SWA pool tables of a plan without md.swa_page_table (not an SWAKVPool step)")
     return dataclasses.replace(md, page_table=md.swa_page_table, swa_page_table=None)
@@ -176,8 +182,8 @@ class MosaicPath:
                v_buf: torch.Tensor) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
-        if key.topk > 1 or lp.is_cross_attention:
-            return "tree (topk > 1) steps and cross attention run through JAX"
+        if key.topk > 1:
+            return "tree (topk > 1) steps run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
         if v_buf is not None and v_buf.dtype != k_buf.dtype:
@@ -391,7 +397,7 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
     st = kernel_statics(
         num_tokens=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),
-        causal=lp.causal, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
+        causal=lp.attends_causally, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
         has_sinks=has_sinks, config=config, max_q_len=tables.max_q_len)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
             v_buf.view(-1, key.page_size, hkv, dv), *tables.args, sinks)

@@ -43,8 +43,8 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import (LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath,
-                                      TableKey, Tables, flatten_tables, key_flags)
+from torch_bridge.mosaic_path import (CROSS_TABLES, LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, WARM_UP_MESSAGE,
+                                      MosaicPath, TableKey, Tables, flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -250,7 +250,8 @@ class StepPlanner:
         if hit is None:
             hit = self._keys[memo] = tuple(sorted(h for h in self.launch_heads
                                                   if (local or not key_flags(h) & LOCAL_TABLES)
-                                                  and (key.swa_pool or not key_flags(h) & SWA_TABLES)))
+                                                  and (key.swa_pool or not key_flags(h) & SWA_TABLES)
+                                                  and (key.has_encoder or not key_flags(h) & CROSS_TABLES)))
         return hit
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,

@@ -104,9 +104,9 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
     st, knobs = kernel_statics(
         num_tokens=lay.num_tokens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=lay.page_size, max_pages=lay.max_pages, max_q_len=lay.max_q_len, block_q=lay.block_q,
-        max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.causal, window_size=lp.window_size,
-        softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks, has_k_descale=has_kd,
-        has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
+        max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.attends_causally,
+        window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks,
+        has_k_descale=has_kd, has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
     inputs = TABLE_PARTS + 3 + int(has_kd) + int(has_vd) + int(has_sinks)
     r = lay.num_tokens * hq
 

@@ -14,6 +14,7 @@ import pytest
 import torch_bridge
 from tests.sglang_contract.batches import Req, plain_step
 from tests.sglang_contract.check import check_step
+from tests.sglang_contract.device import ON_CUDA
 from tests.sglang_contract.engine import ForwardMode
 from tests.sglang_contract.world import CROSS, ENC_ONLY, PLAIN, SINK, LayerSpec, World
 
@@ -27,13 +28,20 @@ CROSS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("launch", [False, True], ids=["default", "triton_launch"])
 @pytest.mark.parametrize("name,mode,reqs", CROSS_CASES, ids=[c[0] for c in CROSS_CASES])
-def test_cross_attention(name, mode, reqs):
+def test_cross_attention(name, mode, reqs, launch):
     """Catches: cross attention demanding ``model_config.max_encoder_len`` (SGLang has none); decoder
     self attention not offset by the request's encoder length; cross K/V written at ``out_cache_loc``
-    instead of ``encoder_out_cache_loc``; a causal mask on cross attention; ``k is None`` mishandled."""
+    instead of ``encoder_out_cache_loc``; a causal mask on cross attention; ``k is None`` mishandled.
+    ``triton_launch``: every layer on the bridge's launch path with the Triton-lowered kernel (interpreted on
+    the CPU; on CUDA the device's own path, which the default case already takes)."""
+    if launch and ON_CUDA:
+        pytest.skip("on CUDA the default backend launches these layers")
+    from tests.test_triton_launch import triton_path_for_tests
+
     world = World((PLAIN, CROSS, SINK), encoder_decoder=True)
-    backend = torch_bridge.FlashAttentionBackend(world.runner)
+    backend = torch_bridge.FlashAttentionBackend(world.runner, mosaic_path=triton_path_for_tests() if launch else None)
     batch = [Req(world.new_request(), p, n, enc=e, enc_new=w) for p, n, e, w in reqs]
     fb, ex = plain_step(world, batch, mode)
     check_step(world, backend, fb, ex, what=f"cross {name}")
