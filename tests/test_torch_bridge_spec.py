@@ -1,6 +1,8 @@
 """torch_bridge tree speculative decoding (topk > 1), the multi-step draft backend and cross attention
 on torch CPU tensors: bridge == JAX backend == float64 dense oracle; replay == eager, no retrace."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -47,6 +49,31 @@ def jax_out(runner, table, page_size, fb_args, q, spec):
     return np.asarray(out)
 
 
+def tree_backend(runner, launch: bool, **kw):
+    """The bridge under test: the JAX path, or (``launch``) the launch path with the Triton-lowered kernel
+    interpreted (a tree step's prefix and expand passes and their merge; ``triton_path.TreeCall``)."""
+    from tests.test_triton_launch import triton_path_for_tests
+
+    if launch:
+        runner.attention_impl = "auto"
+        # SGLang's model config names the head counts: the tree passes' tables come with every plan from the
+        # start (else the first replay after a bucket's warm-up forward replans with them: one retrace)
+        runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=HQ)
+        runner.model_config.get_num_kv_heads = lambda tp: HKV
+    return FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch else None, **kw)
+
+
+def launched(backend, layer_id: int = 0) -> bool:
+    """Whether the layer's last call went through the launch path's tree call."""
+    from torch_bridge.triton_path import TreeCall
+
+    hit = backend.runner.hits.get(layer_id)
+    return hit is not None and isinstance(getattr(hit, "call", None), TreeCall)
+
+
+LAUNCH = pytest.mark.parametrize("launch", [False, True], ids=["jax", "launch"])
+
+
 # ----------------------------------------------------------------------------- tree verify
 def verify_case(runner, table, rows, committed, masks, rng):
     loc = np.concatenate([table[r, c:c + N] for r, c in zip(rows, committed)])
@@ -72,16 +99,20 @@ def verify_oracle(runner, table, fb, masks, q, window=-1):
     return np.stack(want).reshape(len(want), HQ * D)
 
 
+@LAUNCH
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size):
+def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size, launch):
+    """``launch``: the tree layer on the launch path (the sliding-window one stays on JAX). Catches there: the
+    prefix pass masked causally or given no sinks, the expand pass over the wrong tables, the merge dropped."""
     rng = np.random.default_rng(10 + page_size)
     runner, table = make_runner(8, page_size, seed=page_size)
     runner.sliding_window_size = 5  # the plan carries the SWA table for the windowed layer below
-    backend = FlashAttentionBackend(runner, topk=TOPK)
+    backend = tree_backend(runner, launch, topk=TOPK)
     rows, committed, masks = np.array([3, 1]), np.array([9, 17]), [two_branches(), star(N)]
     fb, (q, k, v) = verify_case(runner, table, rows, committed, masks, rng)
     backend.init_forward_metadata(fb)
     got = backend.forward(q, k, v, layer(), fb).numpy()
+    assert launched(backend) == launch
     kb = runner.token_to_kv_pool.k_buffer[0]
     np.testing.assert_array_equal(kb[fb.out_cache_loc].numpy(), k.reshape(-1, HKV, D).numpy())
     np.testing.assert_allclose(got, verify_oracle(runner, table, fb, masks, q), rtol=1e-4, atol=1e-4)
@@ -93,10 +124,11 @@ def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size):
     np.testing.assert_allclose(got_w, verify_oracle(runner, table, fb, masks, q, window=5), rtol=1e-4, atol=1e-4)
 
 
-def test_tree_verify_replay_equals_eager_no_retrace():
+@LAUNCH
+def test_tree_verify_replay_equals_eager_no_retrace(launch):
     rng = np.random.default_rng(3)
     runner, table = make_runner(8, 4, seed=2)
-    backend = FlashAttentionBackend(runner, topk=TOPK)
+    backend = tree_backend(runner, launch, topk=TOPK)
     backend.init_cuda_graph_state(4, 4 * N)
     cap_mask = torch.ones(4 * N * (MAX_CTX + N), dtype=torch.bool)  # SGLang's static capture buffer
     backend.init_forward_metadata_capture_cuda_graph(4, 4 * N, i64([1, 2, 3, 4]), i64([5] * 4), None,
@@ -114,6 +146,7 @@ def test_tree_verify_replay_equals_eager_no_retrace():
                                                     fb.forward_mode, fb.spec_info, None)
     got = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
     assert backend.trace_count == traces, "replay inside a captured bucket must not retrace"
+    assert launched(backend) == launch
     backend.init_forward_metadata(fb)
     eager = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
     np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-5)
@@ -147,15 +180,17 @@ def draft_oracle(runner, table, fb, loc, step, q):
     return np.stack(want).reshape(len(want), HQ * D)
 
 
-def test_tree_draft_decode_equals_jax_backend_and_dense_oracle():
+@LAUNCH
+def test_tree_draft_decode_equals_jax_backend_and_dense_oracle(launch):
     rng, step = np.random.default_rng(4), 1
     runner, table = make_runner(8, 4, seed=5)
-    backend = FlashAttentionBackend(runner, speculative_step_id=step, topk=TOPK, speculative_num_steps=STEPS)
+    backend = tree_backend(runner, launch, speculative_step_id=step, topk=TOPK, speculative_num_steps=STEPS)
     rows, committed = np.array([3, 1]), np.array([6, 11])
     fb, loc = draft_case(runner, table, rows, committed, step, rng)
     q, k, v = rand_qkv(rng, 2 * TOPK)
     backend.init_forward_metadata(fb)  # full [bs, topk, num_steps] slots
     got = backend.forward(q, k, v, layer(), fb).numpy()
+    assert launched(backend) == launch
     kb = runner.token_to_kv_pool.k_buffer[0]
     np.testing.assert_array_equal(kb[i64(loc[:, :, step].reshape(-1))].numpy(), k.reshape(-1, HKV, D).numpy())
     np.testing.assert_allclose(got, draft_oracle(runner, table, fb, loc, step, q), rtol=1e-4, atol=1e-4)

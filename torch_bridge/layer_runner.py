@@ -37,7 +37,7 @@ from torch_bridge.checks import (CheckedLayer, SafeLocs, check_layer, check_shap
                                  store_kv, write_loc)
 from torch_bridge.dlpack import Importer, check_not_capturing
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import LayerHit, MosaicPath, table_key
+from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, LayerHit, MosaicPath, table_key
 from torch_bridge.step import Step
 from torch_bridge.step_planner import StepPlanner
 from torch_bridge.translate import UNIFORM, layer_params
@@ -141,6 +141,13 @@ class LayerRunner:
         if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
             return None
         key = step.key
+        if key.topk > 1:  # a tree step: the cascade's two passes and their merge, on the Triton-lowered kernel
+            if self.jax_backend.impl not in ("auto", "triton"):
+                return None
+            passes = (table_key(lp, triton=True, tree_pass=PREFIX_TABLES), table_key(lp, triton=True,
+                                                                                    tree_pass=EXPAND_TABLES))
+            prefix, expand = (step.tables.get(h) or self.planner.tables(step, h) for h in passes)
+            return path.tree_call(lp, key, prefix, expand, q, k_buf, v_buf, sinks is not None, passes)
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
         if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
             max_q_len = min(max_q_len, key.attention_chunk_size)

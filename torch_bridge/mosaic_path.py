@@ -53,9 +53,11 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
                    "must prepare.")
 # (Hq, Hkv): the Mosaic kernel's tables of the step's plan; (Hq, Hkv, flags): LOCAL_TABLES over md.local,
 # SWA_TABLES over md.swa_page_table, CROSS_TABLES over the encoder tokens (``jax_attn.backend.cross_metadata``),
+# PREFIX_TABLES / EXPAND_TABLES over a tree step's two passes (``jax_attn.spec.CascadeMetadata``),
 # TRITON_TABLES the Triton-lowered kernel's (``torch_bridge.triton_path``)
 TableKey = Tuple[int, ...]
-LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, CROSS_TABLES = 1, 2, 4, 8  # bits of a TableKey's third entry
+LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, CROSS_TABLES, PREFIX_TABLES, EXPAND_TABLES = 1, 2, 4, 8, 16, 32
+TREE_TABLES = PREFIX_TABLES | EXPAND_TABLES
 
 
 def key_flags(key: TableKey) -> int:
@@ -90,21 +92,25 @@ def _padded(n: int) -> int:
     return cdiv(n, _WORDS) * _WORDS
 
 
-def table_key(lp: LayerParams, swa: bool = False, triton: bool = False) -> TableKey:
+def table_key(lp: LayerParams, swa: bool = False, triton: bool = False, tree_pass: int = 0) -> TableKey:
     """Which tables a layer reads: its head counts, whether it runs on the local virtual batch, (``swa``: a
-    sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table or (a cross-attention layer) on
-    the encoder tokens, and which kernel (``triton``: the Triton-lowered one) reads them."""
+    sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table, (a cross-attention layer) on
+    the encoder tokens or (``tree_pass``: ``PREFIX_TABLES`` or ``EXPAND_TABLES``) on a tree step's pass, and
+    which kernel (``triton``: the Triton-lowered one) reads them."""
     flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else CROSS_TABLES if lp.is_cross_attention else 0)
-    flags |= TRITON_TABLES if triton else 0
+    flags |= (TRITON_TABLES if triton else 0) | tree_pass
     return (lp.num_q_heads, lp.num_kv_heads) + ((flags,) if flags else ())
 
 
 def table_plan(md, key: TableKey):
     """The plan the tables of ``key`` describe: the step's, its local virtual batch, its encoder tokens
-    (page size 1, ``cross_metadata``), or the step's over the SWA pool's page table."""
+    (page size 1, ``cross_metadata``), a tree step's prefix or expand pass, or the step's over the SWA
+    pool's page table."""
     flags = key_flags(key)
-    if not flags & (LOCAL_TABLES | SWA_TABLES | CROSS_TABLES):
+    if not flags & (LOCAL_TABLES | SWA_TABLES | CROSS_TABLES | TREE_TABLES):
         return md
+    if flags & TREE_TABLES:
+        return md.prefix if flags & PREFIX_TABLES else md.expand
     if flags & LOCAL_TABLES:
         return md.local
     if flags & CROSS_TABLES:
@@ -182,8 +188,10 @@ class MosaicPath:
                v_buf: torch.Tensor) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
-        if key.topk > 1:
-            return "tree (topk > 1) steps run through JAX"
+        if key.topk > 1 and not self.triton:
+            return "tree (topk > 1) steps launch the Triton-lowered kernel, which this path does not build"
+        if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope):
+            return "sliding-window and chunked local layers in a tree (topk > 1) step run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
         if v_buf is not None and v_buf.dtype != k_buf.dtype:
@@ -232,7 +240,7 @@ class MosaicPath:
         unpinned = [k for k in self._persistent if k not in self._pinned]
         for k in unpinned[:max(0, len(unpinned) - MAX_UNPINNED)]:
             gone = self._persistent.pop(k)
-            self._calls = {ck: c for ck, c in self._calls.items() if c.tables is not gone}
+            self._calls = {ck: c for ck, c in self._calls.items() if all(t is not gone for _, t in reads(c))}
 
     def _views(self, flat: torch.Tensor, md, heads: TableKey) -> Tables:
         if key_flags(heads) & TRITON_TABLES:
@@ -286,6 +294,21 @@ class MosaicPath:
             call.heads = heads
         return call
 
+    def tree_call(self, lp: LayerParams, key: PlanKey, prefix: Tables, expand: Tables, q: torch.Tensor,
+                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool, heads: Tuple[TableKey, TableKey]) -> Any:
+        """The bound launches of one layer in a tree (topk > 1) step of this plan key: its prefix pass over
+        ``prefix``, its expand pass over ``expand`` and their merge (``triton_path.TreeCall``; built on first
+        use, then reused). ``heads``: the two tables' keys."""
+        ck = (lp, key, id(prefix), id(expand), q.shape[0], q.dtype, k_buf.data_ptr(),
+              v_buf is None or v_buf.data_ptr(), has_sinks)
+        call = self._calls.get(ck)
+        if call is None:
+            if capturing():
+                raise RuntimeError(WARM_UP_MESSAGE)
+            call = self._calls[ck] = triton_path.TreeCall(self, lp, prefix, expand, q, k_buf, v_buf, has_sinks)
+            call.heads, call.reads = heads[0], ((heads[0], prefix), (heads[1], expand))
+        return call
+
     def _build_alike(self, recipe: "Recipe", key: PlanKey, tables: Tables) -> None:
         """A layer's first call over ``tables``: when its kernels are not built, build those of every layer
         shape seen in steps like ``key`` over the same tables at once (a new shape class of an eager step
@@ -297,7 +320,7 @@ class MosaicPath:
     @staticmethod
     def spec_key(spec) -> tuple:
         """What a ``LaunchSpec``'s kernel or a ``triton_path.Spec``'s kernels depend on (shared by layers alike)."""
-        if isinstance(spec, triton_path.Spec):
+        if not isinstance(spec, LaunchSpec):  # triton_path.Spec, triton_path.MergeSpec
             return spec.key()
         return MosaicPath._mosaic_key(spec.statics, spec.num_tiles, spec.args)
 
@@ -313,7 +336,7 @@ class MosaicPath:
             kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
         return kernel
 
-    def triton_kernels(self, spec: "triton_path.Spec") -> "triton_path.Kernels":
+    def triton_kernels(self, spec) -> "triton_path.Kernels":
         """The Triton-lowered kernels of a layer shape over one layout (shared by layers alike): the tiles
         and, with splits, the merge, compiled at once (``prebuild``)."""
         self.prebuild([spec])
@@ -335,7 +358,7 @@ class MosaicPath:
             if ck not in self._kernels:
                 todo.setdefault(ck, spec)
         mosaic = {ck: s for ck, s in todo.items() if isinstance(s, LaunchSpec)}
-        triton = {ck: s for ck, s in todo.items() if isinstance(s, triton_path.Spec)}
+        triton = {ck: s for ck, s in todo.items() if not isinstance(s, LaunchSpec)}
         if self._make_kernel is not launcher_kernel:
             for ck, spec in mosaic.items():
                 self._kernels[ck] = self._make_kernel(spec.statics, spec.num_tiles, spec.args)
@@ -466,6 +489,11 @@ class LayerCall:
         return out if self.t == self.rows else out[:self.t]
 
 
+def reads(call, default_heads: Optional[TableKey] = None) -> Tuple[Tuple[Optional[TableKey], Tables], ...]:
+    """``(table key, tables)`` of every table set a bound call reads (a tree step's call: two)."""
+    return getattr(call, "reads", None) or ((call.heads or default_heads, call.tables),)
+
+
 class LayerHit(CheckedLayer):
     """A layer checked once on the launch path. A later call with the same layer object, pool and
     buffers, token count and plan tables (so the same plan key) skips the checks: KV write, then
@@ -476,9 +504,10 @@ class LayerHit(CheckedLayer):
     def __init__(self, layer, lp: LayerParams, call: Any, pool, buffers, no_sinks: bool, swa: bool = False):
         super().__init__(layer, lp, call.t, pool, buffers, swa)
         self.call, self.no_sinks = call, no_sinks
-        self.heads = call.heads or table_key(lp, swa)  # the tables the call reads
+        self.reads = reads(call, table_key(lp, swa))  # the tables the call reads, by key
+
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
-        return (step.tables.get(self.heads) is self.call.tables and (sinks is None) == self.no_sinks
+        return (all(step.tables.get(h) is t for h, t in self.reads) and (sinks is None) == self.no_sinks
                 and self.same(layer, q, forward_batch))
 
     def __call__(self, q, k, v, loc, sinks, step=None):

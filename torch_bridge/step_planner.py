@@ -43,8 +43,9 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import (CROSS_TABLES, LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, WARM_UP_MESSAGE,
-                                      MosaicPath, TableKey, Tables, flatten_tables, key_flags)
+from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
+                                      TREE_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
+                                      flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -85,6 +86,9 @@ class StepPlanner:
                     self.launch_heads.add(settings.heads + (LOCAL_TABLES | flags,))
                 if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
                     self.launch_heads.add(settings.heads + (SWA_TABLES | flags,))
+            if settings.topk > 1 and mosaic_path.triton and jax_backend.impl in ("auto", "triton"):
+                for part in (PREFIX_TABLES, EXPAND_TABLES):  # tree steps' two passes (``triton_path.TreeCall``)
+                    self.launch_heads.add(settings.heads + (TRITON_TABLES | part,))
         # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its
         # kernels' schedules from then on (layers of other heads plan theirs inside the call)
         self.jax_heads: Optional[Tuple[int, int]] = None
@@ -243,15 +247,17 @@ class StepPlanner:
 
     def table_keys(self, key: PlanKey, local: bool) -> Tuple[TableKey, ...]:
         """The launch tables a step of ``key`` brings (``local``: its plan carries md.local)."""
-        if self.mosaic_path is None or key.topk != 1:
+        if self.mosaic_path is None:
             return ()
+        tree = key.topk > 1  # a tree step's plan is a cascade: only its passes' tables
         memo = (key, local, len(self.launch_heads))  # launch_heads only grows
         hit = self._keys.get(memo)
         if hit is None:
             hit = self._keys[memo] = tuple(sorted(h for h in self.launch_heads
                                                   if (local or not key_flags(h) & LOCAL_TABLES)
                                                   and (key.swa_pool or not key_flags(h) & SWA_TABLES)
-                                                  and (key.has_encoder or not key_flags(h) & CROSS_TABLES)))
+                                                  and (key.has_encoder or not key_flags(h) & CROSS_TABLES)
+                                                  and tree == bool(key_flags(h) & TREE_TABLES)))
         return hit
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,

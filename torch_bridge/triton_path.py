@@ -2,11 +2,13 @@
 
 The launch path's second kernel family (``torch_bridge.mosaic_path`` holds the first and the shared
 machinery): what the Mosaic kernel does not take (page sizes that are not a multiple of 8, SGLang's
-default of 1 among them; head dims it lacks; sinks on packed decode rows; absorbed MLA; GPUs that are
-not Hopper) runs ``jax_attn.kernels.triton_paged``'s kernel, compiled by ``torch_bridge.launcher`` from
-the same Triton IR that XLA would compile, and launched with raw pointers on torch's current stream. A layer is
-then a KV write, an output allocation and one launch (two with split-KV: the partials, then the merge),
-and is captured by ``torch.cuda.graph``.
+default of 1 among them; head dims it lacks; sinks on packed decode rows; absorbed MLA; cross attention
+over the encoder tokens; GPUs that are not Hopper) runs ``jax_attn.kernels.triton_paged``'s kernel,
+compiled by ``torch_bridge.launcher`` from the same Triton IR that XLA would compile, and launched with
+raw pointers on torch's current stream. A layer is then a KV write, an output allocation and one launch
+(two with split-KV: the partials, then the merge), and is captured by ``torch.cuda.graph``. A tree
+(topk > 1) step's layer is the JAX path's cascade (``TreeCall``): the prefix pass, the expand pass and
+``merge_state``, each launched the same way.
 
 Per step a compiled JAX function (the step's planner call) makes the kernel's int32 tables: the work
 schedule (``jax_attn.kernels.schedule.plan_schedule``, as the JAX path plans it), the KV lengths, query
@@ -26,7 +28,7 @@ import jax
 import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG
-from jax_attn.kernels.merge_state import merge_splits
+from jax_attn.kernels.merge_state import merge_splits, merge_state
 from jax_attn.kernels.schedule import row_num_splits, step_schedule
 from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
 from torch_bridge.launcher import jax_dtype
@@ -216,8 +218,8 @@ class LayerCall:
             self.merge, self.out_index = None, len(args.examples[0]) - 2
         self.tables = tables
 
-    def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
+    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> a new ``[R, Dv]`` tensor, the padding rows' included (their LSE in ``self.lse``)."""
         q = q.reshape(self.t, self.hq * self.d)
         if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
             q = torch.nn.functional.pad(q, (0, 0, 0, self.rows - self.t))
@@ -235,5 +237,68 @@ class LayerCall:
             self.tiles()
             self.merge.set_out(0, out)
             self.merge()
+        return out
+
+    def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
+        out = self.run(q, sinks).view(self.rows, self.hq * self.dv)
+        return out if self.t == self.rows else out[:self.t]
+
+
+def merge_fn(interpret: bool) -> Callable:
+    """``merge(o_a [R, Dv], lse_a f32[R], o_b, lse_b) -> (o, lse)``: two partial results over disjoint keys."""
+    def merge(o_a, lse_a, o_b, lse_b):
+        r, dv = o_a.shape
+        o, lse = merge_state(o_a.reshape(r, 1, dv), lse_a.reshape(r, 1), o_b.reshape(r, 1, dv), lse_b.reshape(r, 1),
+                             config=DEFAULT_CONFIG, interpret=interpret)
+        return o.reshape(r, dv), lse.reshape(r)
+    return merge
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSpec:
+    """What a tree step's merge of its two passes compiles (``MosaicPath.prebuild`` builds it as ``Kernels.tiles``)."""
+
+    examples: list = dataclasses.field(compare=False)  # [[o_a, lse_a, o_b, lse_b]]
+
+    def key(self) -> tuple:
+        ex = self.examples[0]
+        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, ex[0].device)
+
+    def fns(self, interpret: bool) -> Tuple[Callable, ...]:
+        return (merge_fn(interpret),)
+
+
+class TreeCall:
+    """One layer's attention in a tree (topk > 1) speculative step, as the JAX path's cascade
+    (``jax_attn.spec.cascade_attention``): the prefix pass (the committed KV, non-causal, the layer's sinks),
+    the expand pass (each draft token over the draft tokens its tree allows: page size 1, causal) and the
+    merge of the two, three launches (five with split-KV) on torch's stream."""
+
+    heads: Optional[Tuple[int, ...]] = None  # the prefix tables' key (set by ``MosaicPath.tree_call``)
+    reads: tuple = ()  # (table key, tables) of both passes (set by ``MosaicPath.tree_call``)
+
+    def __init__(self, path, lp, prefix, expand, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                 has_sinks: bool):
+        self.prefix = LayerCall(path, dataclasses.replace(lp, causal=False), prefix, q, k_buf, v_buf, has_sinks)
+        self.expand = LayerCall(path, lp, expand, q, k_buf, v_buf, False)  # sinks count once, in the prefix
+        if self.prefix.rows != self.expand.rows:
+            raise RuntimeError(f"tree tables of {self.prefix.rows} and {self.expand.rows} tokens: plan one step")
+        self.tables, self.t, self.rows = prefix, self.prefix.t, self.prefix.rows
+        self.hq, self.dv, self.dtype, self.device = self.prefix.hq, self.prefix.dv, q.dtype, q.device
+        r = self.rows * self.hq
+        with torch.inference_mode(False):
+            out = torch.empty(r, self.dv, dtype=q.dtype, device=q.device)
+            self.lse = torch.empty(r, dtype=torch.float32, device=q.device)  # scratch: the bridge returns no LSE
+        examples = [[self.prefix.out_ex, self.prefix.lse, self.expand.out_ex, self.expand.lse]]
+        self.merge = path.triton_kernels(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
+
+    def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
+        self.merge.set_arg(0, self.prefix.run(q, sinks))
+        self.merge.set_arg(2, self.expand.run(q))
+        out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
+        self.merge.set_out(0, out)
+        self.merge()
         out = out.view(self.rows, self.hq * self.dv)
         return out if self.t == self.rows else out[:self.t]

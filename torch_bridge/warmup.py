@@ -19,7 +19,7 @@ Two rules cut that down:
   builds the kernels of every layer shape seen in steps of its kind at once too, at its first layer
   (``MosaicPath.layer_call``).
 
-Tree (topk > 1) steps (through JAX), draft extend and steps with an encoder (cross attention) keep one plan per bucket.
+Tree (topk > 1) steps, draft extend and steps with an encoder (cross attention) keep one plan per bucket.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch_bridge
 from tests.sglang_contract.batches import (Req, draft_extend_step, draft_extend_v2_step, draft_round, idle_step,
                                           plain_step, server_args_for, verify_step)
 from tests.sglang_contract.check import check_draft_round, check_step
+from tests.sglang_contract.device import ON_CUDA
 from tests.sglang_contract.world import CAP, PLAIN, SINK, SWA, SWA_SINK, LayerSpec, World
 
 EAGLE_CHAIN = dict(algo="EAGLE", topk=1, steps=3, draft=4)  # topk 1: draft tokens = steps + 1
@@ -58,12 +59,20 @@ VERIFY = [
 ]
 
 
+@pytest.mark.parametrize("launch", [False, True], ids=["default", "triton_launch"])
 @pytest.mark.parametrize("case", VERIFY, ids=[c.name for c in VERIFY])
-def test_target_verify(case: Case):
+def test_target_verify(case: Case, launch: bool):
+    """``triton_launch``: the bridge's launch path with the Triton-lowered kernel, interpreted (on CUDA the
+    default backend launches these layers itself): a tree step's layers then run its two passes and their
+    merge from torch (``triton_path.TreeCall``), its sliding-window layers through JAX."""
+    if launch and ON_CUDA:
+        pytest.skip("on CUDA the default backend launches these layers")
+    from tests.test_triton_launch import triton_path_for_tests
+
     world = _world(case)
     n = case.server["draft"]
     reqs = [Req(world.new_request(), c, n) for c in case.committed]
-    backend = torch_bridge.FlashAttentionBackend(world.runner)
+    backend = torch_bridge.FlashAttentionBackend(world.runner, mosaic_path=triton_path_for_tests() if launch else None)
     fb, ex = verify_step(world, reqs, chain=case.server["topk"] == 1, ngram=case.server["algo"] == "NGRAM")
     check_step(world, backend, fb, ex, what=f"verify {case.name} [{case.catches}]")
 
