@@ -37,7 +37,7 @@ def sglang_custom_mask(committed, masks):
 
 
 def pool_np(runner, layer_id=0):
-    return [b.numpy().copy() for b in runner.token_to_kv_pool.get_kv_buffer(layer_id)]
+    return [b.cpu().numpy().copy() for b in runner.token_to_kv_pool.get_kv_buffer(layer_id)]
 
 
 def jax_out(runner, table, page_size, fb_args, q, spec):
@@ -54,13 +54,14 @@ def tree_backend(runner, launch: bool, **kw):
     interpreted (a tree step's prefix and expand passes and their merge; ``triton_path.TreeCall``)."""
     from tests.test_triton_launch import triton_path_for_tests
 
+    on_cpu = runner.token_to_kv_pool.k_buffer[0].device.type == "cpu"  # a GPU: the device's own launch path
     if launch:
         runner.attention_impl = "auto"
         # SGLang's model config names the head counts: the tree passes' tables come with every plan from the
         # start (else the first replay after a bucket's warm-up forward replans with them: one retrace)
         runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=HQ)
         runner.model_config.get_num_kv_heads = lambda tp: HKV
-    return FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch else None, **kw)
+    return FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch and on_cpu else None, **kw)
 
 
 def launched(backend, layer_id: int = 0) -> bool:
@@ -151,6 +152,52 @@ def test_tree_verify_replay_equals_eager_no_retrace(launch):
     eager = backend.forward(q, None, None, layer(), fb, save_kv_cache=False).numpy()
     np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, verify_oracle(runner, table, fb, masks, q), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_tree_verify_gpu_graph_replay_equals_eager():
+    """On a GPU: a tree verify bucket on the launch path (the compiled Triton-lowered passes and merge) is
+    captured in a torch CUDA graph; after the replay hook plans steps of other lengths and trees, each replay
+    equals the float64 oracle and, bitwise, the same planned step run eagerly. Catches: tree tables in a
+    buffer the replay hook does not refresh, a pass or the merge left out of the graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev, bs = torch.device("cuda"), 4
+    rng = np.random.default_rng(31)
+    runner, table = make_runner(8, 4, seed=2, device="cuda")
+    backend = tree_backend(runner, True, topk=TOPK)
+    assert backend.mosaic_path is not None
+    backend.init_cuda_graph_state(bs, bs * N)
+    rows, lens = torch.arange(1, bs + 1, device=dev), torch.full((bs,), 5, device=dev)
+    spec = SpecInfo(topk=TOPK, draft_token_num=N,
+                    custom_mask=torch.ones(bs * N * (MAX_CTX + N), dtype=torch.bool, device=dev))
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * N, rows, lens, None, ForwardMode.TARGET_VERIFY, spec)
+    q = torch.zeros(bs * N, HQ * D, device=dev)
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, bs, rows, lens, torch.zeros(bs * N, dtype=torch.int64, device=dev),
+                      spec_info=spec, token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, None, None, layer(), fb, save_kv_cache=False)  # warm-up outside the capture
+    assert launched(backend)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, None, None, layer(), fb, save_kv_cache=False)
+    for real_rows, committed in (([6, 2, 5], [4, 21, 13]), ([3, 7, 1, 8], [30, 2, 9, 17])):
+        n, masks = len(real_rows), [two_branches(), star(N), chain(N), two_branches()][:len(real_rows)]
+        step_fb, (qs, k, v) = verify_case(runner, table, np.array(real_rows), np.array(committed), masks, rng)
+        runner.token_to_kv_pool.set_kv_buffer(layer(), step_fb.out_cache_loc.to(dev), k.to(dev), v.to(dev))
+        step_spec = SpecInfo(topk=TOPK, draft_token_num=N, custom_mask=step_fb.spec_info.custom_mask.to(dev))
+        backend.init_forward_metadata_replay_cuda_graph(bs, step_fb.req_pool_indices.to(dev), step_fb.seq_lens.to(dev),
+                                                        None, None, ForwardMode.TARGET_VERIFY, step_spec, None)
+        q.zero_()
+        q[:n * N] = qs.to(dev)
+        g.replay()
+        torch.cuda.synchronize()
+        want = verify_oracle(runner, table, step_fb, masks, qs)
+        for b in range(n):  # per request (float32 pools; the kernel's dots may round through TF32)
+            np.testing.assert_allclose(out[b * N:(b + 1) * N].cpu().numpy(), want[b * N:(b + 1) * N],
+                                       rtol=5e-3, atol=5e-3)
+        eager = backend.forward(q, None, None, layer(), fb, save_kv_cache=False)  # the replayed plan, eagerly
+        assert torch.equal(eager, out)
 
 
 # ----------------------------------------------------------------------------- tree draft decode
