@@ -190,8 +190,8 @@ class MosaicPath:
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
         if key.topk > 1 and not self.triton:
             return "tree (topk > 1) steps launch the Triton-lowered kernel, which this path does not build"
-        if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope):
-            return "sliding-window and chunked local layers in a tree (topk > 1) step run through JAX"
+        if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope or lp.mla):
+            return "sliding-window, chunked local and MLA layers in a tree (topk > 1) step run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
         if v_buf is not None and v_buf.dtype != k_buf.dtype:
