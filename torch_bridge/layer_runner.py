@@ -142,7 +142,7 @@ class LayerRunner:
             return None
         key = step.key
         if key.topk > 1:  # a tree step: the cascade's two passes and their merge, on the Triton-lowered kernel
-            if self.jax_backend.impl not in ("auto", "triton"):
+            if not path.launches_trees(self.jax_backend.impl):
                 return None
             passes = (table_key(lp, triton=True, tree_pass=PREFIX_TABLES), table_key(lp, triton=True,
                                                                                     tree_pass=EXPAND_TABLES))

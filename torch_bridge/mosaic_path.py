@@ -178,6 +178,11 @@ class MosaicPath:
             return None
         return MosaicPath(hopper=capability == (9, 0))
 
+    def launches_trees(self, impl: str) -> bool:
+        """Whether tree (topk > 1) steps' layers launch here under ``impl``: the Triton-lowered kernel runs
+        their passes and merge (``triton_path.TreeCall``), so this path must build it and ``impl`` allow it."""
+        return self.triton and impl in ("auto", "triton")
+
     def kernel_for(self, impl: str, call) -> Optional[str]:
         """The kernel this path launches for ``call`` (a ``kernel_policy.Call``): ``"mosaic"`` or ``"triton"``,
         or None when the call goes through a JAX executable."""
@@ -188,8 +193,6 @@ class MosaicPath:
                v_buf: torch.Tensor) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
-        if key.topk > 1 and not self.triton:
-            return "tree (topk > 1) steps launch the Triton-lowered kernel, which this path does not build"
         if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope or lp.mla):
             return "sliding-window, chunked local and MLA layers in a tree (topk > 1) step run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
@@ -313,34 +316,26 @@ class MosaicPath:
         """A layer's first call over ``tables``: when its kernels are not built, build those of every layer
         shape seen in steps like ``key`` over the same tables at once (a new shape class of an eager step
         then costs one round of parallel builds, not one build per layer shape in turn)."""
-        alike = [r for r in self.recipes_for(key.mode, key.q_len_per_req) if r.heads == recipe.heads]
-        if len(alike) > 1 and self.spec_key(recipe.spec(self.config, key, tables)) not in self._kernels:
-            self.prebuild([r.spec(self.config, key, tables) for r in alike])
+        others = [r for r in self.recipes_for(key.mode, key.q_len_per_req) if r.heads == recipe.heads and r != recipe]
+        if not others:
+            return
+        own = recipe.spec(self.config, key, tables)
+        if self.spec_key(own) not in self._kernels:
+            self.prebuild([own] + [r.spec(self.config, key, tables) for r in others])
 
     @staticmethod
     def spec_key(spec) -> tuple:
         """What a ``LaunchSpec``'s kernel or a ``triton_path.Spec``'s kernels depend on (shared by layers alike)."""
         if not isinstance(spec, LaunchSpec):  # triton_path.Spec, triton_path.MergeSpec
             return spec.key()
-        return MosaicPath._mosaic_key(spec.statics, spec.num_tiles, spec.args)
+        return (spec.statics, spec.num_tiles, tuple(tuple(a.shape) for a in spec.args), spec.device)
 
-    @staticmethod
-    def _mosaic_key(st: KernelStatics, num_tiles: int, args) -> tuple:
-        return (st, num_tiles, tuple(tuple(a.shape) for a in args), args[0].device)
-
-    def kernel(self, st: KernelStatics, num_tiles: int, args: Tuple[torch.Tensor, ...]):
-        """The compiled kernel for ``st`` and these argument shapes (shared by layers alike)."""
-        ck = self._mosaic_key(st, num_tiles, args)
-        kernel = self._kernels.get(ck)
-        if kernel is None:
-            kernel = self._kernels[ck] = self._make_kernel(st, num_tiles, args)
-        return kernel
-
-    def triton_kernels(self, spec) -> "triton_path.Kernels":
-        """The Triton-lowered kernels of a layer shape over one layout (shared by layers alike): the tiles
-        and, with splits, the merge, compiled at once (``prebuild``)."""
+    def built(self, spec) -> Any:
+        """The compiled kernel of a ``LaunchSpec`` (the Mosaic kernel), or the ``triton_path.Kernels`` of a
+        ``triton_path.Spec`` (the tiles and, with splits, the merge, compiled at once) or ``MergeSpec``:
+        built on first use (``prebuild``), shared by layers alike."""
         self.prebuild([spec])
-        return self._kernels[spec.key()]
+        return self._kernels[self.spec_key(spec)]
 
     def recipes_for(self, mode, q_len_per_req: int) -> list:
         """The layers seen on the launch path in steps of this mode and queries per request."""
@@ -367,7 +362,7 @@ class MosaicPath:
             for ck, spec in triton.items():
                 self._kernels[ck] = self._make_triton(spec.fns, spec.examples)
             triton = {}
-        plans: Dict[tuple, list] = {}  # (the lowered kernels of a spec, their device)
+        plans: Dict[tuple, list] = {}  # the lowered kernels of each spec
         if mosaic:
             fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in mosaic.items()}
             structs = {ck: as_structs(spec.args) for ck, spec in mosaic.items()}
@@ -378,8 +373,7 @@ class MosaicPath:
                 plans[ck] = [plan_kernel(fns[ck], *structs[ck])]
         for ck, spec in triton.items():
             plans[ck] = [plan_kernel(fn, *as_structs(ex)) for fn, ex in zip(spec.fns(False), spec.examples)]
-        jobs = [(ck, i, plan, todo[ck].examples[0][0].device if ck in triton else todo[ck].args[0].device)
-                for ck, ps in plans.items() for i, plan in enumerate(ps)]
+        jobs = [(ck, i, plan, todo[ck].device) for ck, ps in plans.items() for i, plan in enumerate(ps)]
         built: Dict[tuple, Any] = {}
         if jobs:
             with concurrent.futures.ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
@@ -406,6 +400,10 @@ class LaunchSpec:
     out_shape: Tuple[int, ...]
     args: Tuple[torch.Tensor, ...]  # examples: q, k / v pages, the tables, sinks (the call's own sinks buffer)
     out: torch.Tensor  # example output
+
+    @property
+    def device(self) -> torch.device:
+        return self.args[0].device
 
 
 def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tables, dtype: torch.dtype,
@@ -470,7 +468,7 @@ class LayerCall:
         self.q_shape, self.out_shape = spec.q_shape, spec.out_shape
         self.flat_out = (self.rows, lp.num_q_heads * (lp.v_head_dim or lp.head_dim))
         self.dtype, self.device, self.sinks = q.dtype, q.device, spec.args[-1]
-        self.launch = path.kernel(spec.statics, spec.num_tiles, spec.args).bind(*spec.args, out=spec.out)
+        self.launch = path.built(spec).bind(*spec.args, out=spec.out)
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""

@@ -86,7 +86,7 @@ class StepPlanner:
                     self.launch_heads.add(settings.heads + (LOCAL_TABLES | flags,))
                 if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
                     self.launch_heads.add(settings.heads + (SWA_TABLES | flags,))
-            if settings.topk > 1 and mosaic_path.triton and jax_backend.impl in ("auto", "triton"):
+            if settings.topk > 1 and mosaic_path.launches_trees(jax_backend.impl):
                 for part in (PREFIX_TABLES, EXPAND_TABLES):  # tree steps' two passes (``triton_path.TreeCall``)
                     self.launch_heads.add(settings.heads + (TRITON_TABLES | part,))
         # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its

@@ -178,11 +178,15 @@ class Spec:
     has_sinks: bool
     examples: list = dataclasses.field(compare=False)
 
+    @property
+    def device(self) -> torch.device:
+        return self.examples[0][0].device
+
     def key(self) -> tuple:
         """What the compiled kernels depend on: layers alike (any layer id, any pool) share them."""
         shape = dataclasses.replace(self.lp, layer_id=0, k_scale=None, v_scale=None)
         return (shape, self.lay, self.dtype, self.kv_dtype, self.has_sinks,
-                tuple(tuple(tuple(a.shape) for a in ex) for ex in self.examples), self.examples[0][0].device)
+                tuple(tuple(tuple(a.shape) for a in ex) for ex in self.examples), self.device)
 
     def fns(self, interpret: bool) -> Tuple[Callable, ...]:
         return kernel_fns(self.lp, self.lay, jax_dtype(self.dtype), jax_dtype(self.kv_dtype), self.has_sinks,
@@ -207,7 +211,7 @@ class LayerCall:
         self.dv, self.dtype, self.device = lp.v_head_dim or lp.head_dim, q.dtype, q.device
         args = call_args(lp, tables, q.dtype, k_buf, v_buf, has_sinks)
         self.sinks, self.out_ex, self.lse, self.q_index = args.sinks, args.out, args.lse, TABLE_PARTS
-        kernels = path.triton_kernels(Spec(lp, lay, q.dtype, k_buf.dtype, has_sinks, args.examples))
+        kernels = path.built(Spec(lp, lay, q.dtype, k_buf.dtype, has_sinks, args.examples))
         if args.partial is not None:
             self.partial_o, self.partial_lse = args.partial
             self.tiles = kernels.tiles.bind(*args.examples[0], out=args.partial)
@@ -261,9 +265,13 @@ class MergeSpec:
 
     examples: list = dataclasses.field(compare=False)  # [[o_a, lse_a, o_b, lse_b]]
 
+    @property
+    def device(self) -> torch.device:
+        return self.examples[0][0].device
+
     def key(self) -> tuple:
         ex = self.examples[0]
-        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, ex[0].device)
+        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, self.device)
 
     def fns(self, interpret: bool) -> Tuple[Callable, ...]:
         return (merge_fn(interpret),)
@@ -291,7 +299,7 @@ class TreeCall:
             out = torch.empty(r, self.dv, dtype=q.dtype, device=q.device)
             self.lse = torch.empty(r, dtype=torch.float32, device=q.device)  # scratch: the bridge returns no LSE
         examples = [[self.prefix.out_ex, self.prefix.lse, self.expand.out_ex, self.expand.lse]]
-        self.merge = path.triton_kernels(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
+        self.merge = path.built(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
