@@ -47,6 +47,7 @@ import pstats
 import statistics
 import sys
 import time
+import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -340,6 +341,94 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
                   f"{results[name + ' step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")
 
 
+# ---- --parts verify: tree (topk > 1) against chain target verify ------------------------------------
+def tree_mask(batch: int, committed: int, draft: int, topk: int) -> torch.Tensor:
+    """SGLang's flat verify mask (``SpecInfo.custom_mask``) of an EAGLE-style tree per request: token 0 is
+    the root, tokens 1..topk its children, every later token the child of the one ``topk`` before it;
+    each draft row sees every committed token, its ancestors and itself."""
+    parent = [-1] + [max(0, i - topk) for i in range(1, draft)]
+    tree = torch.zeros(draft, draft, dtype=torch.bool)
+    for i in range(draft):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parent[j]
+    rows = torch.cat([torch.ones(draft, committed, dtype=torch.bool), tree], 1).reshape(-1)
+    return rows.repeat(batch).to(DEVICE)
+
+
+class VerifyBatch:
+    """A target-verify bucket's inputs in persistent buffers (``draft`` tokens per request after ``ctx``
+    committed ones), with SGLang's capture and replay hook calls."""
+
+    def __init__(self, runner, backend, batch: int, ctx: int, draft: int, topk: int):
+        from torch_bridge.types import SpecInfo
+
+        self.backend, self.batch, self.draft = backend, batch, draft
+        self.rows = torch.arange(1, batch + 1, device=DEVICE)
+        self.lens = torch.full((batch,), ctx, device=DEVICE)
+        mask = tree_mask(batch, ctx, draft, topk) if topk > 1 else None
+        self.spec = SpecInfo(topk=topk, draft_token_num=draft, custom_mask=mask)
+        loc = runner.req_to_token_pool.req_to_token[self.rows, ctx:ctx + draft].reshape(-1).long()
+        self.positions = (ctx + torch.arange(draft, device=DEVICE)).repeat(batch)
+        self.fb = ForwardBatch(ForwardMode.TARGET_VERIFY, batch, self.rows, self.lens, loc, positions=self.positions,
+                               spec_info=self.spec, token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
+        backend.init_cuda_graph_state(batch, batch * draft)
+        backend.init_forward_metadata_capture_cuda_graph(batch, batch * draft, self.rows, self.lens, None,
+                                                         ForwardMode.TARGET_VERIFY, self.spec)
+
+    def replay(self):
+        self.backend.init_forward_metadata_replay_cuda_graph(self.batch, self.rows, self.lens, None, None,
+                                                             ForwardMode.TARGET_VERIFY, self.spec, None)
+        return self.fb
+
+
+def bench_verify(cfg, batch: int, ctx: int, page_size: int, iters: int, host_iters: int, draft: int = 8,
+                 topk: int = 4):
+    """A ``cfg.n_layers``-layer target-verify step (``draft`` tokens per request) through the bridge: an
+    EAGLE tree of ``topk`` (the cascade: prefix pass, expand pass, merge per layer) against chain verify
+    (topk 1) of the same token count, eager and captured in a CUDA graph; and the host time of one layer
+    call of each. Ratios are tree / chain (the issue's target: graph step <= 1.1x)."""
+    model = lt.TorchLlama(cfg, 0, DEVICE)
+    runner = make_runner(cfg, batch, ctx + draft, page_size, cfg.n_layers)
+    # the model config names the head counts, as SGLang's does: tree tables come with every plan
+    runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=cfg.n_heads)
+    runner.model_config.get_num_kv_heads = lambda tp: cfg.n_kv_heads
+    tokens = torch.randint(0, cfg.vocab, (batch * draft,), device=DEVICE)
+    steps, graphs, hosts, ran = {}, {}, {}, {}
+    for name, k in (("chain verify (topk 1)", 1), (f"tree verify (topk {topk})", topk)):
+        backend = FlashAttentionBackend(runner, topk=k)
+        vb = VerifyBatch(runner, backend, batch, ctx, draft, k)
+
+        def step(vb=vb):
+            fb = vb.replay()
+            return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+        steps[f"{name} step"] = step
+        if DEVICE == "cuda":
+            graphs[f"{name} step, CUDA graph"] = graph_step(
+                lambda vb=vb: model.forward(tokens, vb.fb.positions, lt.bridge_attend(model, vb.fb)), vb.replay)
+        fb = vb.replay()
+        q = torch.randn(batch * draft, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+        hosts[f"{name}: layer call, no KV write"] = host(
+            lambda b=backend, f=fb: b.forward(q, None, None, model.attn[0], f, save_kv_cache=False), host_iters)
+        hosts[f"{name}: replay hook"] = host(vb.replay, host_iters)
+        call = getattr(backend.runner.hits.get(0), "call", None)  # the launch path's call; else the JAX path
+        ran[name] = "JAX executable" if call is None else type(call).__name__
+    results = interleaved(steps, iters)
+    results.update(interleaved(graphs, max(iters, 50)))
+    print(f"\n## target verify, batch {batch}, {draft} draft tokens per request, ctx {ctx}, {cfg.n_layers} layers, "
+          f"{cfg.n_heads}/{cfg.n_kv_heads} heads, d={cfg.head_dim}, bf16, page_size {page_size} (ms)")
+    for name, s in results.items():
+        print(f"{name:44s} {1e3 * s:8.3f}")
+    chain, tree = "chain verify (topk 1)", f"tree verify (topk {topk})"
+    for kind in ("step", "step, CUDA graph"):
+        if f"{chain} {kind}" in results:
+            print(f"{'ratio ' + kind + ' (tree/chain)':44s} {results[f'{tree} {kind}'] / results[f'{chain} {kind}']:8.3f}")
+    print("\n## host time per call (us); layer 0 ran: " + ", ".join(f"{n}: {r}" for n, r in ran.items()))
+    for name, s in hosts.items():
+        print(f"{name:44s} {1e6 * s:8.1f}")
+
+
 # ---- --parts profile: cProfile of the host path ----------------------------------------------------
 def profile(name, fn, iters):
     """cProfile of ``iters`` calls of ``fn`` (after one), the 18 largest by own time."""
@@ -508,13 +597,13 @@ def bench_kv_launcher(tokens: int = 64, slots: int = 4096, heads: int = 8, head_
 
 
 def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000, parts="host,decode",
-         profile_iters=300, tokens=64, slots=4096, heads=8, head_dim=128, smoke=False):
+         profile_iters=300, tokens=64, slots=4096, heads=8, head_dim=128, verify_batch=16, smoke=False):
     global DEVICE
     config = "1b"
     if smoke:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-        config, parts, batch, ctx, layers, iters, host_iters, profile_iters = (
-            "tiny", "profile,launcher,host,decode", 2, 64, 2, 2, 20, 3)
+        config, parts, batch, ctx, layers, iters, host_iters, profile_iters, verify_batch = (
+            "tiny", "profile,launcher,host,decode,verify", 2, 64, 2, 2, 20, 3, 2)
     else:
         assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU (or --smoke)"
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run: numbers meaningless)"
@@ -532,12 +621,14 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
         bench_host(cfg, host_iters)
     if "decode" in todo:
         bench_decode(cfg, batch, ctx, page_size, iters)
+    if "verify" in todo:
+        bench_verify(cfg, verify_batch, ctx, page_size, iters, host_iters)
     return 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, profile, launcher")
+    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, verify, profile, launcher")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32, help="decode: model layers; launcher: launches in the graph")
@@ -549,5 +640,6 @@ if __name__ == "__main__":
     ap.add_argument("--slots", type=int, default=4096, help="launcher: pool slots")
     ap.add_argument("--heads", type=int, default=8, help="launcher: kv heads")
     ap.add_argument("--head-dim", type=int, default=128, help="launcher: head dim")
+    ap.add_argument("--verify-batch", type=int, default=16, help="verify: requests (8 draft tokens each)")
     ap.add_argument("--smoke", action="store_true", help="every part at toy sizes on the CPU (or GPU)")
     sys.exit(main(**vars(ap.parse_args())))

@@ -176,8 +176,19 @@ def test_plan_written_buffers():
         plan_kernel(lambda x: copy_into(x, jnp.zeros), x)
 
 
+def test_plan_reshaped_results_are_the_same_buffers():
+    """A result returned in another shape (``merge_state``'s ``[T, H, D]`` view of its ``[T * H, D]`` output) is
+    still the kernel's output buffer: an ``out`` of the returned shape. Catches: reshapes of results rejected
+    (tree steps could not launch their merge), or the output checked against the kernel's own shape."""
+    x = jax.ShapeDtypeStruct((N_SCALE // 4, 4), jnp.float32)
+    plan = plan_kernel(lambda x: scale_fn(x.reshape(N_SCALE))[1].reshape(4, 8, -1).reshape(N_SCALE // 8, 8), x)
+    assert plan.buffers == (Slot("arg", 0), Slot("own", 0), Slot("out", 0), Slot("own", 1)) and plan.single
+    assert plan.returns == (Slot("out", 0),) and plan.out_types == (((N_SCALE // 8, 8), "float32"),)
+
+
 @pytest.mark.parametrize("fn, match", [
     (lambda x: scale_fn(x * 2.0), "unsupported op"),
+    (lambda x: (lambda o: (o, o.reshape(16, -1)))(scale_fn(x)[1]), "one shape"),
     (lambda x: (scale_fn(x)[1], scale_fn(x)[1]), "several kernel calls"),
     (lambda x: (scale_fn(x)[1], x), "only return results of the kernel"),
     (lambda x: {"o": scale_fn(x)[1]}, "flat tuple"),

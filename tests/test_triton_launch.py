@@ -8,6 +8,7 @@ CUDA and compiled by ``triton`` to check the launch plan against the compiled pa
 
 import dataclasses
 import types
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +30,43 @@ def _to_jax(t: torch.Tensor):
     return jnp.asarray(t.numpy())
 
 
+def live(t):
+    """A tensor repointed into a bound launch, held as the launcher holds it: by address only (a weak
+    reference here). The launch must find it alive: memory torch's allocator got back can be another
+    tensor's by then."""
+    ref = weakref.ref(t)
+
+    def get():
+        got = ref()
+        assert got is not None, "a bound launch reads a tensor that was freed after set_arg/set_out"
+        return got
+    return get
+
+
 class _Bound:
     """A bound launch: reads the bound tensors' current contents when called, as a launch would, and
-    writes the results where the compiled kernel would (aliased arguments, or ``out``)."""
+    writes the results where the compiled kernel would (aliased arguments, or ``out``). Tensors given
+    at ``bind`` are kept alive (``BoundLaunch`` keeps them); repointed ones are not (``live``)."""
 
     def __init__(self, fn, args, outs):
-        self.fn, self.args, self.outs = fn, list(args), outs
+        self.fn, self.types = fn, [(a.shape, a.dtype) for a in args]
+        self.args = [lambda a=a: a for a in args]
+        self.outs = None if outs is None else [lambda o=o: o for o in outs]
+        self.out_types = None if outs is None else [(o.shape, o.dtype) for o in outs]
 
     def set_arg(self, i, t):
-        assert t.shape == self.args[i].shape and t.dtype == self.args[i].dtype and t.is_contiguous()
-        self.args[i] = t
+        assert (t.shape, t.dtype) == self.types[i] and t.is_contiguous()
+        self.args[i] = live(t)
 
     def set_out(self, i, t):
-        assert t.shape == self.outs[i].shape and t.dtype == self.outs[i].dtype and t.is_contiguous()
-        self.outs[i] = t
+        assert (t.shape, t.dtype) == self.out_types[i] and t.is_contiguous()
+        self.outs[i] = live(t)
 
     def __call__(self):
         InterpretedTriton.calls += 1
-        res = self.fn(*[_to_jax(a) for a in self.args])
-        dest = self.args[-2:] if self.outs is None else self.outs  # no out: written into the aliased arguments
+        args = [a() for a in self.args]
+        res = self.fn(*[_to_jax(a) for a in args])
+        dest = args[-2:] if self.outs is None else [o() for o in self.outs]  # no out: into the aliased arguments
         for d, r in zip(dest, res):
             d.copy_(torch.from_numpy(np.array(r.astype(jnp.float32))).to(d.dtype))
 

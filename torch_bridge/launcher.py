@@ -159,19 +159,20 @@ def _scan_block(block):
             sources[op.result] = ("const", sources[op.operand][1], *_tensor_type(op.result))
         elif target == "AllocateBuffer":
             sources[op.result] = ("empty", None, *_tensor_type(op.result))
-        elif name == "stablehlo.reshape" and sources.get(op.operand, ("",))[0] == "arg":
+        elif name == "stablehlo.reshape" and sources.get(op.operand, ("",))[0] in ("arg", "result"):
             sources[op.result] = sources[op.operand]  # a contiguous tensor's other shape: the same buffer
         elif target in (CALL_TARGET, TRITON_TARGET):
             if call is not None:
                 raise ValueError("the function holds several kernel calls: launch each one separately")
             call = op
+            sources.update({v: ("result", r) for r, v in enumerate(op.results)})
         elif name in ("func.return", "sdy.return"):
             ret = op
         else:
             raise ValueError(
                 f"unsupported op outside the kernel: {name}{'/' + target if target else ''}. The function "
                 "may hold one plgpu.kernel or pl.pallas_call plus scalar constants, jnp.empty/zeros buffers and "
-                "reshapes of its arguments: move other JAX ops into the kernel or into torch"
+                "reshapes of its arguments and results: move other JAX ops into the kernel or into torch"
             )
     if call is None or ret is None:
         raise ValueError("no Pallas GPU kernel call found: the function must call a plgpu.kernel or a "
@@ -221,10 +222,16 @@ def _assign_slots(sources, call, ret, aliases):
     """Slots for the call's operands and results, the function's returns, owned tensors, outputs."""
     operand_src = [sources[v] for v in call.operands]
     results = list(call.results)
-    try:
-        returned = [results.index(v) for v in ret.operands]
-    except ValueError:
-        raise ValueError("the function may only return results of the kernel call (not inputs or constants)") from None
+    returned, shown = [], {}  # result index per return; the type each fresh result is returned as
+    for v in ret.operands:
+        src = sources.get(v, ("",))
+        if src[0] != "result":
+            raise ValueError("the function may only return results of the kernel call (not inputs or constants)")
+        r = src[1]
+        if shown.setdefault(r, _tensor_type(v)) != _tensor_type(v) or (r in aliases and v != results[r]):
+            raise ValueError(f"kernel result {r} is returned reshaped: return it once, in one shape (an output "
+                             "written into an argument in the argument's shape)")
+        returned.append(r)
     owned, out_types, out_of_result = [], [], {}
     for r in dict.fromkeys(returned):  # fresh outputs, in return order
         src = operand_src[aliases[r]] if r in aliases else None
@@ -232,7 +239,7 @@ def _assign_slots(sources, call, ret, aliases):
             raise NotImplementedError("a returned output aliases a constant: pass its initial value as an argument")
         if src is None or src[0] == "empty":
             out_of_result[r] = len(out_types)
-            out_types.append(_tensor_type(results[r]))
+            out_types.append(shown[r])
     written = {aliases[r] for r in aliases}
     operand_slots = []
     for j, src in enumerate(operand_src):

@@ -222,15 +222,18 @@ class LayerCall:
             self.merge, self.out_index = None, len(args.examples[0]) - 2
         self.tables = tables
 
-    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> a new ``[R, Dv]`` tensor, the padding rows' included (their LSE in ``self.lse``)."""
+    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> ``[R, Dv]``, the padding rows' included (their LSE in ``self.lse``): a new tensor,
+        or ``out`` (a pass of a ``TreeCall`` writes its persistent ``out_ex``)."""
         q = q.reshape(self.t, self.hq * self.d)
         if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
             q = torch.nn.functional.pad(q, (0, 0, 0, self.rows - self.t))
         elif not q.is_contiguous():
             q = q.contiguous()
         q = q.view(self.rows * self.hq, self.d)
-        out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.tiles.set_arg(self.q_index, q)
@@ -302,9 +305,13 @@ class TreeCall:
         self.merge = path.built(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
-        self.merge.set_arg(0, self.prefix.run(q, sinks))
-        self.merge.set_arg(2, self.expand.run(q))
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream).
+
+        The passes write their persistent outputs, which the merge is bound to. (A pass's output in a new
+        tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
+        output could take its memory: the merge would read the expand pass twice.)"""
+        self.prefix.run(q, sinks, out=self.prefix.out_ex)
+        self.expand.run(q, out=self.expand.out_ex)
         out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         self.merge.set_out(0, out)
         self.merge()
