@@ -222,16 +222,23 @@ class LayerCall:
             self.merge, self.out_index = None, len(args.examples[0]) - 2
         self.tables = tables
 
-    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> ``[R, Dv]``, the padding rows' included (their LSE in ``self.lse``): a new tensor,
-        or ``out`` (a pass of a ``TreeCall`` writes its persistent ``out_ex``)."""
+    def q_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [t, Hq * D]`` -> the kernel's contiguous ``[R, D]`` query rows (the bucket's padding tokens
+        appended: their output is dropped)."""
         q = q.reshape(self.t, self.hq * self.d)
-        if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
+        if self.t != self.rows:
             q = torch.nn.functional.pad(q, (0, 0, 0, self.rows - self.t))
         elif not q.is_contiguous():
             q = q.contiguous()
-        q = q.view(self.rows * self.hq, self.d)
+        return q.view(self.rows * self.hq, self.d)
+
+    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+            rows: bool = False) -> torch.Tensor:
+        """``q [t, Hq * D]`` (``rows``: already ``q_rows(q)``) -> ``[R, Dv]``, the padding rows' included (their
+        LSE in ``self.lse``): a new tensor, or ``out`` (a pass of a ``TreeCall`` writes its persistent
+        ``out_ex``)."""
+        if not rows:
+            q = self.q_rows(q)
         if out is None:
             out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         if sinks is not None:
@@ -310,8 +317,9 @@ class TreeCall:
         The passes write their persistent outputs, which the merge is bound to. (A pass's output in a new
         tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
         output could take its memory: the merge would read the expand pass twice.)"""
-        self.prefix.run(q, sinks, out=self.prefix.out_ex)
-        self.expand.run(q, out=self.expand.out_ex)
+        q = self.prefix.q_rows(q)  # both passes read the same rows
+        self.prefix.run(q, sinks, out=self.prefix.out_ex, rows=True)
+        self.expand.run(q, out=self.expand.out_ex, rows=True)
         out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         self.merge.set_out(0, out)
         self.merge()

@@ -482,6 +482,8 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     decode = max_q_len <= 1 and block_q == 1
     split_mode = max_splits > 1
     block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
+    # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
+    block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
     hq, hkv = num_q_heads, num_kv_heads
     pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
     compute_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
