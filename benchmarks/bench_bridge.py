@@ -175,21 +175,25 @@ def bench_launch_overhead(cfg, iters: int) -> dict:
                                                                            iters),
     }
     rows.update(bench_graph_hook(cfg, iters))
+    rows.update(bench_graph_hook(cfg, iters, page=1))
     return rows
 
 
-def bench_graph_hook(cfg, iters: int, rounds: int = 5) -> dict:
+def bench_graph_hook(cfg, iters: int, rounds: int = 5, page: int = 16) -> dict:
     """The replay hook of a bucket captured in a CUDA graph, as SGLang's graph runner drives it (capture
     hook and replays given the same static buffers), with the launch tables recomputed inside the graph
     (``torch_bridge.graph_tables``: the hook runs no planner) and, in the same process, with the planner
     run by each hook (the refresh turned off for that backend). Medians of ``rounds`` alternating rounds."""
     if DEVICE != "cuda":
         return {}
-    runner = make_runner(cfg, 1, 256, 16, 1)
+    runner = make_runner(cfg, 1, 256, page, 1)
+    # the model config names the heads: the launch tables come with every plan (in-graph tables need that)
+    runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=cfg.n_heads)
+    runner.model_config.get_num_kv_heads = lambda tp: cfg.n_kv_heads
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
     k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
-    fns = {}
+    fns, tag = {}, f"launch path (page {page})"
     for name in ("in-graph tables", "planner per hook"):
         backend = FlashAttentionBackend(runner)
         if backend.mosaic_path is None:
@@ -202,9 +206,8 @@ def bench_graph_hook(cfg, iters: int, rounds: int = 5) -> dict:
         recorded = any(r.recorded for r in backend.planner.refreshes.values())
         if recorded != (name == "in-graph tables"):
             raise RuntimeError(f"{name}: the in-graph refresh is {'on' if recorded else 'off'}")
-        fns[f"launch path (page 16): replay hook, graph bucket, {name}"] = static.replay
-        fns[f"launch path (page 16): replay hook + 1-layer graph replay, {name}"] = (
-            lambda s=static, st=step: (s.replay(), st()))
+        fns[f"{tag}: replay hook, graph bucket, {name}"] = static.replay
+        fns[f"{tag}: replay hook + 1-layer graph replay, {name}"] = lambda s=static, st=step: (s.replay(), st())
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

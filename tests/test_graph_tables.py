@@ -18,13 +18,19 @@ import numpy as np
 import pytest
 import torch
 
+import jax.numpy as jnp
+
+from jax_attn.kernels.config import DEFAULT_CONFIG, choose_block_q, kv_heads_per_program
+from jax_attn.kernels.schedule import build_schedule, static_num_splits
 from jax_attn.safety import INT32_MAX
 from tests.paging import shuffled_table
 from tests.test_bridge_launch import HKV, HQ, InterpretedKernel, fill, reference
+from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
 from torch_bridge import graph_tables
-from torch_bridge.mosaic_path import MosaicPath
+from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath
+from torch_bridge.triton_path import Layout
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
@@ -45,7 +51,8 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
     config.get_num_kv_heads = lambda tp: HKV
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, config, page_size=page,
                          device=str(device))
-    path = MosaicPath(make_kernel=InterpretedKernel) if device == "cpu" else None
+    # on the CPU both kernels interpreted: the Mosaic kernel at pages of 8k, the Triton-lowered one at others
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
     backend = FlashAttentionBackend(runner, mosaic_path=path, speculative_step_id=step_id,
                                     speculative_num_steps=num_steps)
     return runner, table, backend
@@ -94,8 +101,11 @@ def edited(req_to_token: torch.Tensor, edit):
 
 
 @pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "decode", 3), (64, "verify", 4), (16, "draft", 2),
-                                            (8, "verify", 3)])
+                                            (8, "verify", 3), (1, "decode", 4), (1, "verify", 3), (4, "decode", 3),
+                                            (1, "draft", 2)])
 def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
+    """Pages 1 and 4: the Triton-lowered kernel's tables (lengths, page table, the work schedule and, with
+    split-KV, each row's split count)."""
     mode, per_req, spec, step_id = MODES[name]
     runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0)
     planner = backend.planner
@@ -103,8 +113,9 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
     backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
     r = planner.refreshes[(mode, bs)]
-    assert r.verified == {(HQ, HKV)} and not r.recorded
-    tables = r.step.tables[(HQ, HKV)]
+    heads = (HQ, HKV) if page % 8 == 0 else (HQ, HKV, TRITON_TABLES)
+    assert r.verified == {heads} and not r.recorded
+    tables = r.step.tables[heads]
     rng = np.random.default_rng(page + bs)
     capacity = backend.jax_backend.capacity
 
@@ -115,8 +126,9 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
         rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
-        assert backend.step.tables[(HQ, HKV)] is tables
-        assert 0 <= int(tables.args[0].min()) and int(tables.args[0].max()) < num_pages, "page ids outside the pool"
+        assert backend.step.tables[heads] is tables
+        pt = tables.args[0 if tables.layout is None else 6]  # the page table (Mosaic / Triton tables)
+        assert 0 <= int(pt.min()) and int(pt.max()) < num_pages, "page ids outside the pool"
         return tables.flat.clone()
 
     edits = 0
@@ -135,6 +147,34 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     assert edits >= 4, "the trials must include bad req_to_token page ids"
 
 
+@pytest.mark.parametrize("b, per_req, hq, hkv", [(4, 1, 8, 2), (3, 4, 8, 2), (16, 1, 32, 8), (2, 8, 4, 4), (64, 1, 32, 8)])
+def test_triton_schedule_equals_the_planners(b, per_req, hq, hkv):
+    """The refresh's torch port of the work schedule equals ``build_schedule`` with the planner's statics, bit
+    for bit, over lengths that split (up to 20k keys: several kv splits per sequence), ties and zeros.
+    Catches: an unstable sort, a split count off by one, C-style division or modulo."""
+    cfg = DEFAULT_CONFIG
+    rng = np.random.default_rng(b * 10 + per_req)
+    block_q = choose_block_q(cfg, hq // hkv, per_req)
+    s = static_num_splits(num_tokens=b * per_req, num_kv_heads=hkv, block_q=block_q, num_splits=None, config=cfg,
+                          decode=per_req <= 1)
+    pack = kv_heads_per_program(cfg, hkv, decode=per_req <= 1, split=s > 1)
+    for trial in range(6):
+        lens = rng.integers(0, 20000, b).astype(np.int32)
+        if trial % 2:
+            lens[: b // 2 + 1] = lens[0]  # ties: batch order
+        sched = build_schedule(jnp.asarray(lens), jnp.arange(b + 1, dtype=jnp.int32) * per_req,
+                               num_tokens=b * per_req, max_q_len=per_req, block_q=block_q, max_splits=s,
+                               num_kv_heads=hkv // pack, num_sms=cfg.num_sms, min_kv_per_split=cfg.min_kv_per_split,
+                               split_waves=cfg.split_waves)
+        lay = Layout(b * per_req, b, 1, per_req, block_q, s, int(sched.tile_seq.shape[0]), 1)
+        got = graph_tables.triton_schedule(torch.from_numpy(lens), lay, hkv, per_req)
+        for name, g, w in zip(("tile_seq", "tile_q_block", "tile_split", "seq_num_splits"), got,
+                              (sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits)):
+            np.testing.assert_array_equal(g.numpy(), np.asarray(w), err_msg=f"{name}, lens {lens.tolist()}")
+    if s > 1 and b <= 4:
+        assert int(np.asarray(sched.seq_num_splits).max()) > 1, "the case must split some sequence"
+
+
 def decode_step(runner, table, rng, rows, kv_lens, per_req: int = 1):
     """K/V of each request's first ``kv_lens - per_req`` positions, the slots of the last ``per_req`` (this
     step's tokens), and random q / k / v for them."""
@@ -145,12 +185,13 @@ def decode_step(runner, table, rng, rows, kv_lens, per_req: int = 1):
     return loc, q, k, v
 
 
-@pytest.mark.parametrize("name", ["decode", "verify"])
-def test_recorded_bucket_replays_without_the_planner(name, monkeypatch):
+@pytest.mark.parametrize("name, page", [("decode", 16), ("verify", 16), ("decode", 1), ("verify", 1)])
+def test_recorded_bucket_replays_without_the_planner(name, page, monkeypatch):
+    """Page 1: the Triton-lowered kernel's tables, recomputed in the graph too."""
     mode, per_req, spec, _ = MODES[name]
     offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
     rng = np.random.default_rng(5)
-    runner, table, backend = make(16, seed=3)
+    runner, table, backend = make(page, seed=3)
     planner = backend.planner
     bs = 4
     backend.init_cuda_graph_state(bs, bs * per_req)
@@ -303,13 +344,15 @@ def test_buckets_the_refresh_does_not_cover_keep_the_planner():
 
 
 @pytest.mark.gpu
-def test_refresh_replays_inside_a_torch_cuda_graph():
-    """Hopper: a decode bucket (3 requests in class 4) captured with the engine's static buffers; each
-    replay hook skips the planner, the graph's refresh writes the tables, the output matches the reference."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs a Hopper GPU")
+@pytest.mark.parametrize("page", [16, 1])
+def test_refresh_replays_inside_a_torch_cuda_graph(page):
+    """A decode bucket (3 requests in class 4) captured with the engine's static buffers; each replay hook
+    skips the planner, the graph's refresh writes the tables, the output matches the reference. Page 16:
+    the Mosaic kernel (Hopper); page 1: the Triton-lowered kernel (any CUDA GPU)."""
+    if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a CUDA GPU (Hopper for page 16)")
     rng = np.random.default_rng(21)
-    runner, table, backend = make(16, device="cuda", seed=6)
+    runner, table, backend = make(page, device="cuda", seed=6)
     bs = 3
     backend.init_cuda_graph_state(8, 8)
     rows = torch.tensor([1, 2, 3], dtype=torch.int64, device="cuda")

@@ -26,24 +26,33 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   sequence, ``min(clip(length, 0, capacity), P * page)`` keys and query offset; the other columns are
   the same for every step of the bucket and stay as the planner wrote them at capture;
 * ``cu_seqlens_q`` does not change within a bucket.
+
+The Triton-lowered kernel's tables (page sizes the Mosaic kernel does not take, e.g. SGLang's default of
+1) hold the same lengths (``cache_seqlens``: ``seq_lens`` clipped to the capacity) and page table, and the
+work schedule the planner builds from them (``jax_attn.kernels.schedule.build_schedule``): kv splits per
+sequence (``min(want, ceil(length / min_kv_per_split))`` clipped to ``[1, S]``, ``want`` a static of the
+bucket), the tiles of each sequence in order, then sorted by estimated keys, longest first (stable), and
+with splits each output row's split count (``row_num_splits``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from jax_attn import batch as jbatch
 from jax_attn.plan_key import PlanKey
+from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
+from jax_attn.kernels.config import cdiv, kv_heads_per_program
 from jax_attn.kernels.mosaic_io import COMPUTE_WGS
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS
 from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from torch_bridge.mosaic_path import TableKey, Tables
+from torch_bridge.mosaic_path import TRITON_TABLES, TableKey, Tables, key_flags
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -61,6 +70,49 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
+
+
+class Parts(NamedTuple):
+    """What every table of a refresh is made of (torch tensors of the current inputs)."""
+
+    table: torch.Tensor  # i32[B, P] page table
+    lens: torch.Tensor  # i32[B] keys per sequence (``cache_seqlens``), clipped to the capacity
+    order: torch.Tensor  # i64[B] sequences longest first, ties in batch order (the Mosaic tile table's)
+
+
+def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
+    """``jax_attn.kernels.schedule.plan_schedule``'s tables for a uniform bucket (every sequence
+    ``q_len_per_req`` queries) of layout ``lay`` (``triton_path.Layout``) over ``lens``: tile sequence, query
+    block and split, then kv splits per sequence (the planner's default config, its rules in int32)."""
+    b, n, s, bq = lay.batch, lay.num_tiles, lay.max_splits, lay.block_q
+    dev, i32 = lens.device, torch.int32
+    qb = cdiv(q_len_per_req, bq)
+    if s == 1:
+        splits = torch.ones(b, dtype=i32, device=dev)
+    else:
+        cfg = TRITON_CONFIG
+        pack = kv_heads_per_program(cfg, hkv, decode=lay.max_q_len <= 1, split=True)
+        base = max(b * qb * (hkv // pack), 1)
+        want = 1 if base >= cfg.num_sms else cdiv(cfg.num_sms * cfg.split_waves, base)
+        by_len = torch.div(lens + (cfg.min_kv_per_split - 1), cfg.min_kv_per_split, rounding_mode="floor")
+        splits = by_len.clamp(max=want).clamp(1, s).to(i32)
+    counts = splits * qb
+    ends = torch.cumsum(counts, 0).to(i32)
+    starts = ends - counts
+    tile = torch.arange(n, dtype=i32, device=dev)
+    seq = (ends[None, :] <= tile[:, None]).sum(1)  # searchsorted(ends, tile, side="right")
+    valid = seq < b
+    seq_c = seq.clamp(max=b - 1)
+    local = tile - starts[seq_c]
+    ns = splits[seq_c]
+    q_block = (qb - 1) - torch.div(local, ns, rounding_mode="floor")
+    split = torch.remainder(local, ns)
+    k_len = lens[seq_c]
+    cost = torch.div(torch.minimum(k_len, k_len - q_len_per_req + (q_block + 1) * bq), ns, rounding_mode="floor")
+    cost = torch.where(valid, cost.clamp(min=0), -1)
+    order = torch.argsort(-cost, stable=True)
+    neg = torch.full_like(tile, -1)
+    return [torch.where(valid, x.to(i32), neg)[order] for x in (seq_c, q_block, split)] + [splits]
 
 
 class TableRefresh:
@@ -108,9 +160,9 @@ class TableRefresh:
         self.planner_too = False  # a table the refresh does not write joined after the capture: plan each step too
 
     # ---- the rule ----------------------------------------------------------------------------
-    def compute(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page table i32[B, P], tile sequence i64[B], tile keys i32[B], tile query offset i64[B]) of the
-        current ``rows`` / ``lens`` (torch ops on the GPU, recorded into a graph when capturing)."""
+    def compute(self) -> Parts:
+        """The ``Parts`` of the current ``rows`` / ``lens`` (torch ops on the GPU, recorded into a graph when
+        capturing)."""
         key, n = self.key, self.n
         rows, lens = self.rows, self.lens
         if n < key.batch_size or rows.shape[0] != n or lens.shape[0] != n:
@@ -131,24 +183,52 @@ class TableRefresh:
         order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        q_start = order if key.q_len_per_req == 1 else order * key.q_len_per_req
-        return table, order, safe[order], q_start
+        return Parts(table, safe, order)
 
-    def write(self, tables: Tables, parts) -> None:
-        table, seq, k_len, q_start = parts  # the copies narrow int64 to the tables' int32
-        tables.args[0].copy_(table)
+    def _mosaic(self, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Mosaic tile table's changing columns: tile sequence, keys and query offset."""
+        q_start = parts.order if self.key.q_len_per_req == 1 else parts.order * self.key.q_len_per_req
+        return parts.order, parts.lens[parts.order], q_start
+
+    def _triton(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
+        """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (fixed)."""
+        lay = tables.layout
+        tiles = triton_schedule(parts.lens, lay, heads[1], self.key.q_len_per_req)
+        out = tiles + [parts.lens, None, parts.table.reshape(-1)]
+        if lay.max_splits > 1:  # output row -> splits of its sequence (every token of the bucket is a real row)
+            out.append(torch.repeat_interleave(tiles[3], self.key.q_len_per_req * heads[0]))
+        return out
+
+    def write(self, heads: TableKey, tables: Tables, parts: Parts) -> None:
+        """The refresh's values into ``tables`` (the copies narrow int64 to the tables' int32)."""
+        if tables.layout is not None:
+            for dst, src in zip(tables.args, self._triton(heads, tables, parts)):
+                if src is not None:
+                    dst.copy_(src)
+            return
+        seq, k_len, q_start = self._mosaic(parts)
+        tables.args[0].copy_(parts.table)
         info = tables.args[2]
         info[:, SEQ].copy_(seq)
         info[:, K_LEN].copy_(k_len)
         info[:, Q_START].copy_(q_start)
 
-    def matches(self, heads: TableKey, tables: Tables, parts) -> bool:
+    def matches(self, heads: TableKey, tables: Tables, parts: Parts) -> bool:
         """Whether ``tables`` (the planner's, for the current inputs) hold what a refresh writes (a sync)."""
-        if (len(heads) != 2 or tables.num_tiles != self.key.batch_size  # local / SWA tables; several tiles
-                or self.key.q_len_per_req * tables.pack > self.rows_per_tile):  # per sequence
-            return False
-        table, seq, k_len, q_start = (x.to(torch.int32) for x in parts)
         b, qpr = self.key.batch_size, self.key.q_len_per_req
+        if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
+            lay = tables.layout
+            if (len(heads) != 3 or key_flags(heads) != TRITON_TABLES or lay.batch != b or lay.num_tokens != b * qpr
+                    or lay.max_q_len != qpr):
+                return False
+            cu = torch.arange(b + 1, dtype=torch.int32, device=parts.table.device) * qpr
+            want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
+            return len(want) == len(tables.args) and all(
+                got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
+        if (len(heads) != 2 or tables.num_tiles != b  # local / SWA tables; several tiles
+                or qpr * tables.pack > self.rows_per_tile):  # per sequence
+            return False
+        table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=table.device)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):
             info[:, TILE_INFO_COLUMNS.index(name)] = col  # first_row and split stay 0: one tile per sequence
@@ -179,7 +259,7 @@ class TableRefresh:
             return
         parts = self.compute()
         for heads in self.verified:
-            self.write(self.step.tables[heads], parts)
+            self.write(heads, self.step.tables[heads], parts)
         self.done = state
         if cap:
             self.recorded = True
