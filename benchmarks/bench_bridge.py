@@ -13,6 +13,10 @@ decode: decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/
   whole in a ``torch.cuda.graph`` (the bridge's launch path is capturable); also every bridge layer
   through a JAX executable, and attention alone (the per-layer calls of one step). Every row is
   measured in this process; ratios are bridge / native (lower is better).
+verify: a ``--layers``-layer target-verify step, batch ``--verify-batch``, 8 draft tokens per request at
+  context ``--ctx``: an EAGLE tree of topk 4 (prefix pass, expand pass and merge per layer) against chain
+  verify (topk 1) of the same tokens, eager and in a CUDA graph, and the host time of one layer call and
+  of the replay hook of each.
 profile: cProfile of the bridge's host path: the replay hook, the eager plan and one layer call, at
   page 1 (JAX path) and 16, each repeated ``--profile-iters`` times.
 launcher: host cost of launching the Mosaic GPU KV-write kernel (``tests/kv_write_kernel.py``) from
@@ -26,6 +30,7 @@ launcher: host cost of launching the Mosaic GPU KV-write kernel (``tests/kv_writ
   ends. Ratios are peer / ours (``check=False``): > 1 means the peer costs more host time.
 
     PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 16]
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts verify [--verify-batch 16 --ctx 4096]
     PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts profile [--profile-iters 300]
     PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts launcher [--tokens 64 --slots 4096 --heads 8 \
         --head-dim 128 --layers 32 --host-iters 2000]
