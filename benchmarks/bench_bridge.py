@@ -431,7 +431,8 @@ def bench_verify(cfg, batch: int, ctx: int, page_size: int, iters: int, host_ite
     chain, tree = "chain verify (topk 1)", f"tree verify (topk {topk})"
     for kind in ("step", "step, CUDA graph"):
         if f"{chain} {kind}" in results:
-            print(f"{'ratio ' + kind + ' (tree/chain)':44s} {results[f'{tree} {kind}'] / results[f'{chain} {kind}']:8.3f}")
+            ratio = results[f"{tree} {kind}"] / results[f"{chain} {kind}"]
+            print(f"{'ratio ' + kind + ' (tree/chain)':44s} {ratio:8.3f}")
     print("\n## host time per call (us); layer 0 ran: " + ", ".join(f"{n}: {r}" for n, r in ran.items()))
     for name, s in hosts.items():
         print(f"{name:44s} {1e6 * s:8.1f}")

@@ -147,7 +147,8 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     assert edits >= 4, "the trials must include bad req_to_token page ids"
 
 
-@pytest.mark.parametrize("b, per_req, hq, hkv", [(4, 1, 8, 2), (3, 4, 8, 2), (16, 1, 32, 8), (2, 8, 4, 4), (64, 1, 32, 8)])
+@pytest.mark.parametrize("b, per_req, hq, hkv",
+                         [(4, 1, 8, 2), (3, 4, 8, 2), (16, 1, 32, 8), (2, 8, 4, 4), (64, 1, 32, 8)])
 def test_triton_schedule_equals_the_planners(b, per_req, hq, hkv):
     """The refresh's torch port of the work schedule equals ``build_schedule`` with the planner's statics, bit
     for bit, over lengths that split (up to 20k keys: several kv splits per sequence), ties and zeros.
