@@ -116,6 +116,13 @@ def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int):
     return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device=DEVICE)
 
 
+def name_heads(runner, cfg) -> None:
+    """Give the runner's model config SGLang's head-count attributes: the launch tables then come with every
+    plan (in-graph tables and tree buckets need that)."""
+    runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=cfg.n_heads)
+    runner.model_config.get_num_kv_heads = lambda tp: cfg.n_kv_heads
+
+
 class StaticBatch:
     """A decode bucket's inputs in persistent int64 buffers, as SGLang's graph runner keeps them: the
     replay hook gets the same tensors every step (their values would be copied in between)."""
@@ -192,9 +199,7 @@ def bench_graph_hook(cfg, iters: int, rounds: int = 5, page: int = 16) -> dict:
     if DEVICE != "cuda":
         return {}
     runner = make_runner(cfg, 1, 256, page, 1)
-    # the model config names the heads: the launch tables come with every plan (in-graph tables need that)
-    runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=cfg.n_heads)
-    runner.model_config.get_num_kv_heads = lambda tp: cfg.n_kv_heads
+    name_heads(runner, cfg)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
     k = torch.randn(1, cfg.n_kv_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
@@ -399,9 +404,7 @@ def bench_verify(cfg, batch: int, ctx: int, page_size: int, iters: int, host_ite
     call of each. Ratios are tree / chain (the issue's target: graph step <= 1.1x)."""
     model = lt.TorchLlama(cfg, 0, DEVICE)
     runner = make_runner(cfg, batch, ctx + draft, page_size, cfg.n_layers)
-    # the model config names the head counts, as SGLang's does: tree tables come with every plan
-    runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=cfg.n_heads)
-    runner.model_config.get_num_kv_heads = lambda tp: cfg.n_kv_heads
+    name_heads(runner, cfg)
     tokens = torch.randint(0, cfg.vocab, (batch * draft,), device=DEVICE)
     steps, graphs, hosts, ran = {}, {}, {}, {}
     for name, k in (("chain verify (topk 1)", 1), (f"tree verify (topk {topk})", topk)):

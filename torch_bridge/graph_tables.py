@@ -216,12 +216,12 @@ class TableRefresh:
     def matches(self, heads: TableKey, tables: Tables, parts: Parts) -> bool:
         """Whether ``tables`` (the planner's, for the current inputs) hold what a refresh writes (a sync)."""
         b, qpr = self.key.batch_size, self.key.q_len_per_req
+        cu = torch.arange(b + 1, dtype=torch.int32, device=parts.table.device) * qpr  # fixed within the bucket
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
             lay = tables.layout
             if (len(heads) != 3 or key_flags(heads) != TRITON_TABLES or lay.batch != b or lay.num_tokens != b * qpr
                     or lay.max_q_len != qpr):
                 return False
-            cu = torch.arange(b + 1, dtype=torch.int32, device=parts.table.device) * qpr
             want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
@@ -232,7 +232,6 @@ class TableRefresh:
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=table.device)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):
             info[:, TILE_INFO_COLUMNS.index(name)] = col  # first_row and split stay 0: one tile per sequence
-        cu = torch.arange(b + 1, dtype=torch.int32, device=table.device) * qpr
         got = tables.args
         return (got[0].shape == table.shape and got[2].shape == info.shape and torch.equal(got[0], table)
                 and torch.equal(got[1], cu) and torch.equal(got[2], info))

@@ -232,13 +232,10 @@ class LayerCall:
             q = q.contiguous()
         return q.view(self.rows * self.hq, self.d)
 
-    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-            rows: bool = False) -> torch.Tensor:
-        """``q [t, Hq * D]`` (``rows``: already ``q_rows(q)``) -> ``[R, Dv]``, the padding rows' included (their
-        LSE in ``self.lse``): a new tensor, or ``out`` (a pass of a ``TreeCall`` writes its persistent
-        ``out_ex``)."""
-        if not rows:
-            q = self.q_rows(q)
+    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+        """The kernel's query rows ``q`` (``q_rows``) -> ``[R, Dv]``, the padding rows' included (their LSE in
+        ``self.lse``): a new tensor, or ``out`` (a pass of a ``TreeCall`` writes its persistent ``out_ex``)."""
         if out is None:
             out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         if sinks is not None:
@@ -255,7 +252,7 @@ class LayerCall:
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
-        out = self.run(q, sinks).view(self.rows, self.hq * self.dv)
+        out = self.run(self.q_rows(q), sinks).view(self.rows, self.hq * self.dv)
         return out if self.t == self.rows else out[:self.t]
 
 
@@ -318,8 +315,8 @@ class TreeCall:
         tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
         output could take its memory: the merge would read the expand pass twice.)"""
         q = self.prefix.q_rows(q)  # both passes read the same rows
-        self.prefix.run(q, sinks, out=self.prefix.out_ex, rows=True)
-        self.expand.run(q, out=self.expand.out_ex, rows=True)
+        self.prefix.run(q, sinks, out=self.prefix.out_ex)
+        self.expand.run(q, out=self.expand.out_ex)
         out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
         self.merge.set_out(0, out)
         self.merge()
