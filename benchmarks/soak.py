@@ -15,6 +15,10 @@ pages are NaN-poisoned and go back to the free list, which hands pages out in sh
   front end's step functions (the bridge's planners and layer executables, the ``StepRunner``'s), Mosaic
   kernel builds and all XLA compiles (glue ops included) are counted (target: none).
 
+At start-up each bridge engine builds the kernels of the steps to come (every bucket's decode, chain verify,
+bucketed extend and draft extend) in one round (``FlashAttentionBackend.prebuild``, as an engine's start-up
+can; ``--no-prebuild``: each at its first step, a build round per new shape class).
+
 ``--pair``: a second (draft-model) engine and backend in the same process, stepped alternately on a second
 torch stream, each checked against its own oracle (EAGLE runs target and draft this way).
 Prints one line per engine and exits non-zero on any mismatch, corruption or retrace after warm-up.
@@ -160,7 +164,9 @@ class Engine:
         cands = [cands[i] for i in self.rng.permutation(len(cands))]
         bs = min(len(cands), int(self.rng.integers(1, fronts.GRAPH_BUCKETS[-1] + 1)))
         if self.bucketed and mode in ("extend", "draft_extend") and bs:
-            bs = max(b for b in fronts.GRAPH_BUCKETS if b <= bs)
+            # down to a bucket; below the smallest, up to it when enough requests qualify (else no step)
+            low = min(fronts.GRAPH_BUCKETS)
+            bs = max((b for b in fronts.GRAPH_BUCKETS if b <= bs), default=low if low <= len(cands) else 0)
         reqs = cands[:bs]
         if not reqs:
             return None
@@ -405,11 +411,13 @@ def make_engine(front_name: str, page_size: int, args, seed: int, layers=LAYERS)
     num_pages = args.pool_tokens // page_size
     front = fronts.FRONTS[front_name](layers, heads, page_size, num_pages * page_size, args.max_reqs,
                                       args.max_ctx, args.num_draft, dtype, args.device, graphs=args.graphs)
-    if front_name == "jax":
-        front.capture()
+    bucketed = front_name == "bridge" and not args.ragged_bridge
+    if front_name == "bridge" and args.prebuild:  # one build round for the kernels of the steps to come
+        front.prebuild(EXTEND_TOKENS if bucketed else 0)
+    front.capture()
     return Engine(front, page_size=page_size, num_pages=num_pages, max_reqs=args.max_reqs, max_ctx=args.max_ctx,
                   heads=heads, layers=layers, num_draft=args.num_draft, dtype=dtype, device=args.device, seed=seed,
-                  bucketed=front_name == "bridge" and not args.ragged_bridge)
+                  bucketed=bucketed)
 
 
 def run_jobs(argv, configs, per: int, jobs: int) -> int:
@@ -470,6 +478,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged-bridge", action="store_true",
                     help="the bridge gets the JAX front's ragged extends and draft extends too (its eager steps "
                          "compile per shape class: more classes, a longer cold warm-up)")
+    ap.add_argument("--no-prebuild", dest="prebuild", action="store_false",
+                    help="the bridge builds each kernel at its first step (a build round per new shape class), "
+                         "not all at start-up (``FlashAttentionBackend.prebuild``)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="run the (front end, page size) configurations in this many processes at once, sharing "
                          "the GPU (each its own warm-up; the steps per configuration stay the same)")

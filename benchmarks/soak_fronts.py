@@ -76,14 +76,15 @@ class BridgeFront:
         pool = MHATokenToKVPool.create(num_slots, len(layers), self.hkv, self.d, dtype, device)
         self.r2t = torch.zeros(max_reqs + 1, max_ctx, dtype=torch.int32, device=device)
         self.runner = ModelRunner(ReqToTokenPool(self.r2t), pool, ModelConfig(max_ctx), page_size=page_size,
-                                  server_args=ServerArgs(speculative_num_draft_tokens=num_draft),
+                                  server_args=ServerArgs(speculative_num_draft_tokens=num_draft,
+                                                        cuda_graph_bs=list(GRAPH_BUCKETS)),
                                   device=str(device))
         self.backend = FlashAttentionBackend(self.runner, topk=1, verbose=False)
         self.radix = [RadixAttention(self.hq, self.d, lay.scaling, self.hkv, i, logit_cap=lay.softcap,
                                      sliding_window_size=lay.window) for i, lay in enumerate(layers)]
         self.graphs: dict = {}  # decode bucket -> (torch CUDA graph, its outputs)
-        self.num_draft = num_draft
-        self._capture(dtype, graphs and self.backend.mosaic_path is not None)
+        self.num_draft, self.dtype = num_draft, dtype
+        self.real_graphs = graphs and self.backend.mosaic_path is not None
 
     def pools(self):
         pool = self.runner.token_to_kv_pool
@@ -128,8 +129,27 @@ class BridgeFront:
         self.backend.init_forward_metadata(fb)
         return [o.reshape(len(s.loc), self.hq, self.d) for o in self._layers(fb, s.qkv)]
 
+    def prebuild(self, extend_tokens: int = 0) -> int:
+        """Build the kernels of the steps to come in one round, as an engine's start-up can
+        (``FlashAttentionBackend.prebuild``): each bucket's decode and chain verify and, with ``extend_tokens``
+        (bucketed extends), its extend of that many tokens and its draft extend. Returns the kernels built."""
+        n, batches = self.num_draft, []
+        for bs in GRAPH_BUCKETS:
+            ones, zeros = np.ones(bs, np.int64), np.zeros(bs, np.int64)
+            steps = [Step("decode", zeros, ones, zeros, ones, np.zeros(bs, np.int64), []),
+                     Step("verify", zeros, ones, ones, ones * n, np.zeros(bs * n, np.int64), [], num_draft=n)]
+            if extend_tokens >= bs:  # as the engine's bucketed extends: a request per row, the rest in the first
+                new = ones.copy()
+                new[0] += extend_tokens - bs
+                steps += [Step("extend", zeros, new, zeros, new, np.zeros(extend_tokens, np.int64), []),
+                          Step("draft_extend", zeros, ones * n, zeros, ones * n, np.zeros(bs * n, np.int64), [],
+                               num_draft=n)]
+            batches += [self._batch(st) for st in steps]
+        return self.backend.prebuild(batches, self.radix, self.dtype)
+
     # ---- SGLang's graph runners: decode and verify buckets, one static buffer set sliced per bucket ----
-    def _capture(self, dtype, graphs: bool) -> None:
+    def capture(self) -> None:
+        dtype, graphs = self.dtype, self.real_graphs
         top, n, dev = GRAPH_BUCKETS[-1], self.num_draft, self.device
         self.backend.init_cuda_graph_state(top, top * n)
         self.rows = torch.zeros(top, dtype=torch.int64, device=dev)

@@ -348,6 +348,44 @@ def test_a_new_eager_class_builds_every_layer_shape_at_once(triton):
     assert built == [1, 1, 2, 0], built
 
 
+@pytest.mark.parametrize("triton", [False, True], ids=["mosaic", "triton"])
+def test_backend_prebuild_builds_the_batches_kernels_in_one_round(triton):
+    """``FlashAttentionBackend.prebuild`` of an extend and a decode batch for two layer shapes: one
+    ``MosaicPath.prebuild`` call builds all four kernels; running those batches afterwards builds nothing and
+    matches the reference. Catches: a prebuilt kernel keyed apart from the one the layer's call looks up (the
+    call builds it again), builds spread over several rounds, a kernel built for the wrong layer's shape, and
+    the prebuild's planning leaving another step installed."""
+    from tests.test_triton_launch import triton_path_for_tests
+
+    rng = np.random.default_rng(19)
+    page = 1 if triton else PAGE
+    runner, table, backend = setup(19, page=page, path=triton_path_for_tests() if triton else None, num_layers=2)
+    layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, 0.3, HKV, 1)]
+    path, rounds = backend.mosaic_path, []
+    real_prebuild = path.prebuild
+    def counted(specs):  # the number of kernels each round built
+        rounds.append(real_prebuild(specs))
+        return rounds[-1]
+    path.prebuild = counted
+    cases = [(np.array([2, 5]), np.array([20, 17]), np.array([3, 5])),  # extend, token class 16
+             (np.array([1, 3, 4]), np.array([9, 30, 41]), np.array([1, 1, 1]))]  # decode, batch class 4
+    batches = [plan_step(runner, table, backend, *case, rng)[0] for case in cases]
+    backend.init_forward_metadata(batches[0])
+    installed = backend.step
+    assert backend.prebuild(batches, layers, torch.bfloat16) == 4
+    assert rounds == [4] and backend.step is installed
+    for rows, kv_lens, q_lens in cases:
+        for i in range(2):
+            fill(runner, table, rows, kv_lens - q_lens, rng, layer_id=i)
+        fb, q, k, v = plan_step(runner, table, backend, rows, kv_lens, q_lens, rng)
+        for i, (layer, scale) in enumerate(zip(layers, (None, 0.3))):
+            out = backend.forward(q, k, v, layer, fb)
+            ref = reference(runner, table, rows, kv_lens, q_lens, q, scale=scale, layer_id=i)
+            np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+    assert [n for n in rounds if n] == [4], rounds  # nothing built at the calls
+    assert backend.prebuild(batches, layers, torch.bfloat16) == 0
+
+
 def test_prebuild_compiles_triton_kernels_in_threads(monkeypatch):
     """``MosaicPath.prebuild`` of a ``triton_path.Spec`` with split-KV tables: the tiles and the merge lowered
     here, compiled in threads, put together as the spec's ``Kernels``. Catches: the merge left unbuilt, the

@@ -194,6 +194,32 @@ class FlashAttentionBackend:
             return
         self.planner.eager(forward_batch, mode)
 
+    def prebuild(self, forward_batches, layers, dtype: torch.dtype, has_sinks: bool = False) -> int:
+        """Build ahead, in one round, the kernels ``layers`` (``RadixAttention`` s) launch from torch in steps
+        like ``forward_batches`` (``dtype``: their queries'; ``has_sinks``: they take ``sinks``).
+
+        Each batch is planned as ``init_forward_metadata`` plans it (a new shape class compiles its
+        planner); then every layer's kernels are lowered and compiled together (``MosaicPath.prebuild``:
+        Python lowerings in parallel processes, GPU code in threads), where one by one, at first use, each new
+        shape class of a step would cost a round of its own. For an engine's start-up: the batch shapes it
+        will run eagerly (its chunked-prefill and draft-extend shapes) and hook-only graph buckets. Batches
+        are only planned, no layer runs; the current step is left as it was. Layers on the JAX path and tree
+        (topk > 1) steps build at their first call. Returns the number of kernels built."""
+        if self.mosaic_path is None:
+            return 0
+        step, specs = self.planner.step, []
+        try:
+            for fb in forward_batches:
+                self.init_forward_metadata(fb)
+                if self.planner.step is None:  # an idle batch
+                    continue
+                pool = getattr(fb, "token_to_kv_pool", None) or self.model_runner.token_to_kv_pool
+                for layer in layers:
+                    specs += self.runner.launch_specs(self.planner.step, layer, pool, dtype, has_sinks)
+        finally:
+            self.planner.step = step
+        return self.mosaic_path.prebuild(specs)
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Set the largest batch / token bucket the capture hook will be asked for."""
         self.planner.init_graphs(max_bs, max_num_tokens)

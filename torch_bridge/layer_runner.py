@@ -137,35 +137,62 @@ class LayerRunner:
     def _launch_call(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks, swa: bool = False):
         """This layer's bound launch (the Mosaic or the Triton-lowered kernel) when the launch path covers the
         call, else None."""
-        path = self.mosaic_path
-        if path is None or path.reason(lp, step.key, q, k_buf, v_buf) is not None:
-            return None
-        key = step.key
+        path, key = self.mosaic_path, step.key
         if key.topk > 1:  # a tree step: the cascade's two passes and their merge, on the Triton-lowered kernel
-            if not path.launches_trees(self.jax_backend.impl):
+            if path is None or path.reason(lp, key, q, k_buf, v_buf) is not None \
+                    or not path.launches_trees(self.jax_backend.impl):
                 return None
             passes = (table_key(lp, triton=True, tree_pass=PREFIX_TABLES), table_key(lp, triton=True,
                                                                                     tree_pass=EXPAND_TABLES))
             prefix, expand = (step.tables.get(h) or self.planner.tables(step, h) for h in passes)
             return path.tree_call(lp, key, prefix, expand, q, k_buf, v_buf, sinks is not None, passes)
+        route = self._route(lp, step, q.dtype, k_buf, v_buf, sinks is not None, swa)
+        if route is None:
+            return None
+        heads, tables = route
+        return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads,
+                               on_new=self.planner.prebuild_recipe)
+
+    def _route(self, lp: LayerParams, step: Step, dtype: torch.dtype, k_buf, v_buf, has_sinks: bool, swa: bool):
+        """(table key, tables) of a layer that launches from torch in a chain (topk <= 1) step, else None:
+        which kernel (``MosaicPath.kernel_for``) is decided before any table is made, so layers off the path
+        cost the plan nothing."""
+        path, key = self.mosaic_path, step.key
+        if path is None or path.reason(lp, key, None, k_buf, v_buf) is not None:
+            return None
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
         if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
             max_q_len = min(max_q_len, key.attention_chunk_size)
         # a cross layer reads the encoder tokens' slots (page size 1)
         call = Call(max_q_len=max_q_len, page_size=1 if lp.is_cross_attention else key.page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
-                    head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(q.dtype), kv_dtype=jax_dtype(k_buf.dtype),
-                    has_sinks=sinks is not None, num_q_heads=lp.num_q_heads, latent=lp.mla)
+                    head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(dtype), kv_dtype=jax_dtype(k_buf.dtype),
+                    has_sinks=has_sinks, num_q_heads=lp.num_q_heads, latent=lp.mla)
         kernel = path.kernel_for(self.jax_backend.impl, call)
         if kernel is None:
-            return None  # decided before any table is made: layers off the path cost the plan nothing
+            return None
         # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's; cross layers: the encoder's
         heads = table_key(lp, swa, triton=kernel == "triton")
         tables = step.tables.get(heads)
         if tables is None:
             tables = self.planner.tables(step, heads)
-        return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads,
-                               on_new=self.planner.prebuild_recipe)
+        return heads, tables
+
+    def launch_specs(self, step: Step, layer, pool, dtype: torch.dtype, has_sinks: bool = False) -> list:
+        """What ``layer``'s launch over ``step`` builds (``MosaicPath.prebuild`` specs; ``dtype``: its
+        queries'), without building it: none for a layer on the JAX path or in a tree (topk > 1) step (built
+        at its first call)."""
+        if step.key.topk > 1 or self.mosaic_path is None:
+            return []
+        lp = self.layer_params(layer)
+        check_layer(lp, step.key, step.layout.local)
+        k_buf, v_buf = layer_buffers(pool, layer.layer_id, lp.mla)
+        route = self._route(lp, step, dtype, k_buf, v_buf, has_sinks, is_swa_layer(lp, step.key))
+        if route is None:
+            return []
+        heads, tables = route
+        recipe = self.mosaic_path.recipe(lp, step.key, heads, dtype, k_buf, v_buf, has_sinks)
+        return [recipe.spec(self.mosaic_path.config, step.key, tables)]
 
     def _executable(self, lp: LayerParams, step: Step, q, k_buf, v_buf, sinks):
         def sig(x):

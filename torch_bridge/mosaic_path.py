@@ -189,8 +189,8 @@ class MosaicPath:
         kernel = select_kernel(impl, call, from_torch=True, hopper=self.hopper)
         return kernel if kernel == "mosaic" or (kernel == "triton" and self.triton) else None
 
-    def reason(self, lp: LayerParams, key: PlanKey, q: torch.Tensor, k_buf: torch.Tensor,
-               v_buf: torch.Tensor) -> Optional[str]:
+    def reason(self, lp: LayerParams, key: PlanKey, q: Optional[torch.Tensor], k_buf: torch.Tensor,
+               v_buf: Optional[torch.Tensor]) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
         if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope or lp.mla):
@@ -282,8 +282,7 @@ class MosaicPath:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
             if heads is not None:
-                recipe = Recipe(dataclasses.replace(lp, layer_id=0), heads, key.mode, key.q_len_per_req, q.dtype,
-                                q.device, has_sinks, k_buf, v_buf)
+                recipe = self.recipe(lp, key, heads, q.dtype, k_buf, v_buf, has_sinks)
                 if recipe not in self.recipes:
                     self.recipes[recipe] = recipe
                     if on_new is not None:
@@ -296,6 +295,13 @@ class MosaicPath:
             self._calls[ck] = call
             call.heads = heads
         return call
+
+    @staticmethod
+    def recipe(lp: LayerParams, key: PlanKey, heads: TableKey, dtype: torch.dtype, k_buf: torch.Tensor,
+               v_buf: Optional[torch.Tensor], has_sinks: bool) -> "Recipe":
+        """A layer's ``Recipe`` in steps like ``key`` (``dtype``: its queries')."""
+        return Recipe(dataclasses.replace(lp, layer_id=0), heads, key.mode, key.q_len_per_req, dtype, k_buf.device,
+                      has_sinks, k_buf, v_buf)
 
     def tree_call(self, lp: LayerParams, key: PlanKey, prefix: Tables, expand: Tables, q: torch.Tensor,
                   k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool, heads: Tuple[TableKey, TableKey]) -> Any:

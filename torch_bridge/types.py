@@ -66,6 +66,7 @@ class ServerArgs:
     speculative_eagle_topk: Optional[int] = None  # tree (topk > 1) speculative steps; None: not speculative
     speculative_num_draft_tokens: Optional[int] = None
     enable_deterministic_inference: bool = False
+    cuda_graph_bs: Optional[List[int]] = None  # the graph runner's capture sizes (SGLang fills it at start-up)
 
 
 @dataclasses.dataclass
