@@ -30,18 +30,20 @@ HQ, HKV, D, PAGE, MAX_CTX = 4, 2, 64, 16, 96
 
 
 class InterpretedKernel:
-    """Stand-in for a launched kernel: the same call through the Mosaic GPU interpreter."""
+    """Stand-in for a launched kernel: the same call through the Mosaic GPU interpreter (with
+    ``return_lse`` statics, its output and per-tile LSE, as ``mosaic_path.kernel_outputs``)."""
 
     calls = 0
 
     def __init__(self, st, num_tiles, example):
         call = kernel_call(dataclasses.replace(st, interpret=True), num_tiles, plgpu.InterpretGPUParams())
-        self.fn = jax.jit(lambda *a: call(*a)[0])
+        self.fn = jax.jit((lambda *a: tuple(call(*a))) if st.return_lse else (lambda *a: (call(*a)[0],)))
         self.shapes = [tuple(t.shape) for t in example]
 
     def bind(self, *tensors, out):
-        assert [tuple(t.shape) for t in tensors] == self.shapes and out.is_contiguous()
-        return _InterpretedLaunch(self.fn, list(tensors), [out])
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        assert [tuple(t.shape) for t in tensors] == self.shapes and all(o.is_contiguous() for o in outs)
+        return _InterpretedLaunch(self.fn, list(tensors), outs)
 
 
 class _InterpretedLaunch:
@@ -62,7 +64,8 @@ class _InterpretedLaunch:
         InterpretedKernel.calls += 1
         args = [jnp.asarray(t.float().numpy()).astype(jnp.bfloat16) if t.dtype == torch.bfloat16
                 else jnp.asarray(t.numpy()) for t in self.args]
-        self.outs[0].copy_(torch.from_numpy(np.array(self.fn(*args).astype(jnp.float32))))
+        for out, res in zip(self.outs, self.fn(*args), strict=True):
+            out.copy_(torch.from_numpy(np.array(res.astype(jnp.float32))))
 
 
 def setup(seed, device="cpu", page=PAGE, path=None, dtype=torch.bfloat16, num_layers=1):

@@ -31,10 +31,10 @@ NUM_DRAFT, STEP_ID = 3, 1
 KV_OFFSET = {"decode": 0, "draft_decode": STEP_ID + 1, "verify": NUM_DRAFT, "draft_extend": 0, "extend": 0}
 
 
-def make_runner(num_reqs, page_size, seed, impl="reference", device="cpu"):
+def make_runner(num_reqs, page_size, seed, impl="reference", device="cpu", dtype=torch.float32):
     """Shuffled pages per request row (row 0 / page 0 reserved); NaN pools except slot 0."""
     table, num_slots = shuffled_table(num_reqs, MAX_CTX, page_size, seed)
-    pool = MHATokenToKVPool.create(num_slots, 2, HKV, D, torch.float32, device)
+    pool = MHATokenToKVPool.create(num_slots, 2, HKV, D, dtype, device)
     for buf in pool.k_buffer + pool.v_buffer:
         buf.fill_(float("nan"))
         buf[0] = 0.0
@@ -49,8 +49,8 @@ def fill_committed(runner, table, rows, kv_lens, rng, layer_id=0):
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(layer_id)
     for r, n in zip(rows, kv_lens):
         s = torch.from_numpy(table[r, :n].astype(np.int64)).to(kb.device)
-        kb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(kb.device)
-        vb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(kb.device)
+        kb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(kb)
+        vb[s] = torch.from_numpy(rng.standard_normal((n, HKV, D)).astype(np.float32)).to(vb)
 
 
 def make_batch(mode, rows, committed, table, rng, runner):

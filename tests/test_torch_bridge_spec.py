@@ -37,7 +37,7 @@ def sglang_custom_mask(committed, masks):
 
 
 def pool_np(runner, layer_id=0):
-    return [b.cpu().numpy().copy() for b in runner.token_to_kv_pool.get_kv_buffer(layer_id)]
+    return [b.cpu().float().numpy().copy() for b in runner.token_to_kv_pool.get_kv_buffer(layer_id)]
 
 
 def jax_out(runner, table, page_size, fb_args, q, spec):
@@ -49,9 +49,10 @@ def jax_out(runner, table, page_size, fb_args, q, spec):
     return np.asarray(out)
 
 
-def tree_backend(runner, launch: bool, **kw):
+def tree_backend(runner, launch: bool, path=None, **kw):
     """The bridge under test: the JAX path, or (``launch``) the launch path with the Triton-lowered kernel
-    interpreted (a tree step's prefix and expand passes and their merge; ``triton_path.TreeCall``)."""
+    interpreted (a tree step's prefix and expand passes and their merge; ``triton_path.TreeCall``), or
+    ``path``'s kernels."""
     from tests.test_triton_launch import triton_path_for_tests
 
     on_cpu = runner.token_to_kv_pool.k_buffer[0].device.type == "cpu"  # a GPU: the device's own launch path
@@ -61,7 +62,9 @@ def tree_backend(runner, launch: bool, **kw):
         # start (else the first replay after a bucket's warm-up forward replans with them: one retrace)
         runner.model_config.hf_text_config = types.SimpleNamespace(num_attention_heads=HQ)
         runner.model_config.get_num_kv_heads = lambda tp: HKV
-    return FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch and on_cpu else None, **kw)
+    if path is None and launch and on_cpu:
+        path = triton_path_for_tests()
+    return FlashAttentionBackend(runner, mosaic_path=path, **kw)
 
 
 def launched(backend, layer_id: int = 0) -> bool:
@@ -123,6 +126,30 @@ def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size, launch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     got_w = backend.forward(q, None, None, layer(sliding_window_size=5), fb, save_kv_cache=False).numpy()
     np.testing.assert_allclose(got_w, verify_oracle(runner, table, fb, masks, q, window=5), rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verify_prefix_pass_on_the_mosaic_kernel():
+    """Page 16, bf16: a tree layer's prefix pass takes the Mosaic kernel (interpreted) with its per-tile LSE,
+    merged through the tables' LSE index with the Triton-lowered expand pass. Catches: the prefix LSE read in
+    row order (the kernel stores it per tile, packed rows token-major within a warpgroup), the pass masked
+    causally, the index of another step's tables, the expand pass's rows merged with the wrong prefix rows."""
+    from tests.test_bridge_launch import InterpretedKernel
+    from tests.test_triton_launch import InterpretedTriton
+    from torch_bridge.mosaic_path import LsePass, MosaicPath
+
+    rng = np.random.default_rng(16)
+    runner, table = make_runner(8, 16, seed=16, dtype=torch.bfloat16)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)  # Hopper: Mosaic where covered
+    backend = tree_backend(runner, True, path, topk=TOPK)
+    rows, committed, masks = np.array([3, 1, 6]), np.array([9, 30, 17]), [two_branches(), star(N), chain(N)]
+    fb, qkv = verify_case(runner, table, rows, committed, masks, rng)
+    q, k, v = (x.to(torch.bfloat16) for x in qkv)
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, layer(), fb).float().numpy()
+    assert launched(backend) and isinstance(backend.runner.hits[0].call.prefix, LsePass)
+    want = verify_oracle(runner, table, fb, masks, q.float())
+    err = np.abs(got - want).reshape(len(rows), -1).max(1) / np.abs(want).reshape(len(rows), -1).max(1)
+    assert (err < 2e-2).all(), err  # per request (bf16 output)
 
 
 @LAUNCH

@@ -297,6 +297,26 @@ def test_merge_state_interpret(dtype):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=1e-6, atol=1e-6)
 
 
+def test_merge_state_reads_part_a_lse_through_an_index():
+    """``lse_a_index``: part a's LSE scattered over a larger flat array (the Mosaic kernel's per-tile LSE),
+    ``-1`` for rows no tile wrote. Catches: the index ignored (rows read in order), -1 read as position 0
+    (an empty partial merged with a stale LSE), and garbage beside the indexed LSEs leaking in."""
+    o_a, la, o_b, lb = _merge_inputs(2)
+    t, h = la.shape
+    rng = np.random.default_rng(5)
+    flat = rng.standard_normal(4 * t * h).astype(np.float32) * 50  # garbage everywhere not indexed
+    pos = (1 + rng.permutation(flat.size - 1)[:t * h]).reshape(t, h).astype(np.int32)  # never position 0
+    flat[pos] = np.asarray(la)
+    pos[np.isneginf(np.asarray(la))] = -1  # an empty partial: no tile wrote its LSE
+    flat[0] = 1e3  # a -1 read as position 0 would dominate the merge
+    o, lse = merge_state(o_a, jnp.asarray(flat), o_b, lb, lse_a_index=jnp.asarray(pos), interpret=True)
+    ro, rl = merge_state_reference(o_a, la, o_b, lb)
+    compare(o, ro, tol=1e-5, what="indexed merge out")
+    fin = np.isfinite(np.asarray(rl))
+    assert (np.isneginf(lse) == np.isneginf(rl)).all()
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rl)[fin], rtol=1e-6, atol=1e-6)
+
+
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_merge_state_gpu():

@@ -142,8 +142,11 @@ class LayerRunner:
             if path is None or path.reason(lp, key, q, k_buf, v_buf) is not None \
                     or not path.launches_trees(self.jax_backend.impl):
                 return None
-            passes = (table_key(lp, triton=True, tree_pass=PREFIX_TABLES), table_key(lp, triton=True,
-                                                                                    tree_pass=EXPAND_TABLES))
+            # the prefix pass (each request's queries over its committed keys) on the Mosaic kernel where it
+            # covers the pass, the expand pass (page size 1) and the merge on the Triton-lowered one
+            mosaic = self._kernel(lp, key, q.dtype, k_buf, sinks is not None, key.q_len_per_req) == "mosaic"
+            passes = (table_key(lp, triton=not mosaic, tree_pass=PREFIX_TABLES),
+                      table_key(lp, triton=True, tree_pass=EXPAND_TABLES))
             prefix, expand = (step.tables.get(h) or self.planner.tables(step, h) for h in passes)
             return path.tree_call(lp, key, prefix, expand, q, k_buf, v_buf, sinks is not None, passes)
         route = self._route(lp, step, q.dtype, k_buf, v_buf, sinks is not None, swa)
@@ -163,12 +166,7 @@ class LayerRunner:
         max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
         if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
             max_q_len = min(max_q_len, key.attention_chunk_size)
-        # a cross layer reads the encoder tokens' slots (page size 1)
-        call = Call(max_q_len=max_q_len, page_size=1 if lp.is_cross_attention else key.page_size,
-                    num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
-                    head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(dtype), kv_dtype=jax_dtype(k_buf.dtype),
-                    has_sinks=has_sinks, num_q_heads=lp.num_q_heads, latent=lp.mla)
-        kernel = path.kernel_for(self.jax_backend.impl, call)
+        kernel = self._kernel(lp, key, dtype, k_buf, has_sinks, max_q_len)
         if kernel is None:
             return None
         # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's; cross layers: the encoder's
@@ -177,6 +175,15 @@ class LayerRunner:
         if tables is None:
             tables = self.planner.tables(step, heads)
         return heads, tables
+
+    def _kernel(self, lp: LayerParams, key, dtype: torch.dtype, k_buf, has_sinks: bool, max_q_len: int):
+        """The kernel the launch path runs this layer's call with (``MosaicPath.kernel_for``): ``"mosaic"``,
+        ``"triton"`` or None (the JAX path). A cross layer reads the encoder tokens' slots (page size 1)."""
+        call = Call(max_q_len=max_q_len, page_size=1 if lp.is_cross_attention else key.page_size,
+                    num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
+                    head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(dtype), kv_dtype=jax_dtype(k_buf.dtype),
+                    has_sinks=has_sinks, num_q_heads=lp.num_q_heads, latent=lp.mla)
+        return self.mosaic_path.kernel_for(self.jax_backend.impl, call)
 
     def launch_specs(self, step: Step, layer, pool, dtype: torch.dtype, has_sinks: bool = False) -> list:
         """What ``layer``'s launch over ``step`` builds (``MosaicPath.prebuild`` specs; ``dtype``: its

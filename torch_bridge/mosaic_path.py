@@ -34,7 +34,7 @@ import torch
 from jax_attn.backend import LayerParams, cross_metadata
 from jax_attn.kernel_policy import select_kernel
 from jax_attn.plan_key import PlanKey
-from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call
+from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call, out_types
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)
 from torch_bridge import triton_path
@@ -64,16 +64,18 @@ def key_flags(key: TableKey) -> int:
     return key[2] if len(key) > 2 else 0
 
 
-def first_output(st: KernelStatics, num_tiles: int) -> Callable:
-    """The compiled kernel as a function of arrays returning its output (the per-tile LSE becomes
-    scratch the compiled kernel owns)."""
+def kernel_outputs(st: KernelStatics, num_tiles: int) -> Callable:
+    """The compiled kernel as a function of arrays returning its output and, with ``st.return_lse`` (a tree
+    step's prefix pass, ``LsePass``), its per-tile LSE (else scratch the compiled kernel owns)."""
     call = kernel_call(st, num_tiles)
+    if st.return_lse:
+        return lambda *args: tuple(call(*args))
     return lambda *args: call(*args)[0]
 
 
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
     """The kernel of ``st`` compiled for torch launches: ``kernel(*tensors, out=None, check=True) -> out``."""
-    return compile_for_torch(first_output(st, num_tiles), *example)
+    return compile_for_torch(kernel_outputs(st, num_tiles), *example)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +131,10 @@ def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None, det
     md = table_plan(md, key)
     if key_flags(key) & TRITON_TABLES:
         parts = triton_path.table_parts(md, key[:2], deterministic)
-    else:
-        sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config)
-        parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
+    else:  # a tree step's prefix pass returns its LSE for the merge: the tables carry where the kernel puts it
+        lse = bool(key_flags(key) & PREFIX_TABLES)
+        sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config, with_lse=lse)
+        parts = [md.page_table, md.cu_seqlens_q, sched.tile_info] + ([sched.lse_index] if lse else [])
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
 
@@ -252,8 +255,10 @@ class MosaicPath:
                           md.max_q_len, lay)
         b, p = md.page_table.shape
         pack = choose_pack(md, heads[0], heads[1], self.config)
-        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1)) // TILE_INFO_WORDS
-        shapes = ((b, p), (b + 1,), (num_tiles, TILE_INFO_WORDS))
+        lse = (md.num_tokens * heads[0],) if key_flags(heads) & PREFIX_TABLES else None  # ``LsePass``'s index
+        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1) - (_padded(lse[0]) if lse else 0)) \
+            // TILE_INFO_WORDS
+        shapes = ((b, p), (b + 1,), (num_tiles, TILE_INFO_WORDS)) + ((lse,) if lse else ())
         return Tables(flat, self._cut(flat, shapes), pack, num_tiles, md.max_q_len)
 
     @staticmethod
@@ -314,7 +319,13 @@ class MosaicPath:
         if call is None:
             if capturing():
                 raise RuntimeError(WARM_UP_MESSAGE)
-            call = self._calls[ck] = triton_path.TreeCall(self, lp, prefix, expand, q, k_buf, v_buf, has_sinks)
+            first_lp = dataclasses.replace(lp, causal=False)  # the committed keys: every draft token sees them all
+            first: Any
+            if prefix.layout is None:  # Mosaic tables: the Mosaic kernel, with its LSE for the merge
+                first = LsePass(self, first_lp, key, prefix, q, k_buf, v_buf, has_sinks)
+            else:
+                first = triton_path.LayerCall(self, first_lp, prefix, q, k_buf, v_buf, has_sinks)
+            call = self._calls[ck] = triton_path.TreeCall(self, lp, first, prefix, expand, q, k_buf, v_buf)
             call.heads, call.reads = heads[0], ((heads[0], prefix), (heads[1], expand))
         return call
 
@@ -370,7 +381,7 @@ class MosaicPath:
             triton = {}
         plans: Dict[tuple, list] = {}  # the lowered kernels of each spec
         if mosaic:
-            fns = {ck: first_output(spec.statics, spec.num_tiles) for ck, spec in mosaic.items()}
+            fns = {ck: kernel_outputs(spec.statics, spec.num_tiles) for ck, spec in mosaic.items()}
             structs = {ck: as_structs(spec.args) for ck, spec in mosaic.items()}
             if len(mosaic) >= PROCESS_LOWERINGS:  # fewer: a worker's start-up costs about what it saves
                 kernel_cache.prebuild([k for ck in mosaic for k in kernel_cache.kernels_in(
@@ -406,6 +417,7 @@ class LaunchSpec:
     out_shape: Tuple[int, ...]
     args: Tuple[torch.Tensor, ...]  # examples: q, k / v pages, the tables, sinks (the call's own sinks buffer)
     out: torch.Tensor  # example output
+    lse: Optional[torch.Tensor] = None  # example per-tile LSE (``statics.return_lse``: a tree's prefix pass)
 
     @property
     def device(self) -> torch.device:
@@ -413,8 +425,10 @@ class LaunchSpec:
 
 
 def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tables, dtype: torch.dtype,
-                device: torch.device, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool) -> LaunchSpec:
-    """The kernel statics and example arguments of ``lp`` launched over ``tables`` (a step of ``key``)."""
+                device: torch.device, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool,
+                return_lse: bool = False) -> LaunchSpec:
+    """The kernel statics and example arguments of ``lp`` launched over ``tables`` (a step of ``key``;
+    ``return_lse``: the kernel returns its per-tile LSE too)."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
     dv, g, rows = lp.v_head_dim or d, tables.pack, key.num_tokens
     q_shape = (rows, hkv, g, d) if g > 1 else (rows, hq, d)
@@ -425,11 +439,14 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
         num_tokens=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),
         causal=lp.attends_causally, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
-        has_sinks=has_sinks, config=config, max_q_len=tables.max_q_len)
+        has_sinks=has_sinks, return_lse=return_lse, config=config, max_q_len=tables.max_q_len)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
-            v_buf.view(-1, key.page_size, hkv, dv), *tables.args, sinks)
-    return LaunchSpec(st, tables.num_tiles, q_shape, out_shape, args,
-                      torch.empty(out_shape, dtype=dtype, device=device))
+            v_buf.view(-1, key.page_size, hkv, dv), *tables.args[:3], sinks)  # (a prefix's LSE index: not read)
+    with torch.inference_mode(False):  # the pass's persistent results (``LsePass``): normal tensors
+        lse = torch.empty(out_types(st, tables.num_tiles)[1].shape, dtype=torch.float32, device=device) \
+            if return_lse else None
+        return LaunchSpec(st, tables.num_tiles, q_shape, out_shape, args,
+                          torch.empty(out_shape, dtype=dtype, device=device), lse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +508,31 @@ class LayerCall:
         self.launch()
         out = out.view(self.flat_out)
         return out if self.t == self.rows else out[:self.t]
+
+
+class LsePass:
+    """A tree (topk > 1) step's prefix pass on the Mosaic kernel (``triton_path.TreeCall``): the kernel bound to
+    the layer's pools and the pass's tables, writing its output and per-tile LSE into persistent buffers the
+    merge is bound to; ``lse_index`` (in the tables) says where each (token, query head) row's LSE is."""
+
+    def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
+                 k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
+        spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks, return_lse=True)
+        self.q_shape, self.sinks, self.lse_index = spec.q_shape, spec.args[-1], tables.args[3]
+        self.out_ex = spec.out.view(-1, lp.v_head_dim or lp.head_dim)  # [R * Hq, Dv], token-major
+        self.lse = spec.lse
+        self.launch = path.built(spec).bind(*spec.args, out=(spec.out, spec.lse))
+
+    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+        """The pass over the query rows ``q`` (``[R * Hq, D]``, contiguous) into ``out_ex`` and ``lse``."""
+        if out is not None and out is not self.out_ex:
+            raise ValueError("the Mosaic prefix pass writes its own persistent output (out_ex)")
+        if sinks is not None:
+            self.sinks.copy_(sinks)
+        self.launch.set_arg(0, q.view(self.q_shape))
+        self.launch()
+        return self.out_ex
 
 
 def reads(call, default_heads: Optional[TableKey] = None) -> Tuple[Tuple[Optional[TableKey], Tables], ...]:

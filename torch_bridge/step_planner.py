@@ -87,8 +87,12 @@ class StepPlanner:
                 if settings.num_swa_slots:  # an SWAKVPool's sliding-window layers read md.swa_page_table
                     self.launch_heads.add(settings.heads + (SWA_TABLES | flags,))
             if settings.topk > 1 and mosaic_path.launches_trees(jax_backend.impl):
-                for part in (PREFIX_TABLES, EXPAND_TABLES):  # tree steps' two passes (``triton_path.TreeCall``)
-                    self.launch_heads.add(settings.heads + (TRITON_TABLES | part,))
+                # tree steps' two passes (``triton_path.TreeCall``): the prefix on either kernel (as its queries
+                # per request, the drafts, decide), the expand pass on the Triton-lowered one
+                q_len = settings.num_draft_tokens or settings.topk
+                for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend, (q_len,)):
+                    self.launch_heads.add(settings.heads + ((TRITON_TABLES if triton else 0) | PREFIX_TABLES,))
+                self.launch_heads.add(settings.heads + (TRITON_TABLES | EXPAND_TABLES,))
         # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its
         # kernels' schedules from then on (layers of other heads plan theirs inside the call)
         self.jax_heads: Optional[Tuple[int, int]] = None
@@ -520,10 +524,11 @@ class StepPlanner:
                          real_tokens=0, graph=graph)
 
 
-def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, jax_backend) -> Tuple[bool, ...]:
+def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, jax_backend,
+                     q_lens: Tuple[int, ...] = (1, 2)) -> Tuple[bool, ...]:
     """Which launched kernels (False: Mosaic, True: Triton-lowered) the model's layers will take, from its
-    pool (head dims, dtype; q in the pool's dtype, bf16 over an fp8 pool) and the policy, for decode and
-    for extend steps."""
+    pool (head dims, dtype; q in the pool's dtype, bf16 over an fp8 pool) and the policy, for steps of these
+    queries per request (default: decode, and extend steps)."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
     if settings.mla:
         return (True,)  # absorbed MLA: the Triton-lowered kernel only
@@ -535,7 +540,7 @@ def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, j
     dtype = jnp.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype
     hq, hkv = settings.heads
     kinds = set()
-    for max_q_len in (1, 2):
+    for max_q_len in q_lens:
         call = Call(max_q_len=max_q_len, page_size=jax_backend.page_size, num_tokens=0, num_kv_heads=hkv,
                     head_dim=k_buf.shape[-1], head_dim_v=v_buf.shape[-1], dtype=dtype, kv_dtype=kv_dtype,
                     num_q_heads=hq)

@@ -256,11 +256,15 @@ class LayerCall:
         return out if self.t == self.rows else out[:self.t]
 
 
-def merge_fn(interpret: bool) -> Callable:
-    """``merge(o_a [R, Dv], lse_a f32[R], o_b, lse_b) -> (o, lse)``: two partial results over disjoint keys."""
-    def merge(o_a, lse_a, o_b, lse_b):
+def merge_fn(interpret: bool, indexed: bool = False) -> Callable:
+    """``merge(o_a [R, Dv], lse_a f32[R], o_b, lse_b) -> (o, lse)``: two partial results over disjoint keys.
+    ``indexed``: ``merge(o_a, lse_a f32[M], index_a i32[R], o_b, lse_b)``, part a's LSE where its index says
+    (the Mosaic kernel's per-tile LSE: ``mosaic_path.LsePass``)."""
+    def merge(o_a, lse_a, *rest):
+        index, (o_b, lse_b) = (rest[0], rest[1:]) if indexed else (None, rest)
         r, dv = o_a.shape
-        o, lse = merge_state(o_a.reshape(r, 1, dv), lse_a.reshape(r, 1), o_b.reshape(r, 1, dv), lse_b.reshape(r, 1),
+        o, lse = merge_state(o_a.reshape(r, 1, dv), lse_a if indexed else lse_a.reshape(r, 1), o_b.reshape(r, 1, dv),
+                             lse_b.reshape(r, 1), lse_a_index=None if index is None else index.reshape(r, 1),
                              config=DEFAULT_CONFIG, interpret=interpret)
         return o.reshape(r, dv), lse.reshape(r)
     return merge
@@ -270,7 +274,7 @@ def merge_fn(interpret: bool) -> Callable:
 class MergeSpec:
     """What a tree step's merge of its two passes compiles (``MosaicPath.prebuild`` builds it as ``Kernels.tiles``)."""
 
-    examples: list = dataclasses.field(compare=False)  # [[o_a, lse_a, o_b, lse_b]]
+    examples: list = dataclasses.field(compare=False)  # [[o_a, lse_a, o_b, lse_b]] or [[o_a, lse_a, index_a, ...]]
 
     @property
     def device(self) -> torch.device:
@@ -278,34 +282,39 @@ class MergeSpec:
 
     def key(self) -> tuple:
         ex = self.examples[0]
-        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, self.device)
+        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, tuple(ex[1].shape), len(ex), self.device)
 
     def fns(self, interpret: bool) -> Tuple[Callable, ...]:
-        return (merge_fn(interpret),)
+        return (merge_fn(interpret, indexed=len(self.examples[0]) == 5),)
 
 
 class TreeCall:
     """One layer's attention in a tree (topk > 1) speculative step, as the JAX path's cascade
     (``jax_attn.spec.cascade_attention``): the prefix pass (the committed KV, non-causal, the layer's sinks),
     the expand pass (each draft token over the draft tokens its tree allows: page size 1, causal) and the
-    merge of the two, three launches (five with split-KV) on torch's stream."""
+    merge of the two, three launches (four or five with split-KV) on torch's stream. The prefix pass is
+    ``prefix``: the Mosaic kernel with its per-tile LSE (``mosaic_path.LsePass``) where it covers the pass,
+    else the Triton-lowered kernel (a ``LayerCall``); both passes read one padding of the queries."""
 
     heads: Optional[Tuple[int, ...]] = None  # the prefix tables' key (set by ``MosaicPath.tree_call``)
     reads: tuple = ()  # (table key, tables) of both passes (set by ``MosaicPath.tree_call``)
 
-    def __init__(self, path, lp, prefix, expand, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 has_sinks: bool):
-        self.prefix = LayerCall(path, dataclasses.replace(lp, causal=False), prefix, q, k_buf, v_buf, has_sinks)
+    def __init__(self, path, lp, prefix, prefix_tables, expand, q: torch.Tensor, k_buf: torch.Tensor,
+                 v_buf: torch.Tensor):
+        self.prefix = prefix
         self.expand = LayerCall(path, lp, expand, q, k_buf, v_buf, False)  # sinks count once, in the prefix
-        if self.prefix.rows != self.expand.rows:
-            raise RuntimeError(f"tree tables of {self.prefix.rows} and {self.expand.rows} tokens: plan one step")
-        self.tables, self.t, self.rows = prefix, self.prefix.t, self.prefix.rows
-        self.hq, self.dv, self.dtype, self.device = self.prefix.hq, self.prefix.dv, q.dtype, q.device
+        if prefix.out_ex.shape != self.expand.out_ex.shape:
+            raise RuntimeError(f"tree passes of {tuple(prefix.out_ex.shape)} and {tuple(self.expand.out_ex.shape)} "
+                               "output rows: plan one step")
+        self.tables, self.t, self.rows = prefix_tables, self.expand.t, self.expand.rows
+        self.hq, self.dv, self.dtype, self.device = self.expand.hq, self.expand.dv, q.dtype, q.device
         r = self.rows * self.hq
         with torch.inference_mode(False):
             out = torch.empty(r, self.dv, dtype=q.dtype, device=q.device)
             self.lse = torch.empty(r, dtype=torch.float32, device=q.device)  # scratch: the bridge returns no LSE
-        examples = [[self.prefix.out_ex, self.prefix.lse, self.expand.out_ex, self.expand.lse]]
+        index = getattr(prefix, "lse_index", None)  # the Mosaic pass's LSE is per tile, found through its index
+        part_a = [prefix.out_ex, prefix.lse] if index is None else [prefix.out_ex, prefix.lse.view(-1), index]
+        examples = [part_a + [self.expand.out_ex, self.expand.lse]]
         self.merge = path.built(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -314,7 +323,7 @@ class TreeCall:
         The passes write their persistent outputs, which the merge is bound to. (A pass's output in a new
         tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
         output could take its memory: the merge would read the expand pass twice.)"""
-        q = self.prefix.q_rows(q)  # both passes read the same rows
+        q = self.expand.q_rows(q)  # both passes read the same rows
         self.prefix.run(q, sinks, out=self.prefix.out_ex)
         self.expand.run(q, out=self.expand.out_ex)
         out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)

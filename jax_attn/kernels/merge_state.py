@@ -221,17 +221,27 @@ def merge_splits(
     )(partial_o.reshape(s * r, d), partial_lse.reshape(-1), sel)
 
 
-def _pair_kernel(oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref, *, num_rows: int, block_rows: int):
+def _pair_kernel(*refs, num_rows: int, block_rows: int, indexed: bool):
+    if indexed:  # row r's LSE of part a at la_ref[ia_ref[r]] (-1: an empty partial)
+        oa_ref, la_ref, ia_ref, ob_ref, lb_ref, o_ref, lse_ref = refs
+    else:
+        (oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref), ia_ref = refs, None
     rows, ok = _row_block(block_rows, num_rows)
 
-    def part(o_in, l_in):
+    def part(o_in, l_in, i_in=None):
         def load():
-            lse_s = plgpu.load(l_in.at[rows], mask=ok, other=_NEG_INF)
+            if i_in is None:
+                lse_s = plgpu.load(l_in.at[rows], mask=ok, other=_NEG_INF)
+            else:
+                at = plgpu.load(i_in.at[rows], mask=ok, other=-1)
+                valid = at >= 0
+                lse_s = plgpu.load(l_in.at[jnp.maximum(at, 0)], mask=valid, other=_NEG_INF)
             o_s = load_rows(o_in, rows, ok)
             return o_s.astype(jnp.float32), lse_s.astype(jnp.float32)
         return load
 
-    out, lse = _merge_rows([part(oa_ref, la_ref), part(ob_ref, lb_ref)], block_rows, next_pow2(o_ref.shape[-1]))
+    out, lse = _merge_rows([part(oa_ref, la_ref, ia_ref), part(ob_ref, lb_ref)], block_rows,
+                           next_pow2(o_ref.shape[-1]))
     store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, rows, ok, lse)
 
@@ -243,6 +253,7 @@ def merge_state(
     o_b,  # [T, H, D]
     lse_b,  # f32[T, H]
     *,
+    lse_a_index=None,  # i32[T, H]: row (t, h)'s LSE of part a at lse_a.reshape(-1)[index], -1 = none
     config: KernelConfig | None = None,
     interpret: bool | None = None,
 ):
@@ -251,6 +262,8 @@ def merge_state(
     Args:
       o_a, o_b: partial outputs, same shape and dtype.
       lse_a, lse_b: their natural-log softmax denominators; ``-inf`` marks an empty partial.
+      lse_a_index: ``lse_a`` is then any flat f32 array holding part a's LSE where this index says (the
+        Mosaic kernel's per-tile LSE and its ``lse_index``); ``-1`` marks an empty partial.
       config: ``merge_block_rows`` / ``merge_num_warps`` are used.
       interpret: run the Pallas interpreter; None = only on CPU.
 
@@ -262,12 +275,18 @@ def merge_state(
         interpret = interpret_default()
     if o_a.ndim != 3 or o_a.shape != o_b.shape or o_a.dtype != o_b.dtype:
         raise ValueError(f"{o_a.shape=} {o_a.dtype=} and {o_b.shape=} {o_b.dtype=} must match and be [T, H, D]")
-    if lse_a.shape != o_a.shape[:2] or lse_b.shape != o_a.shape[:2]:
-        raise ValueError(f"{lse_a.shape=} and {lse_b.shape=} must be {o_a.shape[:2]} ([T, H], e.g. softmax_lse.T)")
+    indexed = lse_a_index is not None
+    a_shape = lse_a_index.shape if indexed else lse_a.shape  # lse_a: any flat array with an index
+    if a_shape != o_a.shape[:2] or lse_b.shape != o_a.shape[:2]:
+        raise ValueError(f"{a_shape=} (lse_a, or lse_a_index with one) and {lse_b.shape=} must be "
+                         f"{o_a.shape[:2]} ([T, H], e.g. softmax_lse.T)")
     t, h, d = o_a.shape
     r = t * h
     br = config.merge_block_rows
-    kernel = functools.partial(_pair_kernel, num_rows=r, block_rows=br)
+    kernel = functools.partial(_pair_kernel, num_rows=r, block_rows=br, indexed=indexed)
+    part_a = [o_a.reshape(r, d), lse_a.reshape(-1).astype(jnp.float32)]
+    if indexed:
+        part_a.append(lse_a_index.reshape(r).astype(jnp.int32))
     o, lse = pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((r, d), o_a.dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
@@ -275,5 +294,5 @@ def merge_state(
         compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
         interpret=interpret,
         name="merge_state",
-    )(o_a.reshape(r, d), lse_a.reshape(r).astype(jnp.float32), o_b.reshape(r, d), lse_b.reshape(r).astype(jnp.float32))
+    )(*part_a, o_b.reshape(r, d), lse_b.reshape(r).astype(jnp.float32))
     return o.reshape(t, h, d), lse.reshape(t, h)

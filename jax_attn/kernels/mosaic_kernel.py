@@ -440,11 +440,12 @@ def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
     if st.split:
         raise ValueError(f"{st.num_splits=}: the split kernel is mosaic_split.kernel_call_split")
     if interpret is None:  # compiled: built once per process, whatever the call sites (``kernel_cache``)
-        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=_out_type(st, num_tiles))
+        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=out_types(st, num_tiles))
     return _pallas_kernel(st, num_tiles, interpret)
 
 
-def _out_type(st: KernelStatics, num_tiles: int):
+def out_types(st: KernelStatics, num_tiles: int):
+    """The kernel's results: ``out`` in q's layout and the per-tile LSE ``f32[N, H, 2 * block_q]``."""
     out_shape: tuple[int, ...] = (st.num_rows, st.num_heads, st.head_dim_v)
     if st.token_major:
         out_shape = (st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
@@ -456,7 +457,7 @@ def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
     pad_tiles = cdiv(st.num_rows, COMPUTE_WGS * st.block_q * PAD_BLOCKS)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=_out_type(st, num_tiles),
+        out_type=out_types(st, num_tiles),
         grid=(st.num_heads, num_tiles + pad_tiles),
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
