@@ -106,8 +106,9 @@ def verify_oracle(runner, table, fb, masks, q, window=-1):
 @LAUNCH
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size, launch):
-    """``launch``: the tree layer on the launch path (the sliding-window one stays on JAX). Catches there: the
-    prefix pass masked causally or given no sinks, the expand pass over the wrong tables, the merge dropped."""
+    """``launch``: the tree layer on the launch path, the sliding-window one too (one pass over the tree's SWA
+    table). Catches there: the prefix pass masked causally or given no sinks, the expand pass over the wrong
+    tables, the merge dropped, the window layer reading the prefix or expand tables instead of the SWA one."""
     rng = np.random.default_rng(10 + page_size)
     runner, table = make_runner(8, page_size, seed=page_size)
     runner.sliding_window_size = 5  # the plan carries the SWA table for the windowed layer below
@@ -126,6 +127,10 @@ def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size, launch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     got_w = backend.forward(q, None, None, layer(sliding_window_size=5), fb, save_kv_cache=False).numpy()
     np.testing.assert_allclose(got_w, verify_oracle(runner, table, fb, masks, q, window=5), rtol=1e-4, atol=1e-4)
+    if launch:  # one launch over the tree's SWA table (committed then draft slots per row), no JAX dispatch
+        from torch_bridge.mosaic_path import TREE_SWA_TABLES, key_flags
+        call = backend.runner.hits[0].call
+        assert key_flags(call.heads) & TREE_SWA_TABLES, call.heads
 
 
 def test_tree_verify_prefix_pass_on_the_mosaic_kernel():

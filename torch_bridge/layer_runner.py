@@ -37,7 +37,8 @@ from torch_bridge.checks import (CheckedLayer, SafeLocs, check_layer, check_shap
                                  store_kv, write_loc)
 from torch_bridge.dlpack import Importer, check_not_capturing
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, LayerHit, MosaicPath, table_key
+from torch_bridge.mosaic_path import (EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, LayerHit, MosaicPath,
+                                      table_key)
 from torch_bridge.step import Step
 from torch_bridge.step_planner import StepPlanner
 from torch_bridge.translate import UNIFORM, layer_params
@@ -142,6 +143,13 @@ class LayerRunner:
             if path is None or path.reason(lp, key, q, k_buf, v_buf) is not None \
                     or not path.launches_trees(self.jax_backend.impl):
                 return None
+            if lp.sliding_window_size >= 0:  # one pass over the tree's SWA table (committed, then draft slots)
+                if self._kernel(lp, key, q.dtype, k_buf, sinks is not None, 1, page_size=1) != "triton":
+                    return None
+                heads = table_key(lp, swa, triton=True, tree_pass=TREE_SWA_TABLES)
+                tables = step.tables.get(heads) or self.planner.tables(step, heads)
+                return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads,
+                                       on_new=self.planner.prebuild_recipe)
             # the prefix pass (each request's queries over its committed keys) on the Mosaic kernel where it
             # covers the pass, the expand pass (page size 1) and the merge on the Triton-lowered one
             mosaic = self._kernel(lp, key, q.dtype, k_buf, sinks is not None, key.q_len_per_req) == "mosaic"
@@ -176,10 +184,13 @@ class LayerRunner:
             tables = self.planner.tables(step, heads)
         return heads, tables
 
-    def _kernel(self, lp: LayerParams, key, dtype: torch.dtype, k_buf, has_sinks: bool, max_q_len: int):
+    def _kernel(self, lp: LayerParams, key, dtype: torch.dtype, k_buf, has_sinks: bool, max_q_len: int,
+                page_size: Optional[int] = None):
         """The kernel the launch path runs this layer's call with (``MosaicPath.kernel_for``): ``"mosaic"``,
         ``"triton"`` or None (the JAX path). A cross layer reads the encoder tokens' slots (page size 1)."""
-        call = Call(max_q_len=max_q_len, page_size=1 if lp.is_cross_attention else key.page_size,
+        if page_size is None:
+            page_size = 1 if lp.is_cross_attention else key.page_size
+        call = Call(max_q_len=max_q_len, page_size=page_size,
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=has_sinks, num_q_heads=lp.num_q_heads, latent=lp.mla)

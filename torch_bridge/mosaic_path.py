@@ -54,9 +54,12 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
 # (Hq, Hkv): the Mosaic kernel's tables of the step's plan; (Hq, Hkv, flags): LOCAL_TABLES over md.local,
 # SWA_TABLES over md.swa_page_table, CROSS_TABLES over the encoder tokens (``jax_attn.backend.cross_metadata``),
 # PREFIX_TABLES / EXPAND_TABLES over a tree step's two passes (``jax_attn.spec.CascadeMetadata``),
-# TRITON_TABLES the Triton-lowered kernel's (``torch_bridge.triton_path``)
+# TREE_SWA_TABLES over its SWA table (a sliding-window layer's one pass: committed then draft slots per row; with
+# SWA_TABLES, translated into an ``SWAKVPool``'s SWA pool), TRITON_TABLES the Triton-lowered kernel's
+# (``torch_bridge.triton_path``)
 TableKey = Tuple[int, ...]
 LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, CROSS_TABLES, PREFIX_TABLES, EXPAND_TABLES = 1, 2, 4, 8, 16, 32
+TREE_SWA_TABLES = 64
 TREE_TABLES = PREFIX_TABLES | EXPAND_TABLES
 
 
@@ -97,8 +100,8 @@ def _padded(n: int) -> int:
 def table_key(lp: LayerParams, swa: bool = False, triton: bool = False, tree_pass: int = 0) -> TableKey:
     """Which tables a layer reads: its head counts, whether it runs on the local virtual batch, (``swa``: a
     sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table, (a cross-attention layer) on
-    the encoder tokens or (``tree_pass``: ``PREFIX_TABLES`` or ``EXPAND_TABLES``) on a tree step's pass, and
-    which kernel (``triton``: the Triton-lowered one) reads them."""
+    the encoder tokens or (``tree_pass``: ``PREFIX_TABLES``, ``EXPAND_TABLES`` or ``TREE_SWA_TABLES``) on a
+    tree step's pass, and which kernel (``triton``: the Triton-lowered one) reads them."""
     flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else CROSS_TABLES if lp.is_cross_attention else 0)
     flags |= (TRITON_TABLES if triton else 0) | tree_pass
     return (lp.num_q_heads, lp.num_kv_heads) + ((flags,) if flags else ())
@@ -106,12 +109,18 @@ def table_key(lp: LayerParams, swa: bool = False, triton: bool = False, tree_pas
 
 def table_plan(md, key: TableKey):
     """The plan the tables of ``key`` describe: the step's, its local virtual batch, its encoder tokens
-    (page size 1, ``cross_metadata``), a tree step's prefix or expand pass, or the step's over the SWA
-    pool's page table."""
+    (page size 1, ``cross_metadata``), a tree step's prefix or expand pass or SWA table, or the step's (or
+    the tree's SWA table) over the SWA pool's page table."""
     flags = key_flags(key)
-    if not flags & (LOCAL_TABLES | SWA_TABLES | CROSS_TABLES | TREE_TABLES):
+    if not flags & (LOCAL_TABLES | SWA_TABLES | CROSS_TABLES | TREE_TABLES | TREE_SWA_TABLES):
         return md
-    if flags & TREE_TABLES:
+    if flags & TREE_SWA_TABLES:  # a tree step's sliding-window layers: one pass over its SWA table
+        if md.swa is None:
+            raise ValueError("tree SWA tables of a plan without md.swa (plan with model_runner.sliding_window_size)")
+        md = md.swa
+        if not flags & SWA_TABLES:
+            return md
+    elif flags & TREE_TABLES:
         return md.prefix if flags & PREFIX_TABLES else md.expand
     if flags & LOCAL_TABLES:
         return md.local
@@ -196,8 +205,8 @@ class MosaicPath:
                v_buf: Optional[torch.Tensor]) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
-        if key.topk > 1 and (lp.sliding_window_size >= 0 or lp.use_irope or lp.mla):
-            return "sliding-window, chunked local and MLA layers in a tree (topk > 1) step run through JAX"
+        if key.topk > 1 and (lp.use_irope or lp.mla):
+            return "chunked local and MLA layers in a tree (topk > 1) step run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
         if v_buf is not None and v_buf.dtype != k_buf.dtype:

@@ -42,7 +42,7 @@ class FlashAttentionMultiStepBackend:
     """
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int, fa_impl_ver: int = 3, *,
-                 impl: Optional[str] = None):
+                 impl: Optional[str] = None, mosaic_path=None):
         if speculative_num_steps < 1:
             raise ValueError(f"{speculative_num_steps=} must be >= 1")
         self.model_runner = model_runner
@@ -51,7 +51,8 @@ class FlashAttentionMultiStepBackend:
         self.attn_backends: List[FlashAttentionBackend] = []
         for i in range(speculative_num_steps - 1):
             b = FlashAttentionBackend(model_runner, skip_prefill=True, speculative_step_id=i, topk=topk,
-                                      speculative_num_steps=speculative_num_steps, fa_impl_ver=fa_impl_ver, impl=impl)
+                                      speculative_num_steps=speculative_num_steps, fa_impl_ver=fa_impl_ver, impl=impl,
+                                      mosaic_path=mosaic_path)  # one path (its kernels) for every step
             if self.attn_backends:
                 b.share_compiled(self.attn_backends[0])
             self.attn_backends.append(b)

@@ -44,8 +44,8 @@ from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.launcher import jax_dtype
 from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
-                                      TREE_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath, TableKey, Tables,
-                                      flatten_tables, key_flags)
+                                      TREE_SWA_TABLES, TREE_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath,
+                                      TableKey, Tables, flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -93,6 +93,9 @@ class StepPlanner:
                 for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend, (q_len,)):
                     self.launch_heads.add(settings.heads + ((TRITON_TABLES if triton else 0) | PREFIX_TABLES,))
                 self.launch_heads.add(settings.heads + (TRITON_TABLES | EXPAND_TABLES,))
+                if settings.with_swa:  # sliding-window layers: one pass over the tree's SWA table
+                    pool_swa = SWA_TABLES if settings.num_swa_slots else 0
+                    self.launch_heads.add(settings.heads + (TRITON_TABLES | TREE_SWA_TABLES | pool_swa,))
         # (Hq, Hkv) of the first layer run as a JAX executable (``LayerRunner``): eager plans carry its
         # kernels' schedules from then on (layers of other heads plan theirs inside the call)
         self.jax_heads: Optional[Tuple[int, int]] = None
@@ -261,7 +264,8 @@ class StepPlanner:
                                                   if (local or not key_flags(h) & LOCAL_TABLES)
                                                   and (key.swa_pool or not key_flags(h) & SWA_TABLES)
                                                   and (key.has_encoder or not key_flags(h) & CROSS_TABLES)
-                                                  and tree == bool(key_flags(h) & TREE_TABLES)))
+                                                  and (key.with_swa or not key_flags(h) & TREE_SWA_TABLES)
+                                                  and tree == bool(key_flags(h) & (TREE_TABLES | TREE_SWA_TABLES))))
         return hit
 
     def install(self, key: PlanKey, layout: PlanLayout, words, real_tokens: int, draft_steps: int = 1,

@@ -21,6 +21,7 @@ from tests.sglang_contract.batches import (Req, draft_extend_step, draft_extend_
                                           plain_step, server_args_for, verify_step)
 from tests.sglang_contract.check import check_draft_round, check_step
 from tests.sglang_contract.device import ON_CUDA
+from torch_bridge.layer_runner import JaxLayerHit
 from tests.sglang_contract.world import CAP, PLAIN, SINK, SWA, SWA_SINK, LayerSpec, World
 
 EAGLE_CHAIN = dict(algo="EAGLE", topk=1, steps=3, draft=4)  # topk 1: draft tokens = steps + 1
@@ -64,7 +65,7 @@ VERIFY = [
 def test_target_verify(case: Case, launch: bool):
     """``triton_launch``: the bridge's launch path with the Triton-lowered kernel, interpreted (on CUDA the
     default backend launches these layers itself): a tree step's layers then run its two passes and their
-    merge from torch (``triton_path.TreeCall``), its sliding-window layers through JAX."""
+    merge from torch (``triton_path.TreeCall``), its sliding-window layers one launch over the tree's SWA table."""
     if launch and ON_CUDA:
         pytest.skip("on CUDA the default backend launches these layers")
     from tests.test_triton_launch import triton_path_for_tests
@@ -75,6 +76,8 @@ def test_target_verify(case: Case, launch: bool):
     backend = torch_bridge.FlashAttentionBackend(world.runner, mosaic_path=triton_path_for_tests() if launch else None)
     fb, ex = verify_step(world, reqs, chain=case.server["topk"] == 1, ngram=case.server["algo"] == "NGRAM")
     check_step(world, backend, fb, ex, what=f"verify {case.name} [{case.catches}]")
+    if launch:  # every layer launched from torch (a tree's sliding-window layers too), none through JAX
+        assert backend.runner.hits and all(not isinstance(h, JaxLayerHit) for h in backend.runner.hits.values())
 
 
 DRAFT_DECODE = [
@@ -91,15 +94,27 @@ DRAFT_DECODE = [
 ]
 
 
+@pytest.mark.parametrize("launch", [False, True], ids=["default", "triton_launch"])
 @pytest.mark.parametrize("case", DRAFT_DECODE, ids=[c.name for c in DRAFT_DECODE])
-def test_draft_decode(case: Case):
+def test_draft_decode(case: Case, launch: bool):
+    """``triton_launch``: as in ``test_target_verify`` (tree steps' sliding-window layers: one launch over the
+    tree's SWA table per draft step)."""
+    if launch and ON_CUDA:
+        pytest.skip("on CUDA the default backend launches these layers")
+    from tests.test_triton_launch import InterpretedTriton, triton_path_for_tests
+
     world = _world(case)
     topk, steps = case.server["topk"], case.server["steps"]
     reqs = [Req(world.new_request(), c, 0) for c in case.committed]
-    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps)
+    multi = torch_bridge.FlashAttentionMultiStepBackend(world.runner, topk, steps,
+                                                        mosaic_path=triton_path_for_tests() if launch else None)
     assert len(multi.attn_backends) == steps - 1, "SGLang builds one backend per draft step but the last"
     fb, expects = draft_round(world, reqs, topk, steps)
+    launches = InterpretedTriton.calls
     check_draft_round(world, multi, fb, expects, what=f"draft {case.name} [{case.catches}]")
+    if launch:  # every layer of every draft step launched from torch, none through a JAX executable
+        assert all(not isinstance(h, JaxLayerHit) for b in multi.attn_backends for h in b.runner.hits.values())
+        assert InterpretedTriton.calls > launches
 
 
 DRAFT_EXTEND = [

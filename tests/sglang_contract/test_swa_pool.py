@@ -380,16 +380,28 @@ def check_swa_round(world: SWAWorld, multi, fb, expects: Sequence[Expect], *, wh
     return check_draft_round(world, multi, fb, expects, what=what, replay=replay, check=check)
 
 
+@pytest.mark.parametrize("launch", [False, True], ids=["default", "triton_launch"])
 @pytest.mark.parametrize("page_size,committed", [(1, (9, 30, 2)), (16, (14, 45))], ids=["p1", "p16"])
-def test_swa_pool_tree_verify(page_size, committed):
+def test_swa_pool_tree_verify(page_size, committed, launch):
     """Catches: tree (topk > 1) target verify of sliding-window layers reading the SWA spec table's full
     slots in the SWA pool (NaN or another request's K/V): its committed part and its draft-token part must
-    both go through ``full_to_swa_index_mapping``; full layers keep the cascade over the full pool."""
+    both go through ``full_to_swa_index_mapping``; full layers keep the cascade over the full pool.
+    ``triton_launch``: the bridge's launch path, interpreted (on CUDA the default backend launches): the
+    sliding-window layers then run one launch over the tree's SWA table translated into the SWA pool."""
+    if launch and ON_CUDA:
+        pytest.skip("on CUDA the default backend launches these layers")
+    from tests.test_triton_launch import triton_path_for_tests
+    from torch_bridge.mosaic_path import SWA_TABLES, TREE_SWA_TABLES, key_flags
+
     world = SWAWorld(GPT_OSS, page_size=page_size, sliding_window=5, server_args=server_args_for(**EAGLE_TREE))
-    backend = torch_bridge.FlashAttentionBackend(world.runner)
+    backend = torch_bridge.FlashAttentionBackend(world.runner, mosaic_path=triton_path_for_tests() if launch else None)
     fb, ex = verify_step(world, [Req(world.new_request(), c, EAGLE_TREE["draft"]) for c in committed], chain=False)
     check_swa_step(world, backend, fb, ex, what=f"tree verify p{page_size}")
     assert backend.step.layout.swa, "the tree plan must carry md.swa.swa_page_table"
+    if launch:
+        swa_calls = [h.call for h in backend.runner.hits.values() if h.swa and hasattr(h, "call")]
+        assert swa_calls and all(key_flags(c.heads) & (TREE_SWA_TABLES | SWA_TABLES) == TREE_SWA_TABLES | SWA_TABLES
+                                 for c in swa_calls), [getattr(c, "heads", None) for c in swa_calls]
 
 
 @pytest.mark.parametrize("page_size,committed", [(1, (9, 30, 2)), (16, (17, 33))], ids=["p1", "p16"])
