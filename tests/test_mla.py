@@ -398,3 +398,69 @@ def test_torch_bridge_mla_chunked_prefix_mha(kind):
         np.testing.assert_array_equal(np.isinf(lse.numpy()), np.isinf(want_lse))
         fin = np.isfinite(want_lse)
         np.testing.assert_allclose(lse.numpy()[fin], want_lse[fin], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("launch", [False, True], ids=["jax", "launch"])
+def test_torch_bridge_mla_tree_verify(launch):
+    """A tree (topk 2) target verify of an MLA layer through the bridge: the committed latent rows
+    (non-causal) and the draft rows each draft token's tree allows, merged. ``launch``: on the Triton
+    launch path (both passes and their merge launched from torch, interpreted), not a JAX executable.
+    Equals the float64 absorbed formula per request, and writes only the step's slots. Catches: the
+    prefix pass masked causally, a draft row seeing a draft outside its branch, values read past the
+    latent part, the merge dropped, and (``launch``) the layer falling back to JAX."""
+    import torch
+
+    from tests.paging import shuffled_table
+    from tests.test_triton_launch import triton_path_for_tests
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool, ServerArgs, SpecInfo)
+    from torch_bridge.layer_runner import JaxLayerHit
+
+    rng = np.random.default_rng(23)
+    page, n_draft, d, scale = 4, 4, LATENT + ROPE, 0.21
+    parent = [-1, 0, 0, 1]  # a draft tree: two branches from the first draft token
+    mask = np.zeros((n_draft, n_draft), bool)
+    for i in range(n_draft):
+        j = i
+        while j >= 0:  # each draft token sees itself and its ancestors
+            mask[i, j], j = True, parent[j]
+    table, num_slots = shuffled_table(6, MAX_CTX, page, seed=5)
+    pool = MLATokenToKVPool.create(num_slots, 1, LATENT, ROPE, torch.float32)
+    buf = pool.kv_buffer[0]
+    buf.fill_(float("nan"))
+    buf[0] = 0.0
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool,
+                         ModelConfig(MAX_CTX, attention_arch="MLA"), page_size=page,
+                         server_args=ServerArgs(speculative_eagle_topk=2, speculative_num_draft_tokens=n_draft))
+    backend = FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests() if launch else None, topk=2)
+    layer = RadixAttention(HQ, d, scale, 1, 0, v_head_dim=LATENT)
+    rows, committed = np.array([3, 1], np.int64), np.array([9, 22], np.int64)
+    for r, c in zip(rows, committed):
+        buf[torch.from_numpy(table[r, :c].astype(np.int64))] = torch.from_numpy(
+            rng.standard_normal((c, 1, d)).astype(np.float32))
+    loc = np.concatenate([table[r, c:c + n_draft] for r, c in zip(rows, committed)]).astype(np.int64)
+    custom = np.concatenate([np.concatenate([np.ones((n_draft, c), bool), mask], 1).reshape(-1) for c in committed])
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, 2, torch.from_numpy(rows), torch.from_numpy(committed),
+                      torch.from_numpy(loc), token_to_kv_pool=pool,
+                      spec_info=SpecInfo(topk=2, draft_token_num=n_draft, custom_mask=torch.from_numpy(custom)))
+    n = len(loc)
+    q = rng.standard_normal((n, HQ, d)).astype(np.float32)
+    k_new = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    before = buf.clone()
+    backend.init_forward_metadata(fb)
+    out = backend.forward(torch.from_numpy(q).reshape(n, -1), k_new, k_new[:, :LATENT], layer, fb).numpy()
+    before[torch.from_numpy(loc), 0] = k_new
+    torch.testing.assert_close(buf, before, rtol=0, atol=0, equal_nan=True)  # only the step's slots
+    rows_np = buf[:, 0].double().numpy()
+    for b, (r, c) in enumerate(zip(rows, committed)):
+        want = np.zeros((n_draft, HQ, LATENT))
+        for i in range(n_draft):
+            keys = rows_np[np.concatenate([table[r, :c], loc[b * n_draft + np.nonzero(mask[i])[0]]])]
+            s = np.einsum("kd,hd->hk", keys, q[b * n_draft + i].astype(np.float64)) * scale
+            p = np.exp(s - s.max(1, keepdims=True))
+            want[i] = (p / p.sum(1, keepdims=True)) @ keys[:, :LATENT]
+        got = out[b * n_draft:(b + 1) * n_draft].reshape(n_draft, HQ, LATENT)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 2e-5, (b, err)
+    hit = backend.runner.hits[0]
+    assert isinstance(hit, JaxLayerHit) != launch, type(hit)

@@ -52,8 +52,8 @@ Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic ke
 head dims that are multiples of 16 up to 192, page size a multiple of 8, no cross attention; in a tree
 step the prefix pass), and the Triton-lowered kernel the other layers (any CUDA GPU of sm80+;
 cross-attention layers over their encoder tokens' tables, tree (topk > 1) steps' layers as two passes and
-a merge, their sliding-window layers as one pass over the tree's SWA table), skip JAX at run time (MLA
-layers of tree steps still run through JAX):
+a merge, their sliding-window layers as one pass over the tree's SWA table; MLA layers), skip JAX at run
+time:
 torch writes K/V, the kernel is launched on torch's current stream by ``torch_bridge.launcher`` with
 tables made once per step (``torch_bridge.mosaic_path``). Such a forward is captured by
 ``torch.cuda.graph`` (run the bucket once before capturing, as SGLang's graph runner does). A uniform

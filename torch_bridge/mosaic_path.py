@@ -205,8 +205,8 @@ class MosaicPath:
                v_buf: Optional[torch.Tensor]) -> Optional[str]:
         """None when this layer's call can be launched from torch, else why not. What the kernel
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
-        if key.topk > 1 and (lp.use_irope or lp.mla):
-            return "chunked local and MLA layers in a tree (topk > 1) step run through JAX"
+        if key.topk > 1 and lp.use_irope:
+            return "chunked local layers in a tree (topk > 1) step run through JAX"
         if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
             return "pool buffers must be contiguous"
         if v_buf is not None and v_buf.dtype != k_buf.dtype:
