@@ -139,7 +139,7 @@ class LayerRunner:
         """This layer's bound launch (the Mosaic or the Triton-lowered kernel) when the launch path covers the
         call, else None."""
         path, key = self.mosaic_path, step.key
-        if key.topk > 1:  # a tree step: the cascade's two passes and their merge, on the Triton-lowered kernel
+        if key.topk > 1:  # a tree step: the cascade's two passes and their merge (``triton_path.TreeCall``)
             if path is None or path.reason(lp, key, q, k_buf, v_buf) is not None \
                     or not path.launches_trees(self.jax_backend.impl):
                 return None

@@ -9,7 +9,9 @@ host time, is ordered with torch work, and is captured by ``torch.cuda.graph``.
 
 Tables are kept per ``TableKey``: a layer shape ``(Hq, Hkv)`` over the step's plan, ``(Hq, Hkv, 1)``
 over its chunked local virtual batch (``md.local``: Llama 4 ``use_irope`` layers), or ``(Hq, Hkv, 2)``
-over its SWA pool page table (``md.swa_page_table``: sliding-window layers of SGLang's ``SWAKVPool``).
+over its SWA pool page table (``md.swa_page_table``: sliding-window layers of SGLang's ``SWAKVPool``),
+and over a tree step's passes (the flags below). A tree step's prefix pass runs this kernel where it covers
+the pass, returning its per-tile LSE for the merge (``LsePass``).
 
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
 that every replay hook overwrites (or, for uniform buckets, the graph itself: ``torch_bridge.graph_tables``),

@@ -7,8 +7,9 @@ over the encoder tokens; GPUs that are not Hopper) runs ``jax_attn.kernels.trito
 compiled by ``torch_bridge.launcher`` from the same Triton IR that XLA would compile, and launched with
 raw pointers on torch's current stream. A layer is then a KV write, an output allocation and one launch
 (two with split-KV: the partials, then the merge), and is captured by ``torch.cuda.graph``. A tree
-(topk > 1) step's layer is the JAX path's cascade (``TreeCall``): the prefix pass, the expand pass and
-``merge_state``, each launched the same way.
+(topk > 1) step's layer is the JAX path's cascade (``TreeCall``): the prefix pass (on Hopper the Mosaic
+kernel's, ``mosaic_path.LsePass``, where it covers the pass), the expand pass and ``merge_state``, each
+launched the same way; its sliding-window layers are one pass over the tree's SWA table.
 
 Per step a compiled JAX function (the step's planner call) makes the kernel's int32 tables: the work
 schedule (``jax_attn.kernels.schedule.plan_schedule``, as the JAX path plans it), the KV lengths, query
