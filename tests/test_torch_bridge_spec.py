@@ -1,6 +1,7 @@
 """torch_bridge tree speculative decoding (topk > 1), the multi-step draft backend and cross attention
 on torch CPU tensors: bridge == JAX backend == float64 dense oracle; replay == eager, no retrace."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -133,26 +134,35 @@ def test_tree_verify_equals_jax_backend_and_dense_oracle(page_size, launch):
         assert key_flags(call.heads) & TREE_SWA_TABLES, call.heads
 
 
-def test_tree_verify_prefix_pass_on_the_mosaic_kernel():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_tree_verify_prefix_pass_on_the_mosaic_kernel(device):
     """Page 16, bf16: a tree layer's prefix pass takes the Mosaic kernel (interpreted) with its per-tile LSE,
     merged through the tables' LSE index with the Triton-lowered expand pass. Catches: the prefix LSE read in
     row order (the kernel stores it per tile, packed rows token-major within a warpgroup), the pass masked
-    causally, the index of another step's tables, the expand pass's rows merged with the wrong prefix rows."""
+    causally, the index of another step's tables, the expand pass's rows merged with the wrong prefix rows.
+    ``cuda``: the compiled kernels on a Hopper GPU (the device's own launch path)."""
     from tests.test_bridge_launch import InterpretedKernel
     from tests.test_triton_launch import InterpretedTriton
     from torch_bridge.mosaic_path import LsePass, MosaicPath
 
+    if device == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(16)
-    runner, table = make_runner(8, 16, seed=16, dtype=torch.bfloat16)
-    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)  # Hopper: Mosaic where covered
+    runner, table = make_runner(8, 16, seed=16, dtype=torch.bfloat16, device=device)
+    # CPU: Hopper's kernel choice (Mosaic where it covers), both kernels interpreted
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
     backend = tree_backend(runner, True, path, topk=TOPK)
     rows, committed, masks = np.array([3, 1, 6]), np.array([9, 30, 17]), [two_branches(), star(N), chain(N)]
     fb, qkv = verify_case(runner, table, rows, committed, masks, rng)
-    q, k, v = (x.to(torch.bfloat16) for x in qkv)
+    spec = dataclasses.replace(fb.spec_info, custom_mask=fb.spec_info.custom_mask.to(device))
+    fb = dataclasses.replace(fb, spec_info=spec, **{f: getattr(fb, f).to(device)
+                                                    for f in ("req_pool_indices", "seq_lens", "out_cache_loc")})
+    q, k, v = (x.to(device=device, dtype=torch.bfloat16) for x in qkv)
     backend.init_forward_metadata(fb)
-    got = backend.forward(q, k, v, layer(), fb).float().numpy()
+    got = backend.forward(q, k, v, layer(), fb).float().cpu().numpy()
     assert launched(backend) and isinstance(backend.runner.hits[0].call.prefix, LsePass)
-    want = verify_oracle(runner, table, fb, masks, q.float())
+    fb_host = dataclasses.replace(fb, out_cache_loc=fb.out_cache_loc.cpu())
+    want = verify_oracle(runner, table, fb_host, masks, q.float().cpu())
     err = np.abs(got - want).reshape(len(rows), -1).max(1) / np.abs(want).reshape(len(rows), -1).max(1)
     assert (err < 2e-2).all(), err  # per request (bf16 output)
 
