@@ -161,7 +161,8 @@ def test_tree_verify_prefix_pass_on_the_mosaic_kernel(device):
     backend.init_forward_metadata(fb)
     got = backend.forward(q, k, v, layer(), fb).float().cpu().numpy()
     assert launched(backend) and isinstance(backend.runner.hits[0].call.prefix, LsePass)
-    fb_host = dataclasses.replace(fb, out_cache_loc=fb.out_cache_loc.cpu())
+    fb_host = dataclasses.replace(fb, **{f: getattr(fb, f).cpu() for f in ("req_pool_indices", "seq_lens",
+                                                                            "out_cache_loc")})
     want = verify_oracle(runner, table, fb_host, masks, q.float().cpu())
     err = np.abs(got - want).reshape(len(rows), -1).max(1) / np.abs(want).reshape(len(rows), -1).max(1)
     assert (err < 2e-2).all(), err  # per request (bf16 output)
