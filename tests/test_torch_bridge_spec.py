@@ -250,8 +250,8 @@ def draft_case(runner, table, rows, committed, step, rng, topk=TOPK):
     fill_committed(runner, table, rows, committed, rng)
     kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
     prev = torch.from_numpy(loc[:, :, :step].reshape(-1).astype(np.int64))
-    kb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32))
-    vb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32))
+    kb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32)).to(kb)
+    vb[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32)).to(vb)
     fb = ForwardBatch(ForwardMode.DECODE, len(rows), i64(rows), i64(committed), i64(loc.reshape(-1)),
                       spec_info=SpecInfo(topk=topk), token_to_kv_pool=runner.token_to_kv_pool)
     return fb, loc
@@ -293,6 +293,30 @@ def test_tree_draft_decode_equals_jax_backend_and_dense_oracle(launch):
     np.testing.assert_allclose(again, draft_oracle(runner, table, fb, loc, step, q), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="every draft step"):
         backend.init_forward_metadata(fb)  # planning needs every step's slots
+
+
+def test_tree_draft_decode_prefix_pass_on_the_mosaic_kernel():
+    """Page 16, bf16, Hopper's kernel choice (interpreted): a tree draft decode layer's prefix pass (each
+    branch's query over the committed keys) takes the Mosaic kernel with its per-tile LSE, merged with the
+    branch's own draft slots. Catches what the verify case does, for topk queries per request (another
+    packing of the prefix rows than the verify's draft tokens)."""
+    from tests.test_bridge_launch import InterpretedKernel
+    from tests.test_triton_launch import InterpretedTriton
+    from torch_bridge.mosaic_path import LsePass, MosaicPath
+
+    rng, step = np.random.default_rng(6), 2
+    runner, table = make_runner(8, 16, seed=6, dtype=torch.bfloat16)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)
+    backend = tree_backend(runner, True, path, speculative_step_id=step, topk=TOPK, speculative_num_steps=STEPS)
+    rows, committed = np.array([3, 1, 6]), np.array([6, 27, 17])
+    fb, loc = draft_case(runner, table, rows, committed, step, rng)
+    q, k, v = (x.to(torch.bfloat16) for x in rand_qkv(rng, len(rows) * TOPK))
+    backend.init_forward_metadata(fb)
+    got = backend.forward(q, k, v, layer(), fb).float().numpy()
+    assert launched(backend) and isinstance(backend.runner.hits[0].call.prefix, LsePass)
+    want = draft_oracle(runner, table, fb, loc, step, q.float())
+    err = np.abs(got - want).reshape(len(rows), -1).max(1) / np.abs(want).reshape(len(rows), -1).max(1)
+    assert (err < 2e-2).all(), err  # per request (bf16 output)
 
 
 # ----------------------------------------------------------------------------- multi-step backend

@@ -88,9 +88,10 @@ class StepPlanner:
                     self.launch_heads.add(settings.heads + (SWA_TABLES | flags,))
             if settings.topk > 1 and mosaic_path.launches_trees(jax_backend.impl):
                 # tree steps' two passes (``triton_path.TreeCall``): the prefix on either kernel (as its queries
-                # per request, the drafts, decide), the expand pass on the Triton-lowered one
-                q_len = settings.num_draft_tokens or settings.topk
-                for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend, (q_len,)):
+                # per request decide: the draft tokens in verify, the branches in draft decode), the expand pass
+                # on the Triton-lowered one
+                q_lens = tuple({settings.num_draft_tokens or settings.topk, settings.topk})
+                for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend, q_lens):
                     self.launch_heads.add(settings.heads + ((TRITON_TABLES if triton else 0) | PREFIX_TABLES,))
                 self.launch_heads.add(settings.heads + (TRITON_TABLES | EXPAND_TABLES,))
                 if settings.with_swa:  # sliding-window layers: one pass over the tree's SWA table
