@@ -139,23 +139,18 @@ class LayerRunner:
         """This layer's bound launch (the Mosaic or the Triton-lowered kernel) when the launch path covers the
         call, else None."""
         path, key = self.mosaic_path, step.key
-        if key.topk > 1:  # a tree step: the cascade's two passes and their merge (``triton_path.TreeCall``)
-            if path is None or path.reason(lp, key, q, k_buf, v_buf) is not None \
-                    or not path.launches_trees(self.jax_backend.impl):
+        if key.topk > 1 and (path is None or not path.launches_trees(self.jax_backend.impl)):
+            return None
+        if key.topk > 1 and lp.sliding_window_size < 0:
+            # a tree step: the cascade's two passes and their merge (``triton_path.TreeCall``); the prefix pass
+            # (each request's queries over its committed keys) on the Mosaic kernel where it covers the pass, the
+            # expand pass (page size 1) and the merge on the Triton-lowered one
+            if path.reason(lp, key, q, k_buf, v_buf) is not None:
                 return None
-            if lp.sliding_window_size >= 0:  # one pass over the tree's SWA table (committed, then draft slots)
-                if self._kernel(lp, key, q.dtype, k_buf, sinks is not None, 1, page_size=1) != "triton":
-                    return None
-                heads = table_key(lp, swa, triton=True, tree_pass=TREE_SWA_TABLES)
-                tables = step.tables.get(heads) or self.planner.tables(step, heads)
-                return path.layer_call(lp, key, tables, q, k_buf, v_buf, sinks is not None, heads,
-                                       on_new=self.planner.prebuild_recipe)
-            # the prefix pass (each request's queries over its committed keys) on the Mosaic kernel where it
-            # covers the pass, the expand pass (page size 1) and the merge on the Triton-lowered one
             mosaic = self._kernel(lp, key, q.dtype, k_buf, sinks is not None, key.q_len_per_req) == "mosaic"
             passes = (table_key(lp, triton=not mosaic, tree_pass=PREFIX_TABLES),
                       table_key(lp, triton=True, tree_pass=EXPAND_TABLES))
-            prefix, expand = (step.tables.get(h) or self.planner.tables(step, h) for h in passes)
+            prefix, expand = (self._tables(step, h) for h in passes)
             return path.tree_call(lp, key, prefix, expand, q, k_buf, v_buf, sinks is not None, passes)
         route = self._route(lp, step, q.dtype, k_buf, v_buf, sinks is not None, swa)
         if route is None:
@@ -165,24 +160,31 @@ class LayerRunner:
                                on_new=self.planner.prebuild_recipe)
 
     def _route(self, lp: LayerParams, step: Step, dtype: torch.dtype, k_buf, v_buf, has_sinks: bool, swa: bool):
-        """(table key, tables) of a layer that launches from torch in a chain (topk <= 1) step, else None:
-        which kernel (``MosaicPath.kernel_for``) is decided before any table is made, so layers off the path
-        cost the plan nothing."""
+        """(table key, tables) of a layer one launch serves (a chain step's layer, or a tree step's
+        sliding-window layer over the tree's SWA table) when it launches from torch, else None: which kernel
+        (``MosaicPath.kernel_for``) is decided before any table is made, so layers off the path cost the plan
+        nothing."""
         path, key = self.mosaic_path, step.key
         if path is None or path.reason(lp, key, None, k_buf, v_buf) is not None:
             return None
-        max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
-        if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
-            max_q_len = min(max_q_len, key.attention_chunk_size)
-        kernel = self._kernel(lp, key, dtype, k_buf, has_sinks, max_q_len)
+        if key.topk > 1:  # a tree's SWA table: committed then draft slots per row, one query each, page size 1
+            max_q_len, page_size, tree_pass = 1, 1, TREE_SWA_TABLES
+        else:
+            max_q_len = key.q_len_per_req if key.mode in UNIFORM else key.num_tokens
+            if lp.use_irope:  # a virtual sequence holds one chunk's queries at most
+                max_q_len = min(max_q_len, key.attention_chunk_size)
+            page_size, tree_pass = None, 0
+        kernel = self._kernel(lp, key, dtype, k_buf, has_sinks, max_q_len, page_size)
         if kernel is None:
             return None
         # local layers: the local virtual batch's tables; SWA layers: md.swa_page_table's; cross layers: the encoder's
-        heads = table_key(lp, swa, triton=kernel == "triton")
+        heads = table_key(lp, swa, triton=kernel == "triton", tree_pass=tree_pass)
+        return heads, self._tables(step, heads)
+
+    def _tables(self, step: Step, heads) -> Any:
+        """The step's tables of ``heads``: those its plan brought, else made now (the next plans bring them)."""
         tables = step.tables.get(heads)
-        if tables is None:
-            tables = self.planner.tables(step, heads)
-        return heads, tables
+        return tables if tables is not None else self.planner.tables(step, heads)
 
     def _kernel(self, lp: LayerParams, key, dtype: torch.dtype, k_buf, has_sinks: bool, max_q_len: int,
                 page_size: Optional[int] = None):
