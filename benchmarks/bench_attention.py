@@ -129,8 +129,7 @@ def peer_builders(kind: str, page_size: int, with_dense: bool, keep=None):
     """(name, builder) pairs for a case; dense peers run only in the first page-size variant.
     ``keep``: only these names (the smoke run's CPU peers)."""
     out = [("ours", peers.ours)]
-    if page_size % 8 == 0:  # the Mosaic kernel's pages (its other rules: ``peers.ours_mosaic`` says why not)
-        out += [("ours_mosaic", peers.ours_mosaic)]
+    out += [("ours_mosaic", peers.ours_mosaic)]  # n/a where its rules say no (``peers.ours_mosaic``)
     if kind == "decode":
         out += [(f"sglang_triton/{s}", lambda p, s=s: peers.sglang_decode(p, s)) for s in SGLANG_SPLITS]
         out += [("jax_pallas_paged", peers.jax_paged)]

@@ -190,7 +190,7 @@ def ours(p: Problem) -> PeerRun:
 
 
 def ours_mosaic(p: Problem, config=None, name: str = "ours_mosaic") -> PeerRun:
-    """jax_attn.kernels.mosaic_paged (Mosaic GPU, page size >= 8) on the shared paged cache
+    """jax_attn.kernels.mosaic_paged (Mosaic GPU) on the shared paged cache
     (``config``: a ``MosaicConfig``, default the library's)."""
     import jax
 

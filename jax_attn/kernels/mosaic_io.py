@@ -14,9 +14,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
 
 from jax_attn.kernels.config import cdiv
+from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
 
 COMPUTE_WGS = 2  # compute warpgroups per CTA; the producer is warpgroup COMPUTE_WGS
 LOG2E = math.log2(math.e)
@@ -50,6 +54,10 @@ def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sme
     warps of the warpgroup share the copies (copy ``j`` of a block is issued by warp ``j % 4``): the
     instructions that issue a copy then take a quarter of each scheduler's slots, which the compute
     warps on the same schedulers would otherwise wait for."""
+    if st.gathers_rows:
+        _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
+                         k_used, v_used)
+        return
     body = functools.partial(_producer_warp, st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem,
                              v_smem, k_bar, v_bar, k_used, v_used)
     if not st.spread_copies:  # the whole warpgroup issues every copy
@@ -129,6 +137,133 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         slot = lax.rem(step, st.stages)
         plgpu.barrier_wait(k_used.at[slot])
         plgpu.barrier_wait(v_used.at[slot])
+
+
+def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
+                     k_used, v_used):
+    """Producer for pages of fewer than 8 rows (``KernelStatics.gathers_rows``): TMA copies whole
+    8-row swizzle tiles, so the warpgroup's threads copy the key and value rows themselves, 16 bytes
+    per ``cp.async``, straight into the swizzled tiles wgmma reads (``_gather_block``).
+
+    Each block's keys and its values are one ``cp.async`` group each. A block is announced on
+    ``k_bar`` / ``v_bar`` (one warpgroup arrival) once its group has landed and been fenced for the
+    async proxy. Iteration ``s`` announces K(s), refills the value slot V(s - 1) left with
+    V(s + stages - 1), announces V(s), then refills the key slot with K(s + stages): the keys of the
+    next block are announced before the producer waits on this block's P @ V. Groups past the last
+    block are committed empty, so ``2 * (stages - 1)`` groups stay in flight at every announcement
+    (a static ``cp.async.wait_group``)."""
+    pending = 2 * (st.stages - 1)
+
+    def issue(blk_step, slot, src_ref, dst_smem):  # a group: block ``cta_lo + blk_step`` (empty past nblk)
+        pl.when(blk_step < nblk)(lambda: _gather_block(st, pt_ref, src_ref, dst_smem.at[slot], seq, kv_head,
+                                                       cta_lo + blk_step, k_len))
+        _cp_async_commit()
+
+    def announce(bar):
+        _cp_async_wait(pending)
+        plgpu.commit_smem()  # fence the rows for wgmma (the async proxy); a warpgroup barrier
+        plgpu.barrier_arrive(bar)
+
+    for i in range(st.stages):
+        issue(i, i, k_ref, k_smem)
+        if i < st.stages - 1:
+            issue(i, i, v_ref, v_smem)
+
+    @pl.loop(0, nblk)
+    def _step(step):
+        slot = lax.rem(step, st.stages)
+        announce(k_bar.at[slot])
+        last = st.stages - 1
+        v_slot = lax.rem(step + last, st.stages)  # V(step + stages - 1) takes V(step - 1)'s slot
+        pl.when(step > 0)(lambda: plgpu.barrier_wait(v_used.at[v_slot]))
+        issue(step + last, v_slot, v_ref, v_smem)
+        announce(v_bar.at[slot])
+        plgpu.barrier_wait(k_used.at[slot])
+        issue(step + st.stages, slot, k_ref, k_smem)
+
+    pl.when(nblk > 0)(lambda: plgpu.barrier_wait(v_used.at[lax.rem(nblk - 1, st.stages)]))
+    _cp_async_wait(0)
+
+
+def _cp_async_commit():
+    @plgpu.inline_mgpu()
+    def commit(ctx):
+        nvvm.cp_async_commit_group()
+
+    commit()
+
+
+def _cp_async_wait(pending: int):
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        nvvm.cp_async_wait_group(pending)
+
+    wait()
+
+
+def _gather_block(st, pt_ref, src_ref, dst, seq, kv_head, blk, k_len):
+    """``cp.async`` copies of key block ``blk``'s rows of ``src_ref`` (the paged pool, ``[pages,
+    page_size, Hkv, D]``) into ``dst``, one ring slot in wgmma's 128-byte swizzled tiles of 8 x 64
+    elements (``mosaic_smem.tiled``; head dims that are multiples of 64).
+
+    Warp ``w`` copies rows ``[w * bk / 4, (w + 1) * bk / 4)``; each lane reads one of those rows'
+    slot from the page table (clamped to the sequence's pages and to the pool, as the TMA producer
+    clamps), and the warp passes the slots round by shuffles. A row's 16-byte chunks go to
+    consecutive lanes, so each copy instruction reads whole rows (coalesced)."""
+    width = dst.shape[-1]
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+    tiled = tiled_layout(width, dst.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled), splat, splat, splat,
+                                  splat))
+    def gather(ctx, pt, src, smem, seq_a, head_a, blk_a, k_len_a):
+        i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
+
+        def c(v, ty=i32):
+            return mgpu_utils.c(v, ty)
+
+        seq_v, head_v, blk_v, k_len_v = (a.registers.item() for a in (seq_a, head_a, blk_a, k_len_a))
+        pages, page, hkv, _ = ir.MemRefType(src.type).shape
+        width_pt = ir.MemRefType(pt.type).shape[1]
+        itemsize = jnp.dtype(st.dtype).itemsize
+        bk, ps = st.block_kv, st.page_size
+        rows_per_warp = bk // WARPS_PER_WG
+        lanes_per_row = width * itemsize // 16
+        rows_per_pass = 32 // lanes_per_row
+        tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+        lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
+
+        def clamp(x, lo, hi):
+            return arith.minsi(arith.maxsi(x, c(lo) if isinstance(lo, int) else lo), c(hi) if isinstance(hi, int) else hi)
+
+        # This lane's row: its slot, read from the page table.
+        row = arith.addi(arith.muli(warp, c(rows_per_warp)), arith.remui(lane, c(rows_per_warp)))
+        key = arith.addi(arith.muli(blk_v, c(bk)), row)
+        last_page = clamp(arith.subi(arith.divsi(arith.addi(k_len_v, c(ps - 1)), c(ps)), c(1)), 0, width_pt - 1)
+        col = arith.minsi(arith.divsi(key, c(ps)), last_page)
+        index = ir.IndexType.get()
+        page_id = clamp(memref.load(pt, [arith.index_cast(index, seq_v), arith.index_cast(index, col)]), 0, pages - 1)
+        slot = arith.addi(arith.muli(page_id, c(ps)), arith.remsi(key, c(ps))) if ps > 1 else page_id
+
+        src_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(src))
+        dst_ptr = mgpu_utils.memref_ptr(smem)
+        chunk = arith.remui(lane, c(lanes_per_row))  # this lane's 16 bytes of a row
+        tiles_per_row = width // (128 // itemsize)
+        for i in range(rows_per_warp // rows_per_pass):
+            j = arith.addi(c(i * rows_per_pass), arith.divui(lane, c(lanes_per_row)))  # row within the warp
+            slot_j = nvvm.shfl_sync(c(0xFFFFFFFF), slot, j, c(0x1F), nvvm.ShflKind.idx)
+            r = arith.addi(arith.muli(warp, c(rows_per_warp)), j)
+            r8 = arith.remui(r, c(8))
+            tile = arith.addi(arith.muli(arith.divui(r, c(8)), c(tiles_per_row)), arith.divui(chunk, c(8)))
+            swz = arith.xori(arith.remui(chunk, c(8)), r8)
+            off = arith.addi(arith.addi(arith.muli(tile, c(1024)), arith.muli(r8, c(128))), arith.muli(swz, c(16)))
+            elem = arith.addi(arith.muli(arith.extui(i64, slot_j), c(hkv, i64)), arith.extui(i64, head_v))
+            src_off = arith.addi(arith.muli(elem, c(width * itemsize, i64)), arith.extui(i64, arith.muli(chunk, c(16))))
+            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [off], i8),
+                                        mgpu_utils.getelementptr(src_ptr, [src_off], i8), 16,
+                                        nvvm.LoadCacheModifierKind.CG)
+
+    gather(pt_ref, src_ref, dst, seq, kv_head, blk, k_len)
 
 
 def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):

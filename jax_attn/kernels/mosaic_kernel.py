@@ -104,6 +104,13 @@ class KernelStatics:
         return max(self.block_kv // self.page_size, 1)
 
     @property
+    def gathers_rows(self) -> bool:
+        """Pages of fewer than 8 rows (sizes 1, 2, 4) on the GPU: TMA copies whole 8-row swizzle tiles,
+        so the producer copies the rows with ``cp.async`` (``mosaic_io._producer_gather``). The
+        interpreter copies them with one TMA copy per page."""
+        return self.page_size < 8 and not self.interpret
+
+    @property
     def split(self) -> bool:
         return self.num_splits > 1
 
@@ -416,7 +423,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         # P staging for the interpreter only (see ``_pv``): P @ V's operands share V's swizzle.
         plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled_v) if st.interpret else None,
     )
-    ppb = st.pages_per_block
+    ppb = 1 if st.gathers_rows else st.pages_per_block  # arrivals on a ring slot: TMA copies or the gatherers
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
