@@ -3,7 +3,8 @@
 ``impl``:
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
                   tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dims that are
-                  multiples of 16 up to 192, page size a multiple of 8, no fp8 descale,
+                  multiples of 16 up to 192, page size a multiple of 8, or 1, 2, 4 for prefill/extend
+                  at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale,
                   no sinks with packed decode rows, not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature, head dims
@@ -14,7 +15,8 @@
   ``"reference"`` the plain-``jnp`` float32 reference.
 
 The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
-graph) the Mosaic kernel for every call it covers on Hopper, else the Triton-lowered kernel for every
+graph) the Mosaic kernel for every call it covers on Hopper (at pages of 1, 2, 4: prefill/extend only),
+else the Triton-lowered kernel for every
 call it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go
 through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
@@ -82,14 +84,27 @@ def mosaic_wanted(call: Call) -> bool:
     """
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    if call.deterministic or not on_hopper() or call.page_size % 8:
+    if call.deterministic or not on_hopper():
         return False
     if call.max_q_len > config.pack_max_q_len:
         return True
+    if call.page_size % 8:
+        return False  # pages of 1, 2, 4 (``gathered_rows_wanted``)
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
     if group > 1 and config.block_q % group:
         return False  # unpacked decode rows
     return 0 < call.num_tokens * call.num_kv_heads <= config.num_sms
+
+
+def gathered_rows_wanted(call: Call) -> bool:
+    """Pages of 1, 2 or 4 rows, where the Mosaic kernel's producer gathers rows with ``cp.async``
+    (``KernelStatics.gathers_rows``): only long query runs (prefill, extend) go there. On an H200
+    (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28), against FA3: prefill B4 S4096
+    Mosaic 0.86x, Triton 0.65x; extend 1024 on 4096 0.85x against 0.66x; decode 64 x 4096 0.81x against
+    1.06x; verify 32 x 4 on 2048 0.85x against 1.04x (Triton keeps decode and verify)."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+
+    return call.max_q_len > config.pack_max_q_len
 
 
 def mosaic_covers(call: Call) -> bool:
@@ -116,7 +131,8 @@ def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bo
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        if impl in ("auto", "mosaic") and hopper and mosaic_covers(call):
+        speed = impl == "mosaic" or call.page_size % 8 == 0 or gathered_rows_wanted(call)
+        if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"
     if impl != "auto":

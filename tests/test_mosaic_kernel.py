@@ -136,8 +136,8 @@ def test_attention_dispatch_runs_mosaic():
 def test_auto_rule_on_hopper(monkeypatch):
     """``auto`` on a Hopper GPU (faked): Mosaic for prefill and for decode whose (token, kv head)
     programs fit in one wave; Triton for big decode buckets, decode of a query-head group the kernel
-    cannot pack, sinks with decode rows, page size 1, deterministic mode and what the Mosaic kernel
-    does not cover."""
+    cannot pack, sinks with decode rows, decode at pages of 1, 2 and 4 rows (prefill there runs
+    Mosaic), deterministic mode and what the Mosaic kernel does not cover."""
     from jax_attn import kernel_policy
     from jax_attn.attention import call_of
 
@@ -160,7 +160,11 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(40, 60)], heads=(40, 8)) == "mosaic"  # prefill rows are one head each anyway
     assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"
     assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
-    assert impl([(1, 300)] * 4, page_size=1) == "triton"
+    assert impl([(1, 300)] * 4, page_size=1) == "triton"  # decode at page 1: Triton is faster
+    assert impl([(40, 60)], page_size=1) == "mosaic"  # prefill at pages of 1, 2, 4: rows gathered
+    assert impl([(40, 60)], page_size=4) == "mosaic"
+    assert impl([(40, 60)], page_size=2, heads=(8, 8)) == "mosaic"
+    assert impl([(1, 300)] * 4, page_size=2) == "triton"
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"
     q, k, v, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
                                        page_size=16))
