@@ -239,8 +239,8 @@ def _gather_block(st, pt_ref, src_ref, dst, seq, kv_head, blk, k_len):
         tid = arith.remui(mgpu_utils.thread_idx(), c(128))
         lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
 
-        def clamp(x, lo, hi):
-            return arith.minsi(arith.maxsi(x, c(lo) if isinstance(lo, int) else lo), c(hi) if isinstance(hi, int) else hi)
+        def clamp(x, lo: int, hi):
+            return arith.minsi(arith.maxsi(x, c(lo)), c(hi) if isinstance(hi, int) else hi)
 
         # This lane's row: its slot, read from the page table.
         row = arith.addi(arith.muli(warp, c(rows_per_warp)), arith.remui(lane, c(rows_per_warp)))
@@ -273,7 +273,8 @@ def _gather_block(st, pt_ref, src_ref, dst, seq, kv_head, blk, k_len):
             slot_j = nvvm.shfl_sync(c(0xFFFFFFFF), slot, arith.addi(q, c(first)), c(0x1F), nvvm.ShflKind.idx)
             static = (first // 8) * tiles_per_row * 1024 + (first % 8) * 128
             src_off = arith.muli(arith.extui(i64, slot_j), c(hkv * row_bytes, i64))
-            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [arith.addi(swizzled[first % 8], c(static))], i8),
+            dst_at = arith.addi(swizzled[first % 8], c(static))
+            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [dst_at], i8),
                                         mgpu_utils.getelementptr(src_ptr, [src_off], i8), 16,
                                         nvvm.LoadCacheModifierKind.CG)
 
