@@ -151,6 +151,24 @@ def test_launch_path_eager(q_lens):
     assert backend.step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [1, 4])
+def test_launch_path_gathers_rows_at_small_pages(page):
+    """Pages of 1 and 4 rows (SGLang's default is 1): an extend step launches the Mosaic kernel, whose
+    producer gathers the key rows (cp.async on the GPU), over a NaN-poisoned pool with shuffled slots;
+    a decode step keeps the Triton-lowered kernel there. Catches a gather reading the wrong slot or
+    row order (the reference check) and a policy sending small-page prefill elsewhere. (On the CPU the
+    interpreted kernel at page 1 is ``test_mosaic_kernel``'s, the rule ``test_auto_rule_on_hopper``'s.)"""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    rng = np.random.default_rng(page)
+    runner, table, backend = setup(20 + page, device="cuda", page=page)
+    step(runner, table, backend, [4, 5, 1], [33, 50, 70], [3, 20, 70], rng)
+    assert (HQ, HKV) in backend.step.tables, "an extend step at a small page runs the Mosaic kernel"
+    step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng)
+    assert (HQ, HKV) not in backend.step.tables, "decode at a small page runs the Triton-lowered kernel"
+
+
 def test_launch_path_replay_reuses_persistent_tables():
     rng = np.random.default_rng(7)
     runner, table, backend = setup(2)

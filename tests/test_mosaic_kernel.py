@@ -50,9 +50,13 @@ MOSAIC_CPU_CASES = [
     # Pages of 1, 2 and 4 rows (SGLang's default is 1): rows gathered one by one (on the GPU by the
     # producer's cp.async copies); shuffled slots, NaN in every unused one.
     _c("page1_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=1, heads=(2, 1), softmax_scale=0.07),
-    _c("page1_decode_packed_window", [(1, 17), (1, 130), (1, 3)], page_size=1, window=(40, 0), pad_rows=1),
     _c("page2_verify_softcap", [(4, 40), (4, 9)], page_size=2, heads=(8, 2), softcap=6.0),
+]
+# More small pages on the GPU only (interpreted, one TMA copy per row is slow to trace).
+SMALL_PAGE_GPU_CASES = [
+    _c("page1_decode_packed_window", [(1, 17), (1, 130), (1, 3)], page_size=1, window=(40, 0), pad_rows=1),
     _c("page4_d128_extend", [(9, 75), (1, 70)], page_size=4, head_dim=128, heads=(2, 1)),
+    _c("page1_d128_long_prefill", [(700, 700), (33, 1200)], page_size=1, head_dim=128, heads=(4, 1)),
 ]
 
 INTERPRET = dict(interpret=plgpu.InterpretGPUParams())
@@ -101,7 +105,8 @@ def _covered(case):
 
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES + MOSAIC_CPU_CASES if _covered(c)], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in GPU_CASES + MOSAIC_CPU_CASES + SMALL_PAGE_GPU_CASES if _covered(c)],
+                         ids=lambda c: c.name)
 def test_mosaic_gpu(case):
     check_attention(paged_attention_mosaic, case)
 
@@ -165,6 +170,14 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(40, 60)], page_size=4) == "mosaic"
     assert impl([(40, 60)], page_size=2, heads=(8, 8)) == "mosaic"
     assert impl([(1, 300)] * 4, page_size=2) == "triton"
+    q, k, v, md, _ = build_inputs(Case(name="p1", seq_lens=((40, 60),), heads=(32, 8), head_dim=64, dtype="bfloat16",
+                                       page_size=1))
+    torch_extend, torch_decode = call_of(q, k, v, md), dataclasses.replace(call_of(q, k, v, md), max_q_len=1)
+    assert kernel_policy.select_kernel("auto", torch_extend, from_torch=True) == "mosaic"  # the bridge alike
+    assert kernel_policy.select_kernel("auto", torch_decode, from_torch=True) == "triton"
+    assert kernel_policy.select_kernel("mosaic", torch_decode, from_torch=True) == "mosaic"  # asked for
+    assert kernel_policy.select_kernel("auto", dataclasses.replace(torch_extend, head_dim=96, head_dim_v=96),
+                                       from_torch=True) == "triton"  # gathered rows: head dims 64 and 128
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"
     q, k, v, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
                                        page_size=16))
