@@ -163,10 +163,18 @@ def test_launch_path_gathers_rows_at_small_pages(page):
         pytest.skip("needs a Hopper GPU")
     rng = np.random.default_rng(page)
     runner, table, backend = setup(20 + page, device="cuda", page=page)
-    step(runner, table, backend, [4, 5, 1], [33, 50, 70], [3, 20, 70], rng)
-    assert (HQ, HKV) in backend.step.tables, "an extend step at a small page runs the Mosaic kernel"
-    step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng)
-    assert (HQ, HKV) not in backend.step.tables, "decode at a small page runs the Triton-lowered kernel"
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    kb, _ = runner.token_to_kv_pool.get_kv_buffer(0)
+
+    def kernel():  # what the launch path picked for this step's layer (``LayerRunner._route``'s choice)
+        key = backend.step.key
+        max_q_len = 1 if key.mode.name == "DECODE" else key.num_tokens
+        return backend.runner._kernel(backend.runner.layer_params(layer), key, torch.bfloat16, kb, False, max_q_len)
+
+    step(runner, table, backend, [4, 5, 1], [33, 50, 70], [3, 20, 70], rng, layer=layer)
+    assert (HQ, HKV) in backend.step.tables and kernel() == "mosaic", "small-page extend: the Mosaic kernel"
+    step(runner, table, backend, [1, 2, 3], [40, 7, 90], [1, 1, 1], rng, layer=layer)
+    assert kernel() == "triton", "decode at a small page runs the Triton-lowered kernel"
 
 
 def test_launch_path_replay_reuses_persistent_tables():
