@@ -136,10 +136,23 @@ class StaticBatch:
                                token_to_kv_pool=runner.token_to_kv_pool, attn_backend=backend)
 
     def replay(self):
-        """SGLang's replay hook call (positional, as cuda_graph_runner makes it)."""
+        """SGLang's replay hook call (positional, as cuda_graph_runner makes it); an eager plan for a backend
+        that refuses CUDA graphs (``graph_hooks``)."""
+        if not graph_hooks(self.backend):
+            self.backend.init_forward_metadata(self.fb)
+            return self.fb
         self.backend.init_forward_metadata_replay_cuda_graph(self.batch, self.rows, self.lens, None, None,
                                                              ForwardMode.DECODE, None, None)
         return self.fb
+
+
+def graph_hooks(backend) -> bool:
+    """Whether ``backend`` takes SGLang's CUDA-graph hooks: on CUDA it refuses them when some layer would run
+    a JAX executable (``init_cuda_graph_state``), so the every-layer-through-JAX rows plan eagerly there."""
+    from torch_bridge.checks import graph_capture_blocker
+
+    pool = backend.model_runner.token_to_kv_pool
+    return graph_capture_blocker(pool, backend.settings, backend.mosaic_path, backend.jax_backend.impl) is None
 
 
 def decode_batch(runner, backend, batch: int, ctx: int):
@@ -148,7 +161,10 @@ def decode_batch(runner, backend, batch: int, ctx: int):
 
 def capture(backend, batch: int, static: "StaticBatch | None" = None):
     """The capture hook of bucket ``batch``, given ``static``'s buffers as SGLang gives its own (else
-    placeholders: a replay with other tensors copies their values in)."""
+    placeholders: a replay with other tensors copies their values in). None where the backend refuses CUDA
+    graphs (``graph_hooks``)."""
+    if not graph_hooks(backend):
+        return
     backend.init_cuda_graph_state(batch, batch)
     z = torch.zeros(batch, dtype=torch.long, device=DEVICE)
     rows, lens = (z, z + 1) if static is None else (static.rows, static.lens)
@@ -252,7 +268,8 @@ def bench_host(cfg, iters: int):
     rows["  part: export (Importer.export)"] = host(lambda: importer.export(out), iters)
     rows["  part: torch.from_dlpack (for comparison)"] = host(lambda: torch.from_dlpack(out), iters)
     rows["  chain: import + call + export"] = host(lambda: importer.export(exe(importer(q3), *views, words)), iters)
-    rows["JAX path (page 1): per-step plan (replay hook)"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
+    hook = "replay hook" if graph_hooks(backend) else "eager: CUDA graphs refused on this path"
+    rows[f"JAX path (page 1): per-step plan ({hook})"] = host(StaticBatch(runner, backend, 1, 256).replay, iters)
     eager = StaticBatch(runner, backend, 1, 256).fb
     rows["per-step plan (init_forward_metadata, eager)"] = host(lambda: backend.init_forward_metadata(eager), iters)
     eager.seq_lens_cpu = eager.seq_lens.cpu()

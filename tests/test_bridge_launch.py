@@ -210,6 +210,31 @@ def test_calls_the_kernel_does_not_cover_run_through_jax():
     assert select_kernel("triton", dataclasses.replace(f32, head_dim=100), from_torch=True) == "jax"  # raises there
 
 
+def test_init_cuda_graph_state_refuses_layers_a_graph_cannot_capture(monkeypatch):
+    """On CUDA pools a layer that would run a compiled JAX executable cannot sit in a torch CUDA graph, so
+    ``init_cuda_graph_state`` raises, naming why, before any bucket is captured: no launch path, a
+    non-contiguous pool buffer, K and V pools of two dtypes. A backend whose layers all launch passes, and
+    so do CPU pools (no graph). (CPU tensors stand in for CUDA ones.) Catches a check that lets through
+    what would fail at capture or replay, or one that refuses the launch path."""
+    import torch_bridge.checks as checks
+
+    runner, _, backend = setup(31)
+    backend.init_cuda_graph_state(4, 4)  # CPU pools: the hooks plan as usual
+    monkeypatch.setattr(checks, "on_cuda", lambda t: True)
+    backend.init_cuda_graph_state(4, 4)  # every layer on the launch path
+    _, _, jax_only = setup(32, path=False)
+    with pytest.raises(NotImplementedError, match="no launch path.*JAX executable"):
+        jax_only.init_cuda_graph_state(4, 4)
+    pool = runner.token_to_kv_pool
+    k, v = pool.k_buffer[0], pool.v_buffer[0]
+    pool.k_buffer[0] = torch.cat([k, k], dim=-1)[..., :D]  # same values, a strided view
+    with pytest.raises(NotImplementedError, match="layer 0: pool buffers must be contiguous"):
+        backend.init_cuda_graph_state(4, 4)
+    pool.k_buffer[0], pool.v_buffer[0] = k, v.float()
+    with pytest.raises(NotImplementedError, match="one dtype for the K and V pools"):
+        backend.init_cuda_graph_state(4, 4)
+
+
 def test_checked_layer_rebinds_when_the_pool_buffer_changes():
     """The fast path of a checked layer is bound to the pool's buffers: an engine that reallocates a
     layer's buffer gets a new binding (reads the new buffer), not a launch on freed memory."""

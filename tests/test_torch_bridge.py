@@ -290,7 +290,8 @@ def test_replay_reads_static_buffers_written_in_place(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     rng = np.random.default_rng(13)
-    runner, table = make_runner(16, 4, seed=6, device=device)
+    # CUDA: layers launched from torch (the Triton-lowered kernel at float32), as the hooks need there
+    runner, table = make_runner(16, 4, seed=6, device=device, impl="auto" if device == "cuda" else "reference")
     backend = FlashAttentionBackend(runner)
     backend.init_cuda_graph_state(6, 6)
     rows_buf = torch.zeros(6, dtype=torch.int64, device=device)
@@ -311,7 +312,8 @@ def test_replay_reads_static_buffers_written_in_place(device):
                                                         None, None)
         out = backend.forward(q, k, v, lay, fb).cpu().numpy()
         got_ref = reference(runner, table, fb, q_lens, q.cpu(), "decode", 4)
-        np.testing.assert_allclose(out, got_ref, rtol=1e-4, atol=1e-4)
+        tol = 1e-4 if device == "cpu" else 2e-3  # (a kernel's float32 dots on the GPU; other rows' keys: O(1))
+        np.testing.assert_allclose(out, got_ref, rtol=tol, atol=tol)
 
 
 def test_inplace_kv_write_is_seen_through_cached_view():

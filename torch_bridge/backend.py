@@ -80,7 +80,7 @@ from jax_attn import safety
 from jax_attn.backend import FlashAttentionBackend as JaxBackend
 from jax_attn.metadata import ForwardMode
 from jax_attn.progress import Progress
-from torch_bridge.checks import RunnerSettings, pool_slots
+from torch_bridge.checks import RunnerSettings, graph_capture_blocker, pool_slots
 from torch_bridge.dlpack import Importer
 from torch_bridge.layer_runner import LayerRunner
 from torch_bridge.mla import PrefixMHA, mla_rows, uses_prefix_mha
@@ -222,7 +222,16 @@ class FlashAttentionBackend:
         return self.mosaic_path.prebuild(specs)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Set the largest batch / token bucket the capture hook will be asked for."""
+        """Set the largest batch / token bucket the capture hook will be asked for.
+
+        Raises ``NotImplementedError`` on CUDA pools when some layer could not be captured in a torch
+        CUDA graph (it would run a compiled JAX executable: ``checks.graph_capture_blocker``), rather
+        than at the capture or the replay."""
+        blocker = graph_capture_blocker(getattr(self.model_runner, "token_to_kv_pool", None), self.settings,
+                                        self.mosaic_path, self.jax_backend.impl)
+        if blocker is not None:
+            raise NotImplementedError(f"CUDA graphs: {blocker}; launch every layer from torch (impl='auto' with "
+                                      "contiguous pools of one dtype) or run the engine without CUDA graphs")
         self.planner.init_graphs(max_bs, max_num_tokens)
         sizes = getattr(getattr(self.model_runner, "server_args", None), "cuda_graph_bs", None)
         self._reported_kernels = self.planner.prebuilt_kernels

@@ -247,6 +247,53 @@ def layer_buffers(pool, layer_id: int, mla: bool):
     return (pool.get_key_buffer(layer_id), None) if mla else pool.get_kv_buffer(layer_id)
 
 
+def pool_launch_reason(k_buf: torch.Tensor, v_buf: Optional[torch.Tensor]) -> Optional[str]:
+    """None when a layer's pool buffers can be read by a kernel launched from torch, else why not (the
+    launch binds raw pointers: contiguous buffers, one dtype for K and V)."""
+    if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
+        return "pool buffers must be contiguous"
+    if v_buf is not None and v_buf.dtype != k_buf.dtype:
+        return f"dtypes {k_buf.dtype}/{v_buf.dtype}: one dtype for the K and V pools"
+    return None
+
+
+def graph_capture_blocker(pool, settings: RunnerSettings, launch_path, impl: str) -> Optional[str]:
+    """Why ``torch.cuda.graph`` could not capture some layer's call over ``pool`` (None: every layer is
+    launched from torch), judged at ``init_cuda_graph_state`` from what is known before any layer runs: a
+    layer off the launch path runs a compiled JAX executable, which a torch graph cannot hold. Pools
+    off CUDA (no graph to capture) pass."""
+    layers = _pool_layers(pool, settings.mla)
+    if not layers or not on_cuda(layers[0][1]):
+        return None
+    if launch_path is None:
+        return (f"impl={impl!r} with no launch path (mosaic_path=False, impl='reference', or a GPU below sm80) "
+                "runs every layer through a compiled JAX executable")
+    for layer_id, k_buf, v_buf in layers:
+        reason = pool_launch_reason(k_buf, v_buf)
+        if reason is not None:
+            return f"layer {layer_id}: {reason} (it would run through a compiled JAX executable)"
+    return None
+
+
+def on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _pool_layers(pool, mla: bool) -> list:
+    """``(layer_id, k, v)`` of every layer the pool holds (``layer_buffers``), as far as it says."""
+    count = getattr(pool, "layer_num", None)
+    if count is None:
+        count = len(getattr(pool, "kv_buffer" if mla else "k_buffer", None) or ())
+    first = int(getattr(pool, "start_layer", 0) or 0)  # SGLang's pipeline stages number layers from there
+    out = []
+    for layer_id in range(first, first + int(count or 0)):
+        try:
+            out.append((layer_id, *layer_buffers(pool, layer_id, mla)))
+        except (AttributeError, IndexError, KeyError, TypeError):
+            break
+    return out
+
+
 def store_kv(pool, layer, lp: LayerParams, loc, k, v) -> None:
     """The torch KV write at ``loc``: SGLang's ``set_kv_buffer``, or for an MLA layer (``k`` whole latent
     rows) its ``set_mla_kv_buffer`` with the latent and rope parts, as the seed calls it."""

@@ -40,7 +40,7 @@ from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call, out_types
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
                                            kernel_statics, plan_mosaic_schedule)
 from torch_bridge import triton_path
-from torch_bridge.checks import CheckedLayer
+from torch_bridge.checks import CheckedLayer, pool_launch_reason
 from torch_bridge.dlpack import capturing
 from jax_attn.kernels import kernel_cache
 from jax_attn.kernels.config import cdiv
@@ -209,11 +209,7 @@ class MosaicPath:
         itself covers is the policy's question (``jax_attn.kernel_policy.select_kernel``)."""
         if key.topk > 1 and lp.use_irope:
             return "chunked local layers in a tree (topk > 1) step run through JAX"
-        if not (k_buf.is_contiguous() and (v_buf is None or v_buf.is_contiguous())):
-            return "pool buffers must be contiguous"
-        if v_buf is not None and v_buf.dtype != k_buf.dtype:
-            return f"dtypes {k_buf.dtype}/{v_buf.dtype}: one dtype for the K and V pools"
-        return None
+        return pool_launch_reason(k_buf, v_buf)
 
     # ---- per step ---------------------------------------------------------------------------
     def tables(self, step, heads: TableKey, flat: Optional[torch.Tensor] = None) -> Tables:
