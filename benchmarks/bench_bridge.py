@@ -149,10 +149,7 @@ class StaticBatch:
 def graph_hooks(backend) -> bool:
     """Whether ``backend`` takes SGLang's CUDA-graph hooks: on CUDA it refuses them when some layer would run
     a JAX executable (``init_cuda_graph_state``), so the every-layer-through-JAX rows plan eagerly there."""
-    from torch_bridge.checks import graph_capture_blocker
-
-    pool = backend.model_runner.token_to_kv_pool
-    return graph_capture_blocker(pool, backend.settings, backend.mosaic_path, backend.jax_backend.impl) is None
+    return backend.cuda_graph_blocker() is None
 
 
 def decode_batch(runner, backend, batch: int, ctx: int):

@@ -75,27 +75,33 @@ def run_bridge(model, runner, backend, prompts, new_tokens, device):
     logits, tokens = [last], [last.argmax(-1)]
 
     bucket = bucket_for(batch, BUCKETS)
-    backend.init_cuda_graph_state(BUCKETS[-1], BUCKETS[-1])
     zeros = torch.zeros(bucket, dtype=torch.long, device=device)
     # The bucket's static input buffers, as SGLang's graph runner keeps them: the capture hook and every
     # replay hook get these tensors, new values copied in (padding rows: row 0, seq_len 1). A captured
     # decode step recomputes its attention tables from them inside the graph.
     static_rows, static_lens = zeros.clone(), zeros + 1
-    backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, static_rows, static_lens, None,
-                                                     ForwardMode.DECODE, None)
-    cap = ForwardBatch(ForwardMode.DECODE, bucket, static_rows, static_lens, zeros, token_to_kv_pool=pool,
-                       attn_backend=backend)
-    model.forward(zeros, zeros, lt.bridge_attend(model, cap))  # the capture run: compiles attention (slot 0)
-    graph = capture_decode(model, cap) if launches(backend, model.cfg, runner.page_size) else None
+    hooks = backend.cuda_graph_blocker() is None  # False: some layer runs JAX here, CUDA graphs refused
+    graph = None
+    if hooks:
+        backend.init_cuda_graph_state(BUCKETS[-1], BUCKETS[-1])
+        backend.init_forward_metadata_capture_cuda_graph(bucket, bucket, static_rows, static_lens, None,
+                                                         ForwardMode.DECODE, None)
+        cap = ForwardBatch(ForwardMode.DECODE, bucket, static_rows, static_lens, zeros, token_to_kv_pool=pool,
+                           attn_backend=backend)
+        model.forward(zeros, zeros, lt.bridge_attend(model, cap))  # the capture run: compiles attention (slot 0)
+        graph = capture_decode(model, cap) if launches(backend, model.cfg, runner.page_size) else None
     sync(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
         loc = slots(runner, rows, lens, torch.ones_like(lens))
         fb = ForwardBatch(ForwardMode.DECODE, batch, rows, lens + 1, loc, positions=lens,
                           token_to_kv_pool=pool, attn_backend=backend)
-        if graph is None:  # eager layers: the hook takes the real rows and pads them itself
-            backend.init_forward_metadata_replay_cuda_graph(bucket, rows, lens + 1, None, None, ForwardMode.DECODE,
-                                                            None, None, out_cache_loc=loc)
+        if graph is None:  # eager layers: the hook takes the real rows and pads them itself (or an eager plan)
+            if hooks:
+                backend.init_forward_metadata_replay_cuda_graph(bucket, rows, lens + 1, None, None,
+                                                                ForwardMode.DECODE, None, None, out_cache_loc=loc)
+            else:
+                backend.init_forward_metadata(fb)
             step = model.forward(tokens[-1], lens, lt.bridge_attend(model, fb))
         else:
             static_rows[batch:], static_lens[batch:] = 0, 1

@@ -222,7 +222,9 @@ def test_init_cuda_graph_state_refuses_layers_a_graph_cannot_capture(monkeypatch
     backend.init_cuda_graph_state(4, 4)  # CPU pools: the hooks plan as usual
     monkeypatch.setattr(checks, "on_cuda", lambda t: True)
     backend.init_cuda_graph_state(4, 4)  # every layer on the launch path
+    assert backend.cuda_graph_blocker() is None
     _, _, jax_only = setup(32, path=False)
+    assert "no launch path" in jax_only.cuda_graph_blocker()  # what an engine can ask before enabling graphs
     with pytest.raises(NotImplementedError, match="no launch path.*JAX executable"):
         jax_only.init_cuda_graph_state(4, 4)
     pool = runner.token_to_kv_pool

@@ -227,8 +227,7 @@ class FlashAttentionBackend:
         Raises ``NotImplementedError`` on CUDA pools when some layer could not be captured in a torch
         CUDA graph (it would run a compiled JAX executable: ``checks.graph_capture_blocker``), rather
         than at the capture or the replay."""
-        blocker = graph_capture_blocker(getattr(self.model_runner, "token_to_kv_pool", None), self.settings,
-                                        self.mosaic_path, self.jax_backend.impl)
+        blocker = self.cuda_graph_blocker()
         if blocker is not None:
             raise NotImplementedError(f"CUDA graphs: {blocker}; launch every layer from torch (impl='auto' with "
                                       "contiguous pools of one dtype) or run the engine without CUDA graphs")
@@ -237,6 +236,12 @@ class FlashAttentionBackend:
         self._reported_kernels = self.planner.prebuilt_kernels
         self._capture_progress = Progress(len(sizes) if sizes else None, "torch_bridge graph capture",
                                           enabled=self.verbose)
+
+    def cuda_graph_blocker(self) -> Optional[str]:
+        """Why this backend refuses CUDA graphs (``init_cuda_graph_state`` raises with it), or None: on CUDA
+        pools, some layer would run a compiled JAX executable, which a torch graph cannot hold."""
+        return graph_capture_blocker(getattr(self.model_runner, "token_to_kv_pool", None), self.settings,
+                                     self.mosaic_path, self.jax_backend.impl)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, req_pool_indices,
                                                  seq_lens, encoder_lens, forward_mode, spec_info) -> None:
