@@ -49,11 +49,12 @@ MOSAIC_CPU_CASES = [
     _c("d192_split2_two_wgs", [(70, 90)], head_dim=192, heads=(2, 1), num_splits=2),
     # Pages of 1, 2 and 4 rows (SGLang's default is 1): rows gathered one by one (on the GPU by the
     # producer's cp.async copies); shuffled slots, NaN in every unused one.
-    _c("page1_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=1, heads=(2, 1), softmax_scale=0.07),
+    _c("page4_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=4, heads=(2, 1), softmax_scale=0.07),
     _c("page2_verify_softcap", [(4, 40), (4, 9)], page_size=2, heads=(8, 2), softcap=6.0),
 ]
-# More small pages on the GPU only (interpreted, one TMA copy per row is slow to trace).
+# More small pages on the GPU only (the interpreter's one TMA copy per page is slow to trace at page 1).
 SMALL_PAGE_GPU_CASES = [
+    _c("page1_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=1, heads=(2, 1), softmax_scale=0.07),
     _c("page1_decode_packed_window", [(1, 17), (1, 130), (1, 3)], page_size=1, window=(40, 0), pad_rows=1),
     _c("page4_d128_extend", [(9, 75), (1, 70)], page_size=4, head_dim=128, heads=(2, 1)),
     _c("page1_d128_long_prefill", [(700, 700), (33, 1200)], page_size=1, head_dim=128, heads=(4, 1)),
