@@ -1,6 +1,6 @@
-"""Data movement of the Mosaic GPU kernel (``mosaic_kernel``): the TMA producer warpgroup, the
-compute warpgroups' Q loads, epilogue and ragged row stores, zeroed padding rows and value rows
-past the sequence end.
+"""Data movement of the Mosaic GPU kernel (``mosaic_kernel``): the TMA producer warpgroup (for pages
+of 1, 2 or 4 rows: its ``cp.async`` row gather), the compute warpgroups' Q loads, epilogue and
+ragged row stores, zeroed padding rows and value rows past the sequence end.
 
 ``st`` is the kernel's ``mosaic_kernel.KernelStatics``.
 """
