@@ -84,12 +84,10 @@ def mosaic_wanted(call: Call) -> bool:
     """
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    if call.deterministic or not on_hopper():
+    if call.deterministic or not on_hopper() or not gathered_rows_wanted(call):
         return False
     if call.max_q_len > config.pack_max_q_len:
         return True
-    if call.page_size % 8:
-        return False  # pages of 1, 2, 4 (``gathered_rows_wanted``)
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
     if group > 1 and config.block_q % group:
         return False  # unpacked decode rows
@@ -97,14 +95,15 @@ def mosaic_wanted(call: Call) -> bool:
 
 
 def gathered_rows_wanted(call: Call) -> bool:
-    """Pages of 1, 2 or 4 rows, where the Mosaic kernel's producer gathers rows with ``cp.async``
-    (``KernelStatics.gathers_rows``): only long query runs (prefill, extend) go there. On an H200
+    """False for the calls the Mosaic kernel is slower on because of their page size: at pages of 1, 2 or 4
+    rows its producer gathers rows with ``cp.async`` (``KernelStatics.gathers_rows``), and only long query
+    runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200
     (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28), against FA3: prefill B4 S4096
     Mosaic 0.86x, Triton 0.65x; extend 1024 on 4096 0.85x against 0.66x; decode 64 x 4096 0.81x against
     1.06x; verify 32 x 4 on 2048 0.85x against 1.04x (Triton keeps decode and verify)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    return call.max_q_len > config.pack_max_q_len
+    return call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len
 
 
 def mosaic_covers(call: Call) -> bool:
@@ -131,7 +130,7 @@ def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bo
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        speed = impl == "mosaic" or call.page_size % 8 == 0 or gathered_rows_wanted(call)
+        speed = impl == "mosaic" or gathered_rows_wanted(call)
         if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"

@@ -153,7 +153,7 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
         return (f"packed rows of {packed_group} query heads at head dims {head_dim}/{head_dim_v}: a head's "
                 f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
                 "boundaries; impl='triton' (or 'auto') runs them")
-    if page_size < 8 and page_size in (1, 2, 4):
+    if page_size in (1, 2, 4):
         if head_dim % 64 or head_dim_v % 64 or max(head_dim, head_dim_v) > 128:
             return (f"page_size={page_size} at head dims {head_dim}/{head_dim_v}: the Mosaic kernel gathers rows of "
                     "pages smaller than 8 for head dims 64 and 128 only")
