@@ -162,10 +162,11 @@ def test_merge_kernels_propagate_nan_and_take_any_head_dim():
 
 
 # ----------------------------------------------------------------------------- kernel policy
-# (D, Dv, what the Mosaic kernel says): multiples of 16 up to 192.
+# (D, Dv, what the Mosaic kernel says): multiples of 16 up to 192, and 256.
 _MOSAIC_RULE = [(96, 96, None), (192, 128, None), (80, 80, None), (112, 112, None), (128, 64, None),
-                (64, 128, None), (192, 192, None), (256, 128, "up to 192"), (256, 256, "up to 192"),
-                (72, 72, "multiples of 16"), (128, 40, "multiples of 16"), (264, 264, "multiples of 16")]
+                (64, 128, None), (192, 192, None), (256, 128, None), (256, 256, None), (224, 224, "up to 192"),
+                (128, 208, "up to 192"), (72, 72, "multiples of 16"), (128, 40, "multiples of 16"),
+                (264, 264, "multiples of 16")]
 
 
 @pytest.mark.parametrize("d,hq,covered", [(80, 32, True), (80, 64, True), (80, 256, False), (96, 256, True),

@@ -47,10 +47,22 @@ MOSAIC_CPU_CASES = [
     _c("d80_packed_tails", [(1, 17), (7, 70)], head_dim=80, pad_rows=1),  # 7 tokens: 4 + a 3-row tail
     _c("d192_v128_extend_window", [(20, 50), (3, 9)], head_dim=192, head_dim_v=128, heads=(2, 1), window=(13, 0)),
     _c("d192_split2_two_wgs", [(70, 90)], head_dim=192, heads=(2, 1), num_splits=2),
+    # Head dim 256 (Gemma): Q staging and output buffer in the rings (``kv_staging``), their rows staged as two
+    # 128-column chunks (``row_chunk``); 69 rows, so Q goes through the staging buffer.
+    _c("d256_prefill_softcap", [(64, 64), (5, 9)], head_dim=256, heads=(2, 1), softcap=30.0),
     # Pages of 1, 2 and 4 rows (SGLang's default is 1): rows gathered one by one (on the GPU by the
     # producer's cp.async copies); shuffled slots, NaN in every unused one.
     _c("page4_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=4, heads=(2, 1), softmax_scale=0.07),
     _c("page2_verify_softcap", [(4, 40), (4, 9)], page_size=2, heads=(8, 2), softcap=6.0),
+]
+# Head dim 256 on the GPU: the split kernel's float32 output in the rings, packed decode, D != Dv, Gemma's
+# window and softcap.
+WIDE_GPU_CASES = [
+    _c("d256_split2_two_wgs", [(70, 900), (1, 300)], head_dim=256, heads=(2, 1), num_splits=2),
+    _c("d256_decode_packed", [(1, 17), (1, 1300), (1, 3)], head_dim=256, heads=(8, 4), pad_rows=1),
+    _c("d256_v128_extend", [(40, 500), (3, 9)], head_dim=256, head_dim_v=128, heads=(4, 2)),
+    _c("d256_gemma_window_softcap", [(900, 900), (77, 300)], head_dim=256, heads=(16, 8), window=(255, 0),
+       softcap=50.0, softmax_scale=0.0625, page_size=16),
 ]
 # More small pages on the GPU only (the interpreter's one TMA copy per page is slow to trace at page 1).
 SMALL_PAGE_GPU_CASES = [
@@ -106,7 +118,8 @@ def _covered(case):
 
 @gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", [c for c in GPU_CASES + MOSAIC_CPU_CASES + SMALL_PAGE_GPU_CASES if _covered(c)],
+@pytest.mark.parametrize("case", [c for c in GPU_CASES + MOSAIC_CPU_CASES + SMALL_PAGE_GPU_CASES + WIDE_GPU_CASES
+                                  if _covered(c)],
                          ids=lambda c: c.name)
 def test_mosaic_gpu(case):
     check_attention(paged_attention_mosaic, case)

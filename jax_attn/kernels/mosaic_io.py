@@ -33,7 +33,8 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
     """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile;
     in a ``solo`` kernel the one running warpgroup zeroes both warpgroups' rows)."""
     o_smem = o_smem2.at[wg]
-    o_smem[...] = plgpu.layout_cast(jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
+    for c in range(st.out_chunks):
+        o_smem.at[c][...] = plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     rows_per_block = COMPUTE_WGS * st.block_q
     first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block)
@@ -288,20 +289,25 @@ def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):
     8): other rows, and packed rows (gathered head by head, ``st.token_major``), are staged through
     the untiled ``q_stage``, then stored tiled.
     """
-    bq = st.block_q
+    bq, w, chunks = st.block_q, st.q_chunk, st.q_chunks
 
     def restage():
-        q_smem[...] = q_stage[...]
+        for c in range(chunks):
+            (q_smem if chunks == 1 else q_smem.at[:, pl.ds(c * w, w)])[...] = q_stage.at[c][...]
+
+    def stage(src, rows=None):  # TMA copies of ``src`` rows into the staging chunks
+        for c in range(chunks):
+            dst = q_stage.at[c] if rows is None else q_stage.at[c, rows]
+            plgpu.copy_gmem_to_smem(src if chunks == 1 else src.at[:, pl.ds(c * w, w)], dst, q_bar)
 
     if st.token_major:  # one copy per query head of the group
         tpb = bq // st.pack
         for j in range(st.pack):
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 // st.pack, tpb), head, j], q_stage.at[pl.ds(j * tpb, tpb)],
-                                    q_bar)
+            stage(q_ref.at[pl.ds(row0 // st.pack, tpb), head, j], pl.ds(j * tpb, tpb))
         plgpu.barrier_wait(q_bar)
         restage()
     elif st.num_rows % 8:
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_stage, q_bar)
+        stage(q_ref.at[pl.ds(row0, bq), head])
         plgpu.barrier_wait(q_bar)
         restage()
     else:
@@ -310,8 +316,10 @@ def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):
         @pl.when(aligned)
         def _direct():
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of(row0, 8), bq), head], q_smem, q_bar)
+            for _ in range(chunks - 1):  # the barrier counts the staged path's copies, one per chunk
+                plgpu.barrier_arrive(q_bar)
 
-        pl.when(~aligned)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_stage, q_bar))
+        pl.when(~aligned)(lambda: stage(q_ref.at[pl.ds(row0, bq), head]))
         plgpu.barrier_wait(q_bar)
         pl.when(~aligned)(restage)
     plgpu.commit_smem()
@@ -331,8 +339,9 @@ def zero_tail_values(st, v_slot, blk, k_len):
 
 
 def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
-    """TMA-stores rows ``[0, n)`` of ``o_smem`` to ``out_ref[row0:row0 + n, head]`` (n <= block_q):
-    one copy per binary digit of ``n``, so no row outside the range is written. ``token_major``:
+    """TMA-stores rows ``[0, n)`` of ``o_smem`` (``[chunks, block_q, Dv // chunks]``: column chunks,
+    ``KernelStatics.out_chunk``) to ``out_ref[row0:row0 + n, head]`` (n <= block_q): one copy per
+    binary digit of ``n`` and chunk, so no row outside the range is written. ``token_major``:
     ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G).
 
     A TMA copy's shared-memory address is 128-byte aligned: when a row is not a multiple of 128
@@ -344,12 +353,15 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
     step = aligned_rows(o_smem.shape[-1] * o_smem.dtype.itemsize)
     off: Any = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
 
+    chunks, w = o_smem.shape[0], o_smem.shape[-1]
+
     def copy(at, size):
         for j in range(g):
-            src = o_smem.at[pl.ds(j * tpb + at, size)]
             rows = pl.ds(row0 + at, size)
             dst = out_ref.at[rows, head, j] if token_major else out_ref.at[rows, head]
-            plgpu.copy_smem_to_gmem(src, dst)
+            for c in range(chunks):
+                src = o_smem.at[c, pl.ds(j * tpb + at, size)]
+                plgpu.copy_smem_to_gmem(src, dst if chunks == 1 else dst.at[:, pl.ds(c * w, w)])
 
     size = tpb
     while size >= step:
@@ -382,7 +394,9 @@ def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref
         m_i = m_new
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    o_smem[...] = acc.astype(o_smem.dtype)
+    w = st.out_chunk
+    for c in range(st.out_chunks):
+        o_smem.at[c][...] = (acc if st.out_chunks == 1 else acc[:, c * w:(c + 1) * w]).astype(o_smem.dtype)
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()

@@ -49,6 +49,16 @@ from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
 # sequence's row view; ``seq_splits`` is the sequence's kv split count.
 TILE_INFO_COLUMNS = ("seq", "first_row", "split", "k_len", "q_start", "q_len", "seq_splits")
 TILE_INFO_WORDS = 8
+MAX_CHUNK = 192  # the widest row of an untiled buffer, in elements (``row_chunk``)
+
+
+def row_chunk(dim: int) -> int:
+    """Columns per chunk of the untiled buffers that registers are stored to or loaded from (the Q
+    staging and the output buffers), which hold rows of ``dim`` elements as column chunks, each chunk
+    its own rows. Mosaic finds no bank-conflict-free transfer between wgmma's register layout and
+    untiled shared-memory rows of 512 bytes (head dim 256 in bf16), so such rows go as 128-column
+    chunks: each chunk is copied by TMA and moved to or from registers on its own."""
+    return 128 if dim > MAX_CHUNK else dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,24 @@ class KernelStatics:
         """The split kernel's float32 output buffer lives in the key ring (one compute warpgroup:
         the ring is idle once its key loop ends), which leaves room for a deeper ring."""
         return self.split and self.solo
+
+    @property
+    def out_chunk(self) -> int:
+        """Columns of one chunk of the output buffers (``out_chunks`` of them per warpgroup, ``row_chunk``)."""
+        return row_chunk(self.head_dim_v)
+
+    @property
+    def out_chunks(self) -> int:
+        return self.head_dim_v // self.out_chunk
+
+    @property
+    def q_chunk(self) -> int:
+        """Columns of one chunk of the Q staging buffer (``q_chunks`` of them per warpgroup, ``row_chunk``)."""
+        return row_chunk(self.head_dim)
+
+    @property
+    def q_chunks(self) -> int:
+        return self.head_dim // self.q_chunk
 
     @property
     def pages_per_block(self) -> int:
@@ -164,7 +192,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     elif st.kv_staging:
         (k_smem, v_smem), q_stage2, o_smem2 = k_smem
     else:
-        q_stage2, o_smem2 = tuple(staging) if st.split or st.head_dim != st.head_dim_v else (staging, staging)
+        q_stage2, o_smem2 = staging
     (k_bar, v_bar, q_bar, q_staged, done), (k_used, v_used) = bars, used
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
@@ -395,25 +423,24 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     tiled, tiled_v = tiled_layout(st.head_dim, st.dtype), tiled_layout(st.head_dim_v, st.dtype)
     wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
     k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
-    # Q is staged through the output buffer (their union when D != Dv). The split kernel's float32
-    # output buffer shares its memory with the key ring when one warpgroup runs (``ring_staging``:
-    # the ring is idle by its epilogue), else with a Q staging buffer (a ``RefUnion`` each time).
-    # A split kernel of two warpgroups whose buffers would not fit otherwise (``kv_staging``: head
-    # dim 192) keeps the Q staging and the float32 output in the key/value rings: the producer
-    # starts once both warpgroups hold their Q, and they meet at a barrier before their epilogues.
-    o32 = plgpu.SMEM((wgs, bq, st.head_dim_v), jnp.float32)
-    q_stage = plgpu.SMEM((wgs, bq, st.head_dim), st.dtype)
+    # Q is staged through the output buffer (a ``RefUnion``). The split kernel's float32 output buffer
+    # shares its memory with the key ring when one warpgroup runs (``ring_staging``: the ring is idle
+    # by its epilogue). Two warpgroups whose buffers would not fit otherwise (``kv_staging``: split
+    # kernels at head dim 192, every kernel at 256) keep the Q staging and the output buffer in the
+    # key/value rings: the producer starts once both warpgroups hold their Q, and they meet at a
+    # barrier before their epilogues.
+    # Output buffers hold each warpgroup's rows in ``out_chunks`` column chunks (``KernelStatics.out_chunk``).
+    chunks = (wgs, st.out_chunks, bq, st.out_chunk)
+    o32 = plgpu.SMEM(chunks, jnp.float32)
+    out = o32 if st.split else plgpu.SMEM(chunks, st.dtype)
+    q_stage = plgpu.SMEM((wgs, st.q_chunks, bq, st.q_chunk), st.dtype)
     v_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled_v)
     if st.ring_staging:
         k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
     elif st.kv_staging:
-        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, o32), None, None
-    elif st.split:
-        staging = plgpu.RefUnion(q_stage, o32)
-    elif st.head_dim != st.head_dim_v:
-        staging = plgpu.RefUnion(q_stage, plgpu.SMEM((wgs, bq, st.head_dim_v), st.dtype))
+        k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, out), None, None
     else:
-        staging = q_stage
+        staging = plgpu.RefUnion(q_stage, out)
     smem = (
         plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled),
         k_ring,
@@ -427,7 +454,8 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_arrivals=st.pack if st.token_major else 1, num_barriers=wgs),  # Q: one copy per head
+        # Q: one copy per head and chunk
+        plgpu.Barrier(num_arrivals=(st.pack if st.token_major else 1) * st.q_chunks, num_barriers=wgs),
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # key loops over (``kv_staging``)
     )

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
-from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
-                                            kernel_call)
+from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, MAX_CHUNK, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
+                                            KernelStatics, kernel_call, row_chunk)
 from jax_attn.kernels.mosaic_io import aligned_rows
 from jax_attn.kernels.mosaic_smem import fit_shared_memory, swizzle_bytes
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
@@ -145,10 +145,11 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
-    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > MAX_HEAD_DIM for d in (head_dim, head_dim_v)):
-        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to {MAX_HEAD_DIM} "
-                "(wgmma's swizzled tiles; at 256 the 64 x 256 float32 accumulator leaves too few registers: its "
-                "kernels did not finish within 55 s on an H100); impl='triton' (or 'auto') runs the others")
+    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > MAX_HEAD_DIM or row_chunk(d) < d and d % row_chunk(d)
+           for d in (head_dim, head_dim_v)):
+        return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to {MAX_CHUNK} "
+                f"(wgmma's swizzled tiles) and {MAX_HEAD_DIM} (rows staged as 128-column chunks); impl='triton' "
+                "(or 'auto') runs the others")
     if packed_group > 1 and not packed_rows_aligned(head_dim, head_dim_v, dtype.itemsize, packed_group):
         return (f"packed rows of {packed_group} query heads at head dims {head_dim}/{head_dim_v}: a head's "
                 f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
@@ -163,7 +164,7 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     return None
 
 
-MAX_HEAD_DIM = 192  # the widest K and V rows the kernel takes
+MAX_HEAD_DIM = 256  # the widest K and V rows the kernel takes
 
 
 def packed_rows_aligned(head_dim: int, head_dim_v: int, itemsize: int, group: int,

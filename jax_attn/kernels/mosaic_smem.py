@@ -37,15 +37,13 @@ def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: 
     q = wgs * block_q * head_dim * itemsize
     k_ring = stages * block_kv * head_dim * itemsize
     v_ring = stages * block_kv * head_dim_v * itemsize
-    o32 = wgs * block_q * head_dim_v * 4
+    out = wgs * block_q * head_dim_v * (4 if split else itemsize)  # the split kernel's output is float32
     if ring_staging:
-        k_ring, staging = max(k_ring, o32), q
-    elif kv_staging:  # the split kernel's Q staging and float32 output share the rings
-        k_ring, v_ring, staging = max(k_ring + v_ring, q, o32), 0, 0
-    elif split:
-        staging = max(q, o32)
+        k_ring, staging = max(k_ring, out), q
+    elif kv_staging:  # the Q staging and the output share the rings
+        k_ring, v_ring, staging = max(k_ring + v_ring, q, out), 0, 0
     else:
-        staging = max(q, wgs * block_q * head_dim_v * itemsize)
+        staging = max(q, out)
     return q + k_ring + v_ring + staging + wgs * block_q * 4
 
 
@@ -58,8 +56,8 @@ def statics_smem_bytes(st: "KernelStatics") -> int:
 def fit_shared_memory(st: KernelStatics) -> KernelStatics:
     """``st`` with its ring made shallower (then its key blocks shorter, 64 at least) until the
     kernel's buffers fit in shared memory (wide head dims). When even the smallest ring does not
-    leave room for the staging buffers, a split kernel of two warpgroups keeps them in the rings
-    (``kv_staging``: head dim 192)."""
+    leave room for the staging buffers, a kernel of two warpgroups keeps them in the rings
+    (``kv_staging``: the split kernel at head dim 192, every kernel at 256)."""
     def shrink(st):
         while statics_smem_bytes(st) > SMEM_BYTES and (st.stages > 2 or st.block_kv > 64):
             if st.stages > 2:
@@ -69,7 +67,7 @@ def fit_shared_memory(st: KernelStatics) -> KernelStatics:
         return st
 
     fitted = shrink(st)
-    if statics_smem_bytes(fitted) > SMEM_BYTES and st.split and not st.solo:
+    if statics_smem_bytes(fitted) > SMEM_BYTES and not st.solo:
         fitted = shrink(dataclasses.replace(st, kv_staging=True))
     if statics_smem_bytes(fitted) > SMEM_BYTES:
         raise ValueError(f"the Mosaic kernel's buffers ({statics_smem_bytes(fitted)} bytes) exceed {SMEM_BYTES}: {st}")
