@@ -3,7 +3,7 @@
 ``impl``:
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
                   tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dims that are
-                  multiples of 16 up to 192, page size a multiple of 8, or 1, 2, 4 for prefill/extend
+                  multiples of 16 up to 192 and 256, page size a multiple of 8, or 1, 2, 4 for prefill/extend
                   at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale,
                   no sinks with packed decode rows, not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;

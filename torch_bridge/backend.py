@@ -49,7 +49,7 @@ The SGLang 0.5.11 attributes read, and those that raise ``NotImplementedError``,
 ``docs/sglang_contract.md``; ``torch_bridge.checks.RunnerSettings`` reads the model runner's.
 
 Launch path (Hopper GPUs, ``impl`` ``auto`` or ``mosaic``): layers the Mosaic kernel covers (bf16/f16,
-head dims that are multiples of 16 up to 192, page size a multiple of 8, no cross attention; in a tree
+head dims that are multiples of 16 up to 192 and 256, page size a multiple of 8, no cross attention; in a tree
 step the prefix pass), and the Triton-lowered kernel the other layers (any CUDA GPU of sm80+;
 cross-attention layers over their encoder tokens' tables, tree (topk > 1) steps' layers as two passes and
 a merge, their sliding-window layers as one pass over the tree's SWA table; MLA layers), skip JAX at run
