@@ -39,8 +39,10 @@ D, MAX_CTX, REQS = 64, 128, 6
 N_DRAFT = 3
 
 
-def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1):
-    """A runner whose model config names the heads (the launch tables come with every plan) and a backend."""
+def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
+         topk: int = 0):
+    """A runner whose model config names the heads (the launch tables come with every plan) and a backend
+    (``topk`` > 1: tree speculative steps)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
     pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
     for buf in pool.k_buffer + pool.v_buffer:
@@ -54,7 +56,7 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
     # on the CPU both kernels interpreted: the Mosaic kernel at pages of 8k, the Triton-lowered one at others
     path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
     backend = FlashAttentionBackend(runner, mosaic_path=path, speculative_step_id=step_id,
-                                    speculative_num_steps=num_steps)
+                                    speculative_num_steps=num_steps, topk=topk)
     return runner, table, backend
 
 

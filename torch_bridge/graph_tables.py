@@ -1,4 +1,5 @@
-"""Launch tables of a captured uniform bucket, recomputed on the GPU inside the engine's CUDA graph.
+"""Launch tables of a captured uniform or tree-verify bucket, recomputed on the GPU inside the engine's
+CUDA graph.
 
 The replay hook of a graph bucket normally runs the step planner: one compiled JAX call, an export
 and a table copy, 150-250 us of host time per step on the H100 hosts. On the launch path a uniform
@@ -8,6 +9,11 @@ tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` a
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
 tensors the capture hook was given (SGLang's static input buffers). From then on the replay hook
 only selects the bucket's step; the graph recomputes the tables on the GPU before its first layer.
+
+A tree verify bucket (topk > 1, ``jax_attn.spec.plan_verify_tree``) depends on SGLang's flat
+``custom_mask`` too, a new tensor each step: the replay hook copies it into a buffer the graph reads
+(``TableRefresh.load_mask``), and the graph recomputes both passes' tables. Tree draft decode and tree
+steps with an SWA table (sliding-window layers) keep the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -27,6 +33,14 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   the same for every step of the bucket and stay as the planner wrote them at capture;
 * ``cu_seqlens_q`` does not change within a bucket.
 
+A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
+queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
+(token, head) row's LSE lies in the tiles' output, a fixed pattern per sequence moved by its tile's rank), and
+its expand pass's (page size 1, one row per draft token, ``jax_attn.spec``'s rules in int32): the tree mask
+read from the mask bytes at ``draft_mask_from_custom_mask``'s offsets (False outside the buffer), the draft
+slots ``req_to_token[row, clip(seq_len + j, 0, W - 1)]`` with the allowed columns first in column order
+(the planner's stable sort), clipped into the pool, and the allowed count per row.
+
 The Triton-lowered kernel's tables (page sizes the Mosaic kernel does not take, e.g. SGLang's default of
 1) hold the same lengths (``cache_seqlens``: ``seq_lens`` clipped to the capacity) and page table, and the
 work schedule the planner builds from them (``jax_attn.kernels.schedule.build_schedule``): kv splits per
@@ -35,14 +49,18 @@ bucket), the tiles of each sequence in order, then sorted by estimated keys, lon
 with splits each output row's split count (``row_num_splits``).
 """
 
+
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+import numpy as np
 import torch
 
 from jax_attn import batch as jbatch
+from jax_attn.metadata import ForwardMode
 from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
 from jax_attn.kernels.config import cdiv, kv_heads_per_program
@@ -52,10 +70,17 @@ from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from torch_bridge.mosaic_path import TRITON_TABLES, TableKey, Tables, key_flags
+from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TRITON_TABLES, TableKey, Tables, key_flags
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
+# the table keys' flags a refresh writes (False: a uniform bucket's, True: a tree verify bucket's)
+MOSAIC_FLAGS = {False: 0, True: PREFIX_TABLES}
+TRITON_FLAGS = {False: (TRITON_TABLES,), True: (TRITON_TABLES | PREFIX_TABLES, TRITON_TABLES | EXPAND_TABLES)}
+
+
+def tree_verify(key: PlanKey) -> bool:
+    return key.topk > 1 and key.mode == ForwardMode.TARGET_VERIFY
 
 
 def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
@@ -63,13 +88,25 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
     refreshed inside the graph, else why not (each table key is checked too: ``TableRefresh.verify``)."""
     if validate:
         return "validation mode reads each step's error flag from the planner"
-    if key.mode not in UNIFORM or key.topk != 1 or key.has_encoder:
-        return "only uniform chain steps without encoder (decode, chain draft decode and verify)"
+    if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key)):
+        return ("only uniform steps without encoder (decode, chain draft decode, chain and tree verify); tree draft "
+                "decode's tables come from the planner")
+    if key.with_swa:
+        return "a tree step's SWA table (sliding-window layers) comes from the planner"
     if key.swa_pool or plans_local(key) or step.layout.local or step.layout.swa:
         return "SWA pool and local-attention tables come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
+
+
+def mask_bytes(key: PlanKey, capacity: int) -> int:
+    """Bytes of the flat verify mask a tree verify bucket's planner reads, in whole int32 words: a static bound
+    (per request ``num_draft`` rows of at most ``capacity + num_draft`` columns); 0 for other buckets."""
+    if not tree_verify(key):
+        return 0
+    n = key.q_len_per_req
+    return 4 * cdiv(key.batch_size * n * (capacity + n), 4)
 
 
 class Parts(NamedTuple):
@@ -78,6 +115,63 @@ class Parts(NamedTuple):
     table: torch.Tensor  # i32[B, P] page table
     lens: torch.Tensor  # i32[B] keys per sequence (``cache_seqlens``), clipped to the capacity
     order: torch.Tensor  # i64[B] sequences longest first, ties in batch order (the Mosaic tile table's)
+    rank: torch.Tensor  # i64[B] each sequence's place in ``order``
+    # tree verify's expand pass: i32[B * N, N] draft slots, allowed ones first; i32[B * N] allowed per row
+    expand: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def wrap32(x: torch.Tensor) -> torch.Tensor:  # i64 -> i64
+    """The value int32 arithmetic (the planner's) gives for a sum or product computed here in int64."""
+    return x.to(torch.int32).to(torch.int64)
+
+
+def tree_mask(mask: torch.Tensor, lens: torch.Tensor, n: int) -> torch.Tensor:  # bool[L], i64[B] -> bool[B * N, N]
+    """``jax_attn.spec.draft_mask_from_custom_mask`` over the flat mask bytes ``mask`` (``lens``: the int32
+    committed lengths): its int32 offsets, False outside the buffer."""
+    row_len = lens + n
+    size = row_len * n
+    starts = torch.cumsum(size, 0) - size
+    i = torch.arange(n, dtype=torch.int64, device=lens.device)
+    idx = wrap32(starts[:, None, None] + (i * row_len[:, None])[:, :, None] + (lens[:, None] + i)[:, None, :])
+    ok = (idx >= 0) & (idx < mask.shape[0])
+    return (ok & mask[idx.clamp(0, mask.shape[0] - 1)]).reshape(-1, n)
+
+
+def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor,
+                 num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The expand pass's page table and lengths (``plan_verify_tree``, guarded): per draft row (``mask``'s
+    rows), its request's draft slots with the columns it allows first in column order, clipped into the pool,
+    and how many it allows. ``rows``: clipped request rows; ``lens``: the int32 committed lengths."""
+    b, n = lens.shape[0], mask.shape[1]
+    j = torch.arange(n, dtype=torch.int64, device=lens.device)
+    cols = wrap32(lens[:, None] + j).clamp(0, r2t.shape[1] - 1)
+    slots = r2t[rows[:, None], cols][:, None, :].expand(b, n, n).reshape(b * n, n)
+    allowed = mask.to(torch.int64)
+    before = torch.cumsum(allowed, 1) - allowed  # allowed columns left of each column
+    count = allowed.sum(1)
+    dest = torch.where(mask, before, count[:, None] + j - before)  # the stable sort's place of each column
+    table = torch.empty_like(slots).scatter_(1, dest, slots)
+    if num_slots:
+        table = table.clamp(0, num_slots - 1)
+    return table, count.to(torch.int32)
+
+
+def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int) -> np.ndarray:  # i64[n * hq]
+    """``jax_attn.kernels.mosaic_split.lse_index`` of a sequence of ``n`` tokens that is tile 0's alone (one tile
+    per sequence, ``heads`` head rows per tile): where the kernel puts each (token, query head) row's LSE in the
+    tile's output ``[heads, rows_per_tile]``, -1 where it puts none. Tile ``t``'s rows are ``t * heads *
+    rows_per_tile`` further on."""
+    rows = COMPUTE_WGS * block_q
+    pos = np.arange(rows)
+    if pack > 1:  # storage position -> row of the row view (token-major within each warpgroup's rows)
+        tpb = block_q // pack
+        pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
+    h = np.arange(heads)[:, None]
+    out_row = (pos // pack)[None, :] * hq + h * pack + (pos % pack)[None, :]  # [heads, rows]
+    ok = np.broadcast_to(pos < n * pack, out_row.shape)
+    index = np.full(n * hq, -1, np.int64)
+    index[out_row[ok]] = np.arange(heads * rows).reshape(heads, rows)[ok]
+    return index
 
 
 def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
@@ -116,7 +210,8 @@ def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> Li
 
 
 class TableRefresh:
-    """Recomputes a graph bucket's launch tables from the capture hook's ``rows`` / ``lens`` tensors.
+    """Recomputes a graph bucket's launch tables from the capture hook's ``rows`` / ``lens`` tensors (and, for
+    tree verify, the flat mask the replay hook copies into ``mask``).
 
     Args:
       key: the bucket's plan key (its batch class).
@@ -126,20 +221,27 @@ class TableRefresh:
       capacity: KV positions a sequence may hold (``jax_attn.backend.FlashAttentionBackend.capacity``).
       config: the launch path's kernel config.
       spec: the bucket's ``jax_attn.batch.SpecInfo`` (or None), for a planner call of its step.
+      mask: tree verify: the capture hook's ``spec_info.custom_mask`` (or None).
     """
 
     def __init__(self, key: PlanKey, step, rows: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
-                 capacity: int, config: MosaicConfig, spec=None):
+                 capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
-        self.rows_per_tile = COMPUTE_WGS * config.block_q
+        self.rows_per_tile, self.block_q = COMPUTE_WGS * config.block_q, config.block_q
         self.rows, self.lens = rows, lens  # the graph reads these tensors
         self.n = min(int(rows.shape[0]), b)
+        self.tree = tree_verify(key)
+        self.kv_offset = 0 if self.tree else key.kv_offset  # a tree's prefix pass reads the committed keys only
         with torch.inference_mode(False):
             # the bucket's padding (rows 0, seq_len fill) in buffers of the batch class; the refresh copies the
             # engine's n entries in front
             self._rows = torch.zeros(b, dtype=torch.int64, device=dev)
             self._lens = torch.full((b,), jbatch.SEQ_LEN_FILL_VALUE, dtype=torch.int64, device=dev)
+            # tree verify: the flat mask bytes the planner reads (``mask_bytes``), filled by the replay hook
+            self.mask = torch.zeros(mask_bytes(key, capacity), dtype=torch.bool, device=dev) if self.tree else None
+        self.mask_len = 0  # bytes of ``mask`` the last load wrote (the rest are 0)
+        self.spec_info = types.SimpleNamespace(custom_mask=self.mask) if self.tree else None  # a planner call's
         p, page, width = key.max_pages, key.page_size, req_to_token.shape[1]
         first = torch.arange(p, dtype=torch.int64, device=dev) * page
         self.first_pos = first.to(torch.int32)[None, :]  # [1, P]
@@ -150,7 +252,10 @@ class TableRefresh:
         why = reason(key, step, False, capacity)
         if why is not None:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
+        if self.tree:
+            self.load_mask(mask)
         self.num_pages = key.num_slots // page if key.num_slots else 0
+        self.lse: Dict[TableKey, Tuple[torch.Tensor, int]] = {}  # Mosaic prefix tables -> (lse_pattern, tile stride)
         self.serial = 0  # bumped by each replay hook: the next eager layer refreshes
         self.done: Optional[tuple] = None  # (serial, capturing, forward when capturing) of the last refresh
         self.recorded = False  # a capture's first layer ran the refresh: the graph recomputes the tables
@@ -161,8 +266,8 @@ class TableRefresh:
 
     # ---- the rule ----------------------------------------------------------------------------
     def compute(self) -> Parts:
-        """The ``Parts`` of the current ``rows`` / ``lens`` (torch ops on the GPU, recorded into a graph when
-        capturing)."""
+        """The ``Parts`` of the current ``rows`` / ``lens`` (and ``mask``) (torch ops on the GPU, recorded into
+        a graph when capturing)."""
         key, n = self.key, self.n
         rows, lens = self.rows, self.lens
         if n < key.batch_size or rows.shape[0] != n or lens.shape[0] != n:
@@ -171,8 +276,12 @@ class TableRefresh:
             rows, lens = self._rows, self._lens
         rows = rows.clamp(0, self.r2t.shape[0] - 1)
         lens = lens.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
-        if key.kv_offset:
-            lens = lens + key.kv_offset
+        expand = None
+        if self.tree:
+            mask = tree_mask(self.mask, lens, key.q_len_per_req)
+            expand = expand_parts(self.r2t, rows, lens, mask, key.num_slots)
+        if self.kv_offset:
+            lens = lens + self.kv_offset
         lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does
         slots = self.r2t[rows[:, None], self.pos]  # [B, P]
         pages = torch.div(slots, key.page_size, rounding_mode="floor") if key.page_size > 1 else slots
@@ -183,20 +292,32 @@ class TableRefresh:
         order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        return Parts(table, safe, order)
+        return Parts(table, safe, order, rank, expand)
+
+    def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
+        if key_flags(heads) & EXPAND_TABLES and parts.expand is not None:
+            table, lens = parts.expand
+            return lens, table, 1
+        return parts.lens, parts.table, self.key.q_len_per_req
 
     def _mosaic(self, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Mosaic tile table's changing columns: tile sequence, keys and query offset."""
         q_start = parts.order if self.key.q_len_per_req == 1 else parts.order * self.key.q_len_per_req
         return parts.order, parts.lens[parts.order], q_start
 
+    def _lse(self, heads: TableKey, parts: Parts) -> torch.Tensor:
+        """A tree prefix pass's LSE index (``LsePass``), ``[B, N * Hq]``: its sequence's pattern, moved by its tile."""
+        pattern, stride = self.lse[heads]
+        return torch.where(pattern >= 0, parts.rank[:, None] * stride + pattern, -1)
+
     def _triton(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
         """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (fixed)."""
-        lay = tables.layout
-        tiles = triton_schedule(parts.lens, lay, heads[1], self.key.q_len_per_req)
-        out = tiles + [parts.lens, None, parts.table.reshape(-1)]
-        if lay.max_splits > 1:  # output row -> splits of its sequence (every token of the bucket is a real row)
-            out.append(torch.repeat_interleave(tiles[3], self.key.q_len_per_req * heads[0]))
+        lens, table, per = self._pass(heads, parts)
+        tiles = triton_schedule(lens, tables.layout, heads[1], per)
+        out = tiles + [lens, None, table.reshape(-1)]
+        if tables.layout.max_splits > 1:  # output row -> its sequence's splits (every token of the bucket is real)
+            out.append(torch.repeat_interleave(tiles[3], per * heads[0]))
         return out
 
     def write(self, heads: TableKey, tables: Tables, parts: Parts) -> None:
@@ -212,29 +333,40 @@ class TableRefresh:
         info[:, SEQ].copy_(seq)
         info[:, K_LEN].copy_(k_len)
         info[:, Q_START].copy_(q_start)
+        if heads in self.lse:
+            tables.args[3].view(parts.rank.shape[0], -1).copy_(self._lse(heads, parts))
 
     def matches(self, heads: TableKey, tables: Tables, parts: Parts) -> bool:
         """Whether ``tables`` (the planner's, for the current inputs) hold what a refresh writes (a sync)."""
-        b, qpr = self.key.batch_size, self.key.q_len_per_req
-        cu = torch.arange(b + 1, dtype=torch.int32, device=parts.table.device) * qpr  # fixed within the bucket
+        b, qpr, flags, dev = self.key.batch_size, self.key.q_len_per_req, key_flags(heads), parts.table.device
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
-            lay = tables.layout
-            if (len(heads) != 3 or key_flags(heads) != TRITON_TABLES or lay.batch != b or lay.num_tokens != b * qpr
-                    or lay.max_q_len != qpr):
+            lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
+            rows = lens.shape[0]
+            if (len(heads) != 3 or flags not in TRITON_FLAGS[self.tree] or lay.batch != rows
+                    or lay.num_tokens != rows * per or lay.max_q_len != per):
                 return False
+            cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * per  # fixed within the bucket
             want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
-        if (len(heads) != 2 or tables.num_tiles != b  # local / SWA tables; several tiles
+        if (flags != MOSAIC_FLAGS[self.tree] or tables.num_tiles != b  # local / SWA tables; several tiles
                 or qpr * tables.pack > self.rows_per_tile):  # per sequence
             return False
+        cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
-        info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=table.device)
+        info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=dev)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):
             info[:, TILE_INFO_COLUMNS.index(name)] = col  # first_row and split stay 0: one tile per sequence
+        want = [table, cu, info]
+        if flags & PREFIX_TABLES:  # ``LsePass``'s index
+            hq, hkv = heads[:2]
+            h = hq if tables.pack == 1 else hkv
+            with torch.inference_mode(False):
+                pattern = torch.from_numpy(lse_pattern(qpr, hq, h, tables.pack, self.block_q)).to(dev)
+            self.lse[heads] = pattern, h * self.rows_per_tile
+            want.append(self._lse(heads, parts).to(torch.int32).reshape(-1))
         got = tables.args
-        return (got[0].shape == table.shape and got[2].shape == info.shape and torch.equal(got[0], table)
-                and torch.equal(got[1], cu) and torch.equal(got[2], info))
+        return len(got) == len(want) and all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
 
     # ---- when it runs ------------------------------------------------------------------------
     def verify(self, heads: Optional[TableKey] = None) -> bool:
@@ -263,9 +395,22 @@ class TableRefresh:
         if cap:
             self.recorded = True
 
-    def take(self, rows: torch.Tensor, lens: torch.Tensor):
+    def load_mask(self, mask: Optional[torch.Tensor]) -> None:
+        """Tree verify: SGLang's flat ``custom_mask`` into ``self.mask`` as the planner reads it
+        (``dlpack.pack_mask_words``: cut to the buffer, nonzero = True, zeros past it; None: all zeros)."""
+        if mask is self.mask:
+            return
+        m = mask.reshape(-1) if mask is not None else self.mask[:0]
+        n = min(int(m.shape[0]), self.mask.shape[0])
+        self.mask[:n].copy_(m[:n])
+        if n < self.mask_len:
+            self.mask[n:self.mask_len].zero_()
+        self.mask_len = n
+
+    def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None):
         """The replay hook's inputs for a recorded bucket: SGLang passes the captured tensors themselves;
-        other tensors have their values copied into those (the graph reads them). Returns the step."""
+        other tensors have their values copied into those (the graph reads them); tree verify's ``mask`` is
+        copied into ``self.mask``. Returns the step."""
         n = min(int(rows.shape[0]), int(lens.shape[0]), self.key.batch_size)
         if n > self.n:
             raise ValueError(f"{self.key.mode.name} bucket was captured with {self.n} requests; its replay got {n}")
@@ -276,6 +421,8 @@ class TableRefresh:
             dst[:m].copy_(src[:m])
             if m < dst.shape[0]:
                 dst[m:].fill_(fill)
+        if self.tree:
+            self.load_mask(mask)
         self.serial += 1
         self.stale = True
         if n == self.n:

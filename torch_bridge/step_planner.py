@@ -8,10 +8,11 @@ and come back as a ``Step``, the one object every layer of the step reads. Per s
   kernel), one DLPack import, one compiled call; values outside int32 saturate inside the planner;
 * replay of a bucket whose tensors SGLang already padded (its static buffers): ``req_pool_indices`` and
   ``seq_lens`` imported as they are (no torch kernel), one compiled call;
-* replay of a uniform bucket captured on the launch path: no planner call at all. The capture's first
-  layer recorded torch ops that recompute the launch tables from SGLang's static buffers into the graph
-  (``torch_bridge.graph_tables``); the hook selects the bucket's step, and the plan words are planned
-  again only if something reads them (``fresh``);
+* replay of a uniform or tree verify bucket captured on the launch path: no planner call at all. The
+  capture's first layer recorded torch ops that recompute the launch tables from SGLang's static buffers into
+  the graph (``torch_bridge.graph_tables``); the hook selects the bucket's step (tree verify: after one copy
+  of the step's flat mask into the buffer the graph reads), and the plan words are planned again only if
+  something reads them (``fresh``);
 * on the Mosaic launch path, the launch tables of every layer shape come out of the same call, and
   one export plus one copy refreshes the persistent buffers the captured graph reads.
 
@@ -305,7 +306,7 @@ class StepPlanner:
         r = step.refresh
         if r is None or not r.stale:
             return step
-        self.bucket(r.key, r.spec, r.rows, r.lens, None, None, None)
+        self.bucket(r.key, r.spec, r.rows, r.lens, None, r.spec_info, None)
         words = self.step.words
         for s in (r.step, *r.steps.values()):
             s.words = words
@@ -414,7 +415,7 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
-        self.make_refresh(mode, bs, key, spec, req_pool_indices, seq_lens)
+        self.make_refresh(mode, bs, key, spec, req_pool_indices, seq_lens, getattr(spec_info, "custom_mask", None))
         # The engine captures next. Nothing of this step may still run on the GPU, and no kernel compile may
         # load modules. In CUDA's global capture mode an unsafe call from *any* thread invalidates the
         # capture: SGLang's 36 warm-up captures on an H100 failed at a random bucket in 4 of 8 runs in that
@@ -426,9 +427,9 @@ class StepPlanner:
         gc.collect()
         kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
 
-    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens) -> None:
+    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens, mask=None) -> None:
         """Give bucket ``bs`` an in-graph table refresh when its tables allow one and the refresh writes
-        what the planner just wrote (``torch_bridge.graph_tables``)."""
+        what the planner just wrote (``torch_bridge.graph_tables``; ``mask``: tree verify's custom mask)."""
         self.refreshes.pop((mode, bs), None)
         capacity = self.jax_backend.capacity
         if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate,
@@ -437,7 +438,8 @@ class StepPlanner:
         r2t = self.model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
             return
-        r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec)
+        r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec,
+                                      mask)
         if r.verify():
             self.step.refresh = r
             self.refreshes[(mode, bs)] = r
@@ -464,7 +466,7 @@ class StepPlanner:
             if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
                 raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
                                  "its graph was captured with; capture the graphs again after reallocating it")
-            self.step = r.take(req_pool_indices, seq_lens)
+            self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None)
             if r.planner_too:
                 self.fresh(self.step)
             return
@@ -511,8 +513,8 @@ class StepPlanner:
         words = None
         if key.topk > 1 and mode == ForwardMode.TARGET_VERIFY:
             mask = getattr(spec_info, "custom_mask", None) if capturing else custom_mask(spec_info)
-            n_draft = key.q_len_per_req  # the static bound covers any committed lengths of the bucket
-            words = pack_mask_words(mask, bs * n_draft * (self.jax_backend.capacity + n_draft), self.device)
+            # the static bound covers any committed lengths of the bucket
+            words = pack_mask_words(mask, graph_tables.mask_bytes(key, self.jax_backend.capacity), self.device)
         self.plan(packing(key, loc, ext, enc, words), rows, lens, loc, ext, enc, words, real_tokens=real,
                   graph=True, draft_steps=loc_steps(spec, mode))
 

@@ -1,0 +1,228 @@
+"""In-graph launch tables of tree verify buckets (topk > 1, ``torch_bridge.graph_tables``): the replay hook copies
+SGLang's flat custom mask into the buffer the graph reads and runs no planner; the first layer (inside the
+engine's graph: every replay) rewrites both passes' tables.
+
+* the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs and mask, bit
+  for bit: random trees with all-False (padded) rows, masks shorter or longer than the planner's bound or of
+  another dtype, bad rows and lengths, page ids and draft slots outside the pool; pages 1, 4 and 16 (the
+  prefix pass on the Triton-lowered kernel or, with its LSE index, the Mosaic one), 4 x 8 trees among them;
+* after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output matches the
+  float64 oracle and the planner path, and the NaN pool is untouched but for the written slots;
+* on a GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh bitwise as the eager step.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_bridge_launch import HKV, HQ, D, fill
+from tests.test_graph_tables import MAX_CTX, REQS, bad_inputs, edited, make
+from torch_bridge import ForwardBatch, ForwardMode, RadixAttention, SpecInfo
+from torch_bridge import graph_tables
+from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TRITON_TABLES
+
+pytestmark = pytest.mark.usefixtures("engine_grad_mode")
+
+VERIFY = ForwardMode.TARGET_VERIFY
+
+
+def tree_mask(rng, lens, n: int, size: int) -> torch.Tensor:
+    """A flat custom mask for committed lengths ``lens``: SGLang's layout (per request n rows of committed then
+    draft columns) with random trees, a quarter of the rows all False; where a length is bad, random bytes of
+    a random length up to past the planner's bound ``size``."""
+    if not all(0 <= x <= 4096 for x in lens):
+        return torch.from_numpy(rng.random(int(rng.integers(0, size + 64))) < 0.5)
+    blocks = []
+    for length in lens:
+        draft = rng.random((n, n)) < 0.5
+        draft[rng.random(n) < 0.25] = False
+        blocks.append(np.concatenate([rng.random((n, int(length))) < 0.5, draft], 1).reshape(-1))
+    return torch.from_numpy(np.concatenate(blocks))
+
+
+def draft_edit(rng, rows, lens, n: int, num_slots: int, capacity: int):
+    """A ``req_to_token`` edit of one draft slot (position ``seq_len + j`` of a good request): past the pool or
+    below 0; None when no request is good."""
+    ok = [i for i in range(len(rows)) if 1 <= rows[i] <= REQS and 0 <= lens[i] <= capacity - n]
+    if not ok:
+        return None
+    i = ok[rng.integers(0, len(ok))]
+    return int(rows[i]), int(lens[i]) + int(rng.integers(0, n)), int(rng.choice([num_slots + 5, 1 << 30, -1]))
+
+
+def capture_tree(backend, bs: int, topk: int, n: int, rows, lens, mask=None):
+    backend.init_cuda_graph_state(bs, bs * n)
+    spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=mask)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * n, rows, lens, None, VERIFY, spec)
+    return backend.planner.refreshes[(VERIFY, bs)]
+
+
+@pytest.mark.parametrize("page, topk, n, bs", [(16, 4, 8, 3), (1, 4, 8, 2), (16, 2, 5, 4), (1, 2, 3, 5),
+                                                (4, 2, 5, 3)])
+def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs):
+    """Page 16: the prefix pass's Mosaic tables with the LSE index; pages 1 and 4: the Triton-lowered kernel's;
+    the expand pass's always the Triton-lowered kernel's."""
+    runner, _, backend = make(page, topk=topk)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    r = capture_tree(backend, bs, topk, n, rows, lens, torch.ones(bs * n * 40, dtype=torch.bool))
+    prefix = PREFIX_TABLES if page % 8 == 0 else TRITON_TABLES | PREFIX_TABLES  # Mosaic at pages of 8k
+    want_keys = {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
+    assert r.tree and r.verified == set(r.step.tables) == want_keys and not r.recorded
+    tables = dict(r.step.tables)
+    rng = np.random.default_rng(page * 10 + n)
+    capacity = backend.jax_backend.capacity
+    r2t = runner.req_to_token_pool.req_to_token
+    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    size = r.mask.shape[0]
+
+    def planned(values, mask):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
+        rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
+        spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=mask)
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
+        assert all(backend.step.tables[h] is t for h, t in tables.items())
+        return {h: t.flat.clone() for h, t in tables.items()}
+
+    def step_inputs(trial):
+        values = bad_inputs(rng, bs, capacity - n, trial, page, num_slots)
+        mask = tree_mask(rng, values[1], n, size)
+        if trial % 5 == 4:  # another dtype: nonzero is True
+            mask = mask.to(torch.int32) * 3
+        return values, mask, draft_edit(rng, values[0], values[1], n, num_slots, capacity) if trial % 3 else None
+
+    drafts = 0
+    for trial in range(12):
+        values, mask, draft = step_inputs(trial)
+        with edited(r2t, values[2]), edited(r2t, draft):
+            before = planned(values, mask)
+        values, mask, draft = step_inputs(trial + 1)
+        drafts += draft is not None
+        with edited(r2t, values[2]), edited(r2t, draft):
+            after = planned(values, mask)
+            for h, t in tables.items():  # the previous step's tables, then the refresh of the new inputs
+                t.flat.copy_(before[h])
+            r.take(rows, lens, mask)
+            r.before_layer(0)
+            for h, t in tables.items():
+                assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
+            expand = tables[(HQ, HKV, TRITON_TABLES | EXPAND_TABLES)].args[6]
+            assert 0 <= int(expand.min()) and int(expand.max()) < num_slots, "draft slots outside the pool"
+    assert drafts >= 4, "the trials must include draft slots outside the pool"
+
+
+def random_tree(rng, n: int) -> np.ndarray:
+    """bool[n, n]: draft token i sees itself and its ancestors (a random parent before it, or the root)."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    m = np.eye(n, dtype=bool)
+    for i in range(n):
+        j = parent[i]
+        while j >= 0:
+            m[i, j], j = True, parent[j]
+    return m
+
+
+def sglang_mask(committed, masks) -> torch.Tensor:
+    """SGLang's flat verify mask: per request N rows of (committed columns, then draft columns)."""
+    return torch.from_numpy(np.concatenate([np.concatenate([np.ones((len(m), c), bool), m], 1).reshape(-1)
+                                            for c, m in zip(committed, masks)]))
+
+
+def tree_oracle(runner, table, rows, committed, loc, masks, q) -> np.ndarray:
+    """float64: each draft token over its request's committed keys and the draft keys its tree allows."""
+    k, v = (b.float().cpu().numpy().astype(np.float64) for b in runner.token_to_kv_pool.get_kv_buffer(0))
+    qs, g, n = q.float().cpu().numpy().reshape(-1, HQ, D).astype(np.float64), HQ // HKV, len(masks[0])
+    out = np.zeros((len(qs), HQ, D))
+    for b, (r, c, m) in enumerate(zip(rows, committed, masks)):
+        for i in range(n):
+            sel = np.concatenate([table[r, :c], loc[b * n + np.nonzero(m[i])[0]]])
+            for h in range(HQ):
+                s = k[sel, h // g] @ qs[b * n + i, h] * D**-0.5
+                p = np.exp(s - s.max())
+                out[b * n + i, h] = p @ v[sel, h // g] / p.sum()
+    return out.reshape(len(qs), HQ * D)
+
+
+def tree_step(runner, table, rng, rows, committed, n: int):
+    """Committed K/V of each request, its draft tokens' slots, random trees and random q / k / v."""
+    fill(runner, table, rows, committed, rng)
+    loc = np.concatenate([table[r, c:c + n] for r, c in zip(rows, committed)]).astype(np.int64)
+    q, k, v = (torch.from_numpy(rng.standard_normal((len(rows) * n, h * D)).astype(np.float32)).to(torch.bfloat16)
+               for h in (HQ, HKV, HKV))
+    return loc, [random_tree(rng, n) for _ in rows], q, k, v
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16)  # bf16 bit patterns (NaN compares equal to itself)
+
+
+@pytest.mark.parametrize("page, topk, n", [(16, 4, 8), (1, 2, 5)])
+def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeypatch):
+    """Page 16: the prefix pass on the Mosaic kernel (its LSE index refreshed too); page 1: on the Triton-lowered
+    one. Steps with the captured buffers and with other tensors, a padded request (row 0, seq_len 1, no mask: an
+    all-False tree row), masks of other trees and lengths each step."""
+    rng = np.random.default_rng(7 + page)
+    runner, table, backend = make(page, seed=3, topk=topk)
+    planner, bs = backend.planner, 3
+    rows, lens = torch.tensor([1, 2, 3]), torch.tensor([9, 40, 17])  # the engine's static buffers
+    loc_buf = torch.zeros(bs * n, dtype=torch.int64)
+    cap_spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=torch.ones(bs * n * (MAX_CTX + n), dtype=torch.bool))
+    r = capture_tree(backend, bs, topk, n, rows, lens, cap_spec.custom_mask)
+    lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    fb = ForwardBatch(VERIFY, bs, rows, lens, loc_buf, token_to_kv_pool=runner.token_to_kv_pool, spec_info=cap_spec)
+    loc, _, q, k, v = tree_step(runner, table, rng, rows.numpy(), lens.numpy(), n)
+    loc_buf.copy_(torch.from_numpy(loc))
+    backend.forward(q, k, v, lay, fb)  # warm-up
+    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
+        m.setattr(graph_tables, "capturing", lambda: True)
+        backend.forward(q, k, v, lay, fb)
+    assert r.recorded and len(r.verified) == 2
+    runs = []
+    real_run = planner._run
+    monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
+    kb = runner.token_to_kv_pool.k_buffer[0]
+    for step_rows, committed, same in (([5, 1, 6], [70, 33, 100], True), ([3, 4, 2], [12, 12, 90], False),
+                                       ([6, 5, 0], [50, 7, 1], True)):
+        real = 2 if step_rows[-1] == 0 else 3  # a padded request: row 0, seq_len 1, none of the mask
+        step_rows, committed = np.array(step_rows), np.array(committed)
+        loc, masks, q, k, v = tree_step(runner, table, rng, step_rows[:real], committed[:real], n)
+        loc = np.concatenate([loc, np.zeros((bs - real) * n, np.int64)])
+        spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=sglang_mask(committed[:real], masks))
+        if same:  # SGLang: new values in the captured buffers
+            rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(committed))
+            args = rows, lens
+        else:  # other tensors: copied into the captured ones
+            args = torch.from_numpy(step_rows), torch.from_numpy(committed)
+        loc_buf.copy_(torch.from_numpy(loc))
+        backend.init_forward_metadata_replay_cuda_graph(bs, *args, None, None, VERIFY, spec, None)
+        assert not runs, "the replay hook of a recorded tree bucket must not run the planner"
+        before = bits(kb).clone()
+        q = torch.cat([q, torch.zeros((bs - real) * n, HQ * D, dtype=q.dtype)])
+        k, v = (torch.cat([x, torch.zeros((bs - real) * n, HKV * D, dtype=x.dtype)]) for x in (k, v))
+        out = backend.forward(q, k, v, lay, fb)
+        written = torch.from_numpy(loc[:real * n])
+        untouched = torch.ones(kb.shape[0], dtype=torch.bool)
+        untouched[written] = untouched[0] = False  # slot 0: the padded tokens' writes
+        assert torch.equal(bits(kb)[untouched], before[untouched]), "the step wrote outside its draft slots"
+        want = tree_oracle(runner, table, step_rows, committed, loc, masks, q[:real * n])
+        err = np.abs(out[:real * n].float().numpy() - want).max() / np.abs(want).max()
+        assert err < 2e-2, err
+        assert not runs
+        # the planner path on the same step (an eager plan: its tables land in the same buffers)
+        eager_fb = ForwardBatch(VERIFY, bs, torch.from_numpy(step_rows), torch.from_numpy(committed), loc_buf,
+                                token_to_kv_pool=runner.token_to_kv_pool, spec_info=spec)
+        backend.init_forward_metadata(eager_fb)
+        eager = backend.forward(q, None, None, lay, eager_fb, save_kv_cache=False)
+        assert runs and torch.equal(bits(out[:real * n]), bits(eager[:real * n]))
+        runs.clear()
+    # A reallocated request table: the graph would read the old one, so the hook refuses.
+    pool = runner.req_to_token_pool
+    old, pool.req_to_token = pool.req_to_token, pool.req_to_token.clone()
+    with pytest.raises(ValueError, match="capture the graphs again"):
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
+    pool.req_to_token = old
+    # What reads the plan words gets the planner's, for the new inputs and mask: a bad length is flagged.
+    lens[2] = backend.jax_backend.capacity + 1
+    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
+    assert not runs
+    with pytest.raises(ValueError, match="bad step input"):
+        backend.check()
+    assert len(runs) == 1 and not r.stale
