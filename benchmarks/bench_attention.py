@@ -73,6 +73,11 @@ import peers  # noqa: E402
 from common import Row  # noqa: E402
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+# --shapes: real models' attention shapes (name, Hq, Hkv, d), at the grid's two points (page 16)
+MODEL_SHAPES = [("SmolLM2-135M", 9, 3, 64), ("Llama-3-8B", 32, 8, 128), ("Phi-3", 32, 32, 96),
+                ("head dim 80", 32, 8, 80), ("Gemma 2/3", 16, 8, 256), ("Llama-4, group 5", 40, 8, 128),
+                ("Qwen2.5-7B, group 7", 28, 4, 128), ("Llama-70B at TP8", 8, 1, 128)]
+GRID_CASES = [("decode", 64, 1, 4096, 16), ("prefill", 4, 2048, 2048, 16)]
 DECODE_SHAPES = [(64, 4096), (1, 32768), (8, 8192), (256, 1024)]
 TOLERANCE = 2e-2  # relative L2 error against SDPA (bf16 outputs land near 4e-3)
 SGLANG_SPLITS = (4, 8, 16)  # decode kv splits tried for SGLang; the fastest is reported
@@ -102,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--head-dim", type=int, default=0,
                     help="peers: head dim of every case (default 128; e.g. 80, 96, 112, 192, 256)")
     ap.add_argument("--heads", default="", help="peers: HQ/HKV of every case (default 32/8; e.g. 32/32 for Phi-3)")
+    ap.add_argument("--shapes", action="store_true",
+                    help="peers: the model-shape grid (MODEL_SHAPES) at decode 64x4096 and prefill B4 S2048, page 16, "
+                         "against FA3 and cuDNN only, with the kernel auto picks and a summary table")
     args = ap.parse_args(argv)
     if args.mode in ("local", "wall") and args.only not in (None, "decode", "prefill"):
         ap.error(f"--mode {args.mode} takes --only decode or --only prefill")
@@ -355,6 +363,8 @@ def main_peers(args) -> int:
     print("self-check against float32 (tolerance %.0e):\n%s" % (TOLERANCE, "\n".join(lines)), flush=True)
     meta["selfcheck"], meta["selfcheck_failed"] = lines, sorted(flagged)
 
+    if args.shapes:
+        return shape_grid(args, reps, device, flagged, meta)
     rows, seen = [], set()
     cases = case_list(args)
     if args.smoke:
@@ -385,6 +395,54 @@ def main_peers(args) -> int:
     if flagged:
         print("self-check failed for:", ", ".join(sorted(flagged)))
     print(common.format_table(rows))
+    return 0
+
+
+def auto_kernel(kind: str, b: int, q_len: int, ps: int) -> str:
+    """The kernel ``impl="auto"`` runs for a case of the current ``HEADS`` (``kernel_policy.select_kernel``)."""
+    from jax_attn.kernel_policy import Call, select_kernel
+
+    call = Call(max_q_len=q_len, page_size=ps, num_tokens=b * q_len, num_kv_heads=HEADS["num_kv_heads"],
+                head_dim=HEADS["head_dim"], head_dim_v=HEADS["head_dim"], dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                num_q_heads=HEADS["num_q_heads"])
+    return select_kernel("auto", call)
+
+
+def shape_grid(args, reps, device, flagged, meta) -> int:
+    """``--shapes``: every model shape of ``MODEL_SHAPES`` at the ``GRID_CASES`` points in this process, our
+    two kernels against FA3 (fastest of its splits) and cuDNN; prints one summary row per shape and point."""
+    keep = ("ours", "ours_mosaic") + tuple(f"fa3/{s}" for s in peers.FA3_SPLITS)
+    rows, summary = [], []
+    for name, hq, hkv, d in MODEL_SHAPES:
+        HEADS.update(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        for kind, b, q_len, kv_len, ps in GRID_CASES:
+            got = run_case(kind, b, q_len, kv_len, ps, reps=reps, device=device, with_dense=True, flagged=flagged,
+                           rounds=args.rounds, keep=keep)
+            by = {r.peer.split("/")[0].split("[")[0]: r for r in got}  # sdpa[cudnn] -> sdpa, fa3/4 -> fa3
+            auto = auto_kernel(kind, b, q_len, ps)
+            ours = by.get("ours_mosaic" if auto == "mosaic" else "ours")
+            value = {k: (r.value if r.status == "ok" else None) for k, r in by.items()}
+
+            def ratio(peer):
+                a, p = value.get(ours.peer if ours else ""), value.get(peer)
+                return f"{a / p:.2f}" if a and p else "-"
+
+            summary.append((name, f"{hq}/{hkv}", d, kind, auto, common.fmt(value.get("ours"), ".3g"),
+                            common.fmt(value.get("ours_mosaic"), ".3g"), common.fmt(value.get("fa3"), ".3g"),
+                            common.fmt(value.get("sdpa"), ".3g"), ratio("fa3"), ratio("sdpa"), got[0].unit))
+            rows += got
+    common.fill_ratios(rows)
+    meta["copy_tbps"] = common.copy_bandwidth_tbps()
+    files = common.write_results(rows, meta, common.out_dir())
+    print("\nwrote:", ", ".join(files))
+    print(f"\ndevice: {meta['device']}; torch {meta['torch']}, jax {meta['jax']}; median of {reps} reps; "
+          "decode 64 x 4096 in TB/s, prefill B4 S2048 causal in TFLOP/s, page 16, bf16; auto = the kernel "
+          "impl='auto' runs; ratios: auto's kernel / the peer")
+    head = ("model shape", "Hq/Hkv", "d", "point", "auto", "triton", "mosaic", "fa3", "cudnn", "auto/fa3",
+            "auto/cudnn", "unit")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for line in summary:
+        print("| " + " | ".join(str(x) for x in line) + " |")
     return 0
 
 

@@ -291,7 +291,8 @@ def test_torch_bridge_head_dims(d, dv, mode):
 @gpu
 @pytest.mark.skipif(not ON_GPU or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d,dv,mode", [(96, 96, "extend"), (80, 80, "decode"), (112, 112, "extend"),
-                                       (192, 128, "extend"), (192, 128, "decode"), (128, 64, "decode")])
+                                       (192, 128, "extend"), (192, 128, "decode"), (128, 64, "decode"),
+                                       (256, 256, "extend"), (256, 256, "decode"), (256, 128, "extend")])
 def test_torch_bridge_head_dims_gpu(d, dv, mode):
     """On a Hopper GPU these head dims take the launch path (the Mosaic kernel from torch), bf16."""
     got, want, backend = _bridge_step(d, dv, mode, "cuda", torch.bfloat16, 16)
