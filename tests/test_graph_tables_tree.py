@@ -226,3 +226,57 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeyp
     with pytest.raises(ValueError, match="bad step input"):
         backend.check()
     assert len(runs) == 1 and not r.stale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page, topk, n", [(16, 4, 8), (1, 2, 5)])
+def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n):
+    """A tree verify bucket captured with the engine's static buffers in a real ``torch.cuda.graph``; each replay
+    hook copies the step's mask and skips the planner, the graph's refresh writes both passes' tables, and the
+    output matches the float64 oracle and, bitwise, the same step planned eagerly. Page 16: the prefix pass on
+    the Mosaic kernel (Hopper); page 1: on the Triton-lowered kernel (any CUDA GPU)."""
+    if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a CUDA GPU (Hopper for page 16)")
+    dev, bs = torch.device("cuda"), 3
+    rng = np.random.default_rng(23)
+    runner, table, backend = make(page, device="cuda", seed=6, topk=topk)
+    rows = torch.tensor([1, 2, 3], dtype=torch.int64, device=dev)
+    lens = torch.full((bs,), 5, dtype=torch.int64, device=dev)
+    loc = torch.zeros(bs * n, dtype=torch.int64, device=dev)
+    cap_mask = torch.ones(bs * n * (MAX_CTX + n), dtype=torch.bool, device=dev)  # SGLang's static capture buffer
+    r = capture_tree(backend, bs, topk, n, rows, lens, cap_mask)
+    lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
+    q = torch.zeros(bs * n, HQ * D, dtype=torch.bfloat16, device=dev)
+    k, v = (torch.zeros(bs * n, HKV * D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    fb = ForwardBatch(VERIFY, bs, rows, lens, loc, token_to_kv_pool=runner.token_to_kv_pool,
+                      spec_info=SpecInfo(topk=topk, draft_token_num=n, custom_mask=cap_mask))
+    backend.forward(q, k, v, lay, fb)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, k, v, lay, fb)
+    assert r.recorded and len(r.verified) == 2
+    runs = []
+    real_run = backend.planner._run
+    backend.planner._run = lambda *a: runs.append(a) or real_run(*a)
+    for step_rows, committed in (([4, 1, 6], [50, 100, 9]), ([2, 3, 5], [77, 77, 1]), ([6, 4, 2], [1, 64, 110])):
+        step_rows, committed = np.array(step_rows), np.array(committed)
+        step_loc, masks, qs, ks, vs = tree_step(runner, table, rng, step_rows, committed, n)
+        rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(committed))
+        loc.copy_(torch.from_numpy(step_loc))
+        spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=sglang_mask(committed, masks).to(dev))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
+        for x, y in ((q, qs), (k, ks), (v, vs)):
+            x.copy_(y)
+        g.replay()
+        torch.cuda.synchronize()
+        assert not runs
+        want = tree_oracle(runner, table, step_rows, committed, step_loc, masks, qs)
+        err = np.abs(out.float().cpu().numpy() - want).max() / np.abs(want).max()
+        assert err < 2e-2, err
+        eager_fb = ForwardBatch(VERIFY, bs, rows.clone(), lens.clone(), loc, token_to_kv_pool=runner.token_to_kv_pool,
+                                spec_info=spec)
+        backend.init_forward_metadata(eager_fb)  # the planner's tables of the step, in the same buffers
+        eager = backend.forward(q, None, None, lay, eager_fb, save_kv_cache=False)
+        assert torch.equal(bits(eager), bits(out)), "graph replay != the same step planned eagerly"
+        runs.clear()

@@ -240,6 +240,7 @@ class TableRefresh:
             self._lens = torch.full((b,), jbatch.SEQ_LEN_FILL_VALUE, dtype=torch.int64, device=dev)
             # tree verify: the flat mask bytes the planner reads (``mask_bytes``), filled by the replay hook
             self.mask = torch.zeros(mask_bytes(key, capacity), dtype=torch.bool, device=dev) if self.tree else None
+        self.mask_size = 0 if self.mask is None else int(self.mask.shape[0])
         self.mask_len = 0  # bytes of ``mask`` the last load wrote (the rest are 0)
         self.spec_info = types.SimpleNamespace(custom_mask=self.mask) if self.tree else None  # a planner call's
         p, page, width = key.max_pages, key.page_size, req_to_token.shape[1]
@@ -400,9 +401,11 @@ class TableRefresh:
         (``dlpack.pack_mask_words``: cut to the buffer, nonzero = True, zeros past it; None: all zeros)."""
         if mask is self.mask:
             return
-        m = mask.reshape(-1) if mask is not None else self.mask[:0]
-        n = min(int(m.shape[0]), self.mask.shape[0])
-        self.mask[:n].copy_(m[:n])
+        m = self.mask[:0] if mask is None else mask if mask.dim() == 1 else mask.reshape(-1)
+        n = m.shape[0]
+        if n > self.mask_size:
+            n, m = self.mask_size, m[:self.mask_size]
+        self.mask[:n].copy_(m)
         if n < self.mask_len:
             self.mask[n:self.mask_len].zero_()
         self.mask_len = n

@@ -114,6 +114,7 @@ class StepPlanner:
         self._final: Dict[tuple, Packing] = {}  # (packing, graph, jax_heads) -> the packing the planner runs
         self._keys: Dict[tuple, Tuple[TableKey, ...]] = {}  # (plan key, local) -> table_keys
         self._plan_keys: Dict[tuple, PlanKey] = {}  # key()'s of steps without spec_info
+        self._specs: Dict[tuple, jbatch.SpecInfo] = {}  # spec()'s, by (mode, spec_info's topk and draft tokens)
 
     def share(self, other: "StepPlanner") -> None:
         """Use ``other``'s compiled planners and layer shapes (draft steps of one multi-step backend)."""
@@ -328,10 +329,22 @@ class StepPlanner:
 
     # ---- SGLang's entry points ----------------------------------------------------------------
     def spec(self, spec_info, mode: ForwardMode) -> Optional[jbatch.SpecInfo]:
-        """jax_attn's static SpecInfo from EAGLE's / NGRAM's spec_info and this backend's settings."""
+        """jax_attn's static SpecInfo from EAGLE's / NGRAM's spec_info and this backend's settings (made once per
+        mode, topk and draft tokens the spec_info names: each replay hook asks)."""
         speculative = mode == ForwardMode.TARGET_VERIFY or mode.is_draft_extend()
         if not speculative and (spec_info is None or mode != ForwardMode.DECODE):
             return None
+        own, draft = getattr(spec_info, "topk", None), getattr(spec_info, "draft_token_num", 0)
+        memo = (mode, own, draft) if isinstance(own, (int, type(None))) and isinstance(draft, (int, type(None))) \
+            else None
+        hit = self._specs.get(memo) if memo is not None else None
+        if hit is None:
+            hit = self._make_spec(spec_info, mode)
+            if memo is not None:
+                self._specs[memo] = hit
+        return hit
+
+    def _make_spec(self, spec_info, mode: ForwardMode) -> jbatch.SpecInfo:
         topk = 1 if mode.is_draft_extend() else self.topk(spec_info)  # draft extend is never a tree
         draft = int(getattr(spec_info, "draft_token_num", 0) or 0) or self.settings.num_draft_tokens
         if mode == ForwardMode.TARGET_VERIFY and draft < 1:
