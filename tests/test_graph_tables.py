@@ -13,6 +13,7 @@ the JAX planner, and the first layer (inside the engine's graph: every replay) r
 
 import contextlib
 import types
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -40,9 +41,9 @@ N_DRAFT = 3
 
 
 def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
-         topk: int = 0):
+         topk: int = 0, window: Optional[int] = None):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
-    (``topk`` > 1: tree speculative steps)."""
+    (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
     pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
     for buf in pool.k_buffer + pool.v_buffer:
@@ -53,6 +54,7 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
     config.get_num_kv_heads = lambda tp: HKV
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, config, page_size=page,
                          device=str(device))
+    runner.sliding_window_size = window
     # on the CPU both kernels interpreted: the Mosaic kernel at pages of 8k, the Triton-lowered one at others
     path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
     backend = FlashAttentionBackend(runner, mosaic_path=path, speculative_step_id=step_id,
@@ -279,11 +281,13 @@ def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatc
 
 
 def test_jax_path_layer_after_a_planner_free_replay_reads_fresh_words(monkeypatch):
-    """Sinks with packed decode rows run through JAX: after a replay hook that skipped the planner, that
-    layer must see the new inputs' plan, not the capture's."""
+    """A layer whose K and V pools differ in dtype runs through JAX (a launch binds one dtype for both):
+    after a replay hook that skipped the planner, that layer must see the new inputs' plan, not the
+    capture's."""
     rng = np.random.default_rng(8)
     runner, table, backend = make(16, seed=4, layers=2)
     pool = runner.token_to_kv_pool
+    pool.v_buffer[1] = pool.v_buffer[1].to(torch.float16)  # layer 1: bf16 keys, f16 values
     bs = 4
     backend.init_cuda_graph_state(bs, bs)
     rows = torch.tensor([1, 2, 3, 4], dtype=torch.int64)

@@ -5,7 +5,8 @@ engine's graph: every replay) rewrites both passes' tables.
 * the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs and mask, bit
   for bit: random trees with all-False (padded) rows, masks shorter or longer than the planner's bound or of
   another dtype, bad rows and lengths, page ids and draft slots outside the pool; pages 1, 4 and 16 (the
-  prefix pass on the Triton-lowered kernel or, with its LSE index, the Mosaic one), 4 x 8 trees among them;
+  prefix pass on the Triton-lowered kernel or, with its LSE index, the Mosaic one), 4 x 8 trees among them,
+  and sliding-window models' SWA table;
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output matches the
   float64 oracle and the planner path, and the NaN pool is untouched but for the written slots;
 * on a GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh bitwise as the eager step.
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from jax_attn.safety import INT32_MAX, INT32_MIN
+
 from tests.test_bridge_launch import HKV, HQ, D, fill
 from tests.test_graph_tables import MAX_CTX, REQS, bad_inputs, edited, make
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention, SpecInfo
 from torch_bridge import graph_tables
-from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TRITON_TABLES
+from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES, key_flags
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
@@ -57,16 +60,19 @@ def capture_tree(backend, bs: int, topk: int, n: int, rows, lens, mask=None):
     return backend.planner.refreshes[(VERIFY, bs)]
 
 
-@pytest.mark.parametrize("page, topk, n, bs", [(16, 4, 8, 3), (1, 4, 8, 2), (16, 2, 5, 4), (1, 2, 3, 5),
-                                                (4, 2, 5, 3)])
-def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs):
+@pytest.mark.parametrize("page, topk, n, bs, window", [(16, 4, 8, 3, None), (1, 4, 8, 2, None), (16, 2, 5, 4, 7),
+                                                        (1, 2, 3, 5, 0), (4, 2, 5, 3, None), (1, 4, 8, 3, 16)])
+def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs, window):
     """Page 16: the prefix pass's Mosaic tables with the LSE index; pages 1 and 4: the Triton-lowered kernel's;
-    the expand pass's always the Triton-lowered kernel's."""
-    runner, _, backend = make(page, topk=topk)
+    the expand pass's always the Triton-lowered kernel's. ``window``: a sliding-window model, whose tree steps
+    carry the SWA table too (committed then draft slots per row, the Triton-lowered kernel's)."""
+    runner, _, backend = make(page, topk=topk, window=window)
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
     r = capture_tree(backend, bs, topk, n, rows, lens, torch.ones(bs * n * 40, dtype=torch.bool))
     prefix = PREFIX_TABLES if page % 8 == 0 else TRITON_TABLES | PREFIX_TABLES  # Mosaic at pages of 8k
     want_keys = {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
+    if window is not None:
+        want_keys.add((HQ, HKV, TRITON_TABLES | TREE_SWA_TABLES))
     assert r.tree and r.verified == set(r.step.tables) == want_keys and not r.recorded
     tables = dict(r.step.tables)
     rng = np.random.default_rng(page * 10 + n)
@@ -84,6 +90,8 @@ def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs
 
     def step_inputs(trial):
         values = bad_inputs(rng, bs, capacity - n, trial, page, num_slots)
+        if trial % 4 == 3:  # lengths whose offsets wrap in int32 (and saturate first)
+            values[1][rng.integers(0, bs)] = rng.choice([-(1 << 40), INT32_MIN, INT32_MAX - 2, 1 << 40])
         mask = tree_mask(rng, values[1], n, size)
         if trial % 5 == 4:  # another dtype: nonzero is True
             mask = mask.to(torch.int32) * 3
@@ -104,8 +112,10 @@ def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs
             r.before_layer(0)
             for h, t in tables.items():
                 assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
-            expand = tables[(HQ, HKV, TRITON_TABLES | EXPAND_TABLES)].args[6]
-            assert 0 <= int(expand.min()) and int(expand.max()) < num_slots, "draft slots outside the pool"
+            for h in tables:
+                if key_flags(h) & (EXPAND_TABLES | TREE_SWA_TABLES):
+                    slots = tables[h].args[6]
+                    assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, f"{h}: slots outside the pool"
     assert drafts >= 4, "the trials must include draft slots outside the pool"
 
 
@@ -154,27 +164,39 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16)  # bf16 bit patterns (NaN compares equal to itself)
 
 
-@pytest.mark.parametrize("page, topk, n", [(16, 4, 8), (1, 2, 5)])
-def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeypatch):
+@pytest.mark.parametrize("page, topk, n, window", [(16, 4, 8, None), (1, 2, 5, 6)])
+def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, window, monkeypatch):
     """Page 16: the prefix pass on the Mosaic kernel (its LSE index refreshed too); page 1: on the Triton-lowered
-    one. Steps with the captured buffers and with other tensors, a padded request (row 0, seq_len 1, no mask: an
-    all-False tree row), masks of other trees and lengths each step."""
+    one, and a sliding-window layer over the tree's SWA table (equal, bitwise, to the planner path's). Steps with
+    the captured buffers and with other tensors, a padded request (row 0, seq_len 1, no mask: all-False tree
+    rows), masks of other trees and lengths each step."""
     rng = np.random.default_rng(7 + page)
-    runner, table, backend = make(page, seed=3, topk=topk)
+    runner, table, backend = make(page, seed=3, topk=topk, window=window, layers=2)
     planner, bs = backend.planner, 3
     rows, lens = torch.tensor([1, 2, 3]), torch.tensor([9, 40, 17])  # the engine's static buffers
     loc_buf = torch.zeros(bs * n, dtype=torch.int64)
     cap_spec = SpecInfo(topk=topk, draft_token_num=n, custom_mask=torch.ones(bs * n * (MAX_CTX + n), dtype=torch.bool))
     r = capture_tree(backend, bs, topk, n, rows, lens, cap_spec.custom_mask)
     lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
-    fb = ForwardBatch(VERIFY, bs, rows, lens, loc_buf, token_to_kv_pool=runner.token_to_kv_pool, spec_info=cap_spec)
+    pool = runner.token_to_kv_pool
+    windowed = RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=window if window is not None else -1)
+
+    def forward(fb, save: bool = True):  # the full layer, then (a sliding-window model) the windowed one
+        out = backend.forward(q, k, v, lay, fb, save_kv_cache=save)
+        if window is None:
+            return out, None
+        for bufs in (pool.k_buffer, pool.v_buffer):
+            bufs[1].copy_(bufs[0])  # layer 1 reads what layer 0 holds
+        return out, backend.forward(q, None, None, windowed, fb, save_kv_cache=False)
+
+    fb = ForwardBatch(VERIFY, bs, rows, lens, loc_buf, token_to_kv_pool=pool, spec_info=cap_spec)
     loc, _, q, k, v = tree_step(runner, table, rng, rows.numpy(), lens.numpy(), n)
     loc_buf.copy_(torch.from_numpy(loc))
-    backend.forward(q, k, v, lay, fb)  # warm-up
+    forward(fb)  # warm-up
     with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
         m.setattr(graph_tables, "capturing", lambda: True)
-        backend.forward(q, k, v, lay, fb)
-    assert r.recorded and len(r.verified) == 2
+        forward(fb)
+    assert r.recorded and len(r.verified) == (2 if window is None else 3)
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
@@ -197,7 +219,7 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeyp
         before = bits(kb).clone()
         q = torch.cat([q, torch.zeros((bs - real) * n, HQ * D, dtype=q.dtype)])
         k, v = (torch.cat([x, torch.zeros((bs - real) * n, HKV * D, dtype=x.dtype)]) for x in (k, v))
-        out = backend.forward(q, k, v, lay, fb)
+        out, out_w = forward(fb)
         written = torch.from_numpy(loc[:real * n])
         untouched = torch.ones(kb.shape[0], dtype=torch.bool)
         untouched[written] = untouched[0] = False  # slot 0: the padded tokens' writes
@@ -208,17 +230,20 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeyp
         assert not runs
         # the planner path on the same step (an eager plan: its tables land in the same buffers)
         eager_fb = ForwardBatch(VERIFY, bs, torch.from_numpy(step_rows), torch.from_numpy(committed), loc_buf,
-                                token_to_kv_pool=runner.token_to_kv_pool, spec_info=spec)
+                                token_to_kv_pool=pool, spec_info=spec)
         backend.init_forward_metadata(eager_fb)
-        eager = backend.forward(q, None, None, lay, eager_fb, save_kv_cache=False)
+        eager, eager_w = forward(eager_fb, save=False)
         assert runs and torch.equal(bits(out[:real * n]), bits(eager[:real * n]))
+        if window is not None:  # launched over the tree's SWA table
+            assert key_flags(backend.runner.hits[1].call.heads) & TREE_SWA_TABLES
+            assert torch.equal(bits(out_w[:real * n]), bits(eager_w[:real * n]))
         runs.clear()
     # A reallocated request table: the graph would read the old one, so the hook refuses.
-    pool = runner.req_to_token_pool
-    old, pool.req_to_token = pool.req_to_token, pool.req_to_token.clone()
+    req_pool = runner.req_to_token_pool
+    old, req_pool.req_to_token = req_pool.req_to_token, req_pool.req_to_token.clone()
     with pytest.raises(ValueError, match="capture the graphs again"):
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
-    pool.req_to_token = old
+    req_pool.req_to_token = old
     # What reads the plan words gets the planner's, for the new inputs and mask: a bad length is flagged.
     lens[2] = backend.jax_backend.capacity + 1
     backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
@@ -229,17 +254,19 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page, topk, n", [(16, 4, 8), (1, 2, 5)])
-def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n):
+@pytest.mark.parametrize("page, topk, n, window", [(16, 4, 8, None), (1, 2, 5, 6)])
+def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n, window):
     """A tree verify bucket captured with the engine's static buffers in a real ``torch.cuda.graph``; each replay
-    hook copies the step's mask and skips the planner, the graph's refresh writes both passes' tables, and the
-    output matches the float64 oracle and, bitwise, the same step planned eagerly. Page 16: the prefix pass on
-    the Mosaic kernel (Hopper); page 1: on the Triton-lowered kernel (any CUDA GPU)."""
+    hook copies the step's mask and skips the planner, the graph's refresh writes both passes' tables (and the
+    SWA table), and the output matches the float64 oracle and, bitwise, the same step planned eagerly. Page 16:
+    the prefix pass on the Mosaic kernel (Hopper); page 1: on the Triton-lowered kernel (any CUDA GPU), with a
+    sliding-window layer after the full one."""
     if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
         pytest.skip("needs a CUDA GPU (Hopper for page 16)")
     dev, bs = torch.device("cuda"), 3
     rng = np.random.default_rng(23)
-    runner, table, backend = make(page, device="cuda", seed=6, topk=topk)
+    runner, table, backend = make(page, device="cuda", seed=6, topk=topk, window=window, layers=2)
+    pool = runner.token_to_kv_pool
     rows = torch.tensor([1, 2, 3], dtype=torch.int64, device=dev)
     lens = torch.full((bs,), 5, dtype=torch.int64, device=dev)
     loc = torch.zeros(bs * n, dtype=torch.int64, device=dev)
@@ -248,14 +275,24 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n):
     lay = RadixAttention(HQ, D, D**-0.5, HKV, 0)
     q = torch.zeros(bs * n, HQ * D, dtype=torch.bfloat16, device=dev)
     k, v = (torch.zeros(bs * n, HKV * D, dtype=torch.bfloat16, device=dev) for _ in range(2))
-    fb = ForwardBatch(VERIFY, bs, rows, lens, loc, token_to_kv_pool=runner.token_to_kv_pool,
+    windowed = RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=window if window is not None else -1)
+
+    def forward(fb, save: bool = True):  # the full layer, then (a sliding-window model) the windowed one
+        out = backend.forward(q, k, v, lay, fb, save_kv_cache=save)
+        if window is None:
+            return out, None
+        for bufs in (pool.k_buffer, pool.v_buffer):
+            bufs[1].copy_(bufs[0])  # layer 1 reads what layer 0 holds
+        return out, backend.forward(q, None, None, windowed, fb, save_kv_cache=False)
+
+    fb = ForwardBatch(VERIFY, bs, rows, lens, loc, token_to_kv_pool=pool,
                       spec_info=SpecInfo(topk=topk, draft_token_num=n, custom_mask=cap_mask))
-    backend.forward(q, k, v, lay, fb)  # warm-up outside the capture
+    forward(fb)  # warm-up outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = backend.forward(q, k, v, lay, fb)
-    assert r.recorded and len(r.verified) == 2
+        out, out_w = forward(fb)
+    assert r.recorded and len(r.verified) == (2 if window is None else 3)
     runs = []
     real_run = backend.planner._run
     backend.planner._run = lambda *a: runs.append(a) or real_run(*a)
@@ -274,9 +311,10 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n):
         want = tree_oracle(runner, table, step_rows, committed, step_loc, masks, qs)
         err = np.abs(out.float().cpu().numpy() - want).max() / np.abs(want).max()
         assert err < 2e-2, err
-        eager_fb = ForwardBatch(VERIFY, bs, rows.clone(), lens.clone(), loc, token_to_kv_pool=runner.token_to_kv_pool,
-                                spec_info=spec)
+        eager_fb = ForwardBatch(VERIFY, bs, rows.clone(), lens.clone(), loc, token_to_kv_pool=pool, spec_info=spec)
         backend.init_forward_metadata(eager_fb)  # the planner's tables of the step, in the same buffers
-        eager = backend.forward(q, None, None, lay, eager_fb, save_kv_cache=False)
+        eager, eager_w = forward(eager_fb, save=False)
         assert torch.equal(bits(eager), bits(out)), "graph replay != the same step planned eagerly"
+        if window is not None:
+            assert torch.equal(bits(eager_w), bits(out_w)), "sliding-window layer: graph replay != eager"
         runs.clear()

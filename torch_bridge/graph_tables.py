@@ -12,8 +12,8 @@ only selects the bucket's step; the graph recomputes the tables on the GPU befor
 
 A tree verify bucket (topk > 1, ``jax_attn.spec.plan_verify_tree``) depends on SGLang's flat
 ``custom_mask`` too, a new tensor each step: the replay hook copies it into a buffer the graph reads
-(``TableRefresh.load_mask``), and the graph recomputes both passes' tables. Tree draft decode and tree
-steps with an SWA table (sliding-window layers) keep the planner (``reason``).
+(``TableRefresh.load_mask``), and the graph recomputes both passes' tables and, with sliding-window
+layers, the tree's SWA table. Tree draft decode and SGLang's ``SWAKVPool`` keep the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -39,7 +39,9 @@ queries per request with no KV offset (the Mosaic kernel's carry the LSE index o
 its expand pass's (page size 1, one row per draft token, ``jax_attn.spec``'s rules in int32): the tree mask
 read from the mask bytes at ``draft_mask_from_custom_mask``'s offsets (False outside the buffer), the draft
 slots ``req_to_token[row, clip(seq_len + j, 0, W - 1)]`` with the allowed columns first in column order
-(the planner's stable sort), clipped into the pool, and the allowed count per row.
+(the planner's stable sort), clipped into the pool, and the allowed count per row. Its SWA table (``_swa_md``)
+holds per draft row the request's slots of positions ``[0, seq_len)`` then the row's expand slots (before their
+clip into the pool), ``seq_len`` plus the allowed count keys, all clipped like the expand pass's.
 
 The Triton-lowered kernel's tables (page sizes the Mosaic kernel does not take, e.g. SGLang's default of
 1) hold the same lengths (``cache_seqlens``: ``seq_lens`` clipped to the capacity) and page table, and the
@@ -70,13 +72,15 @@ from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TRITON_TABLES, TableKey, Tables, key_flags
+from torch_bridge.mosaic_path import (EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables,
+                                      key_flags)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
 # the table keys' flags a refresh writes (False: a uniform bucket's, True: a tree verify bucket's)
 MOSAIC_FLAGS = {False: 0, True: PREFIX_TABLES}
-TRITON_FLAGS = {False: (TRITON_TABLES,), True: (TRITON_TABLES | PREFIX_TABLES, TRITON_TABLES | EXPAND_TABLES)}
+TRITON_FLAGS = {False: (TRITON_TABLES,), True: tuple(TRITON_TABLES | f for f in (PREFIX_TABLES, EXPAND_TABLES,
+                                                                                   TREE_SWA_TABLES))}
 
 
 def tree_verify(key: PlanKey) -> bool:
@@ -91,8 +95,6 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
     if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key)):
         return ("only uniform steps without encoder (decode, chain draft decode, chain and tree verify); tree draft "
                 "decode's tables come from the planner")
-    if key.with_swa:
-        return "a tree step's SWA table (sliding-window layers) comes from the planner"
     if key.swa_pool or plans_local(key) or step.layout.local or step.layout.swa:
         return "SWA pool and local-attention tables come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
@@ -118,6 +120,7 @@ class Parts(NamedTuple):
     rank: torch.Tensor  # i64[B] each sequence's place in ``order``
     # tree verify's expand pass: i32[B * N, N] draft slots, allowed ones first; i32[B * N] allowed per row
     expand: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    swa: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # its SWA table: i32[B * N, C + N], i32[B * N] keys
 
 
 def wrap32(x: torch.Tensor) -> torch.Tensor:  # i64 -> i64
@@ -137,11 +140,11 @@ def tree_mask(mask: torch.Tensor, lens: torch.Tensor, n: int) -> torch.Tensor:  
     return (ok & mask[idx.clamp(0, mask.shape[0] - 1)]).reshape(-1, n)
 
 
-def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor,
-                 num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The expand pass's page table and lengths (``plan_verify_tree``, guarded): per draft row (``mask``'s
-    rows), its request's draft slots with the columns it allows first in column order, clipped into the pool,
-    and how many it allows. ``rows``: clipped request rows; ``lens``: the int32 committed lengths."""
+def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The expand pass's page table and lengths (``plan_verify_tree``, before the guard): per draft row (``mask``'s
+    rows), its request's draft slots with the columns it allows first in column order, and how many it allows.
+    ``rows``: clipped request rows; ``lens``: the int32 committed lengths."""
     b, n = lens.shape[0], mask.shape[1]
     j = torch.arange(n, dtype=torch.int64, device=lens.device)
     cols = wrap32(lens[:, None] + j).clamp(0, r2t.shape[1] - 1)
@@ -150,10 +153,27 @@ def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask
     before = torch.cumsum(allowed, 1) - allowed  # allowed columns left of each column
     count = allowed.sum(1)
     dest = torch.where(mask, before, count[:, None] + j - before)  # the stable sort's place of each column
-    table = torch.empty_like(slots).scatter_(1, dest, slots)
+    return torch.empty_like(slots).scatter_(1, dest, slots), count
+
+
+def swa_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, expand: torch.Tensor, counts: torch.Tensor,
+              width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The tree's SWA table and lengths (``jax_attn.spec._swa_md``, before the guard): per draft row, its request's
+    slots of positions ``[0, seq_len)`` (``width`` columns at most) then its ``expand`` slots (unclipped)."""
+    b, n = lens.shape[0], expand.shape[1]
+    base = lens[:, None].expand(b, n).reshape(-1)  # [B * N]
+    col = torch.arange(width + n, dtype=torch.int64, device=lens.device)[None, :]
+    pre = r2t[rows[:, None].expand(b, n).reshape(-1, 1), col.clamp(0, r2t.shape[1] - 1)]
+    post = torch.gather(expand, 1, wrap32(col - base[:, None]).clamp(0, n - 1))
+    return torch.where(col < base[:, None], pre, post), wrap32(base + counts)
+
+
+def guarded(table: torch.Tensor, lens: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A page-size-1 pass's table and lengths as ``jax_attn.safety.guard`` leaves them: slots into the pool,
+    lengths into ``[0, table width]``."""
     if num_slots:
         table = table.clamp(0, num_slots - 1)
-    return table, count.to(torch.int32)
+    return table, lens.clamp(0, table.shape[1]).to(torch.int32)
 
 
 def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int) -> np.ndarray:  # i64[n * hq]
@@ -277,10 +297,14 @@ class TableRefresh:
             rows, lens = self._rows, self._lens
         rows = rows.clamp(0, self.r2t.shape[0] - 1)
         lens = lens.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
-        expand = None
+        expand = swa = None
         if self.tree:
             mask = tree_mask(self.mask, lens, key.q_len_per_req)
-            expand = expand_parts(self.r2t, rows, lens, mask, key.num_slots)
+            table, counts = expand_parts(self.r2t, rows, lens, mask)
+            if key.with_swa:
+                swa = guarded(*swa_parts(self.r2t, rows, lens, table, counts, key.max_pages * key.page_size),
+                              key.num_slots)
+            expand = guarded(table, counts, key.num_slots)
         if self.kv_offset:
             lens = lens + self.kv_offset
         lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does
@@ -293,13 +317,14 @@ class TableRefresh:
         order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        return Parts(table, safe, order, rank, expand)
+        return Parts(table, safe, order, rank, expand, swa)
 
     def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
-        if key_flags(heads) & EXPAND_TABLES and parts.expand is not None:
-            table, lens = parts.expand
-            return lens, table, 1
+        flags = key_flags(heads)
+        one = parts.expand if flags & EXPAND_TABLES else parts.swa if flags & TREE_SWA_TABLES else None
+        if one is not None:  # a page-size-1 pass: one query per row
+            return one[1], one[0], 1
         return parts.lens, parts.table, self.key.q_len_per_req
 
     def _mosaic(self, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
