@@ -5,7 +5,7 @@
                   tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dims that are
                   multiples of 16 up to 192 and 256, page size a multiple of 8, or 1, 2, 4 for prefill/extend
                   at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale,
-                  no sinks with packed decode rows, not deterministic mode), else the Triton-lowered
+                  not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature, head dims
                   that are multiples of 8 up to 256 or powers of 2, K and V alike or not; padded to a
@@ -108,10 +108,10 @@ def gathered_rows_wanted(call: Call) -> bool:
 
 def mosaic_covers(call: Call) -> bool:
     """Whether the Mosaic kernel takes this call at all (its capability rules)."""
-    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, pack_for, unsupported
+    from jax_attn.kernels.mosaic_paged import pack_for, unsupported
 
-    if call.latent or call.fp8_descale or (call.has_sinks and call.max_q_len <= DEFAULT_MOSAIC_CONFIG.pack_max_q_len):
-        return False  # MLA latent caches; fp8 descale; sinks with packed decode rows
+    if call.latent or call.fp8_descale:
+        return False  # MLA latent caches; fp8 descale
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 1
     return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
                        call.page_size, packed_group=pack_for(group, call.max_q_len)) is None

@@ -39,6 +39,10 @@ MOSAIC_CPU_CASES = [
     _c("mixed_window", [(1, 90), (40, 60)], window=(13, 0), heads=(2, 2)),
     _c("noncausal_softcap", [(20, 50), (3, 9)], causal=False, softcap=5.0, page_size=8),
     _c("sinks_page64", [(1, 60), (66, 150)], sinks=True, page_size=64, heads=(2, 1)),
+    # gpt-oss: sinks on packed decode and verify rows (each row its query head's sink), a window
+    _c("sinks_decode_packed_window", [(1, 17), (1, 130), (1, 3)], sinks=True, heads=(8, 2), window=(40, 0),
+       pad_rows=1),
+    _c("sinks_verify_packed", [(4, 40), (4, 9)], sinks=True, heads=(8, 2), softmax_scale=0.2),
     _c("f16_dv128", [(9, 30), (1, 70)], dtype="float16", head_dim=128, heads=(2, 1)),
     # Head dims other than 64 / 128: 64-byte (96) and 32-byte (80) swizzled tiles; D != Dv (Q and
     # output staging differ); 192 / 128 gets 64-key blocks; a split tile of two warpgroups at

@@ -124,7 +124,7 @@ def test_triton_launch_eager(page, case):
 
 
 def test_triton_launch_sinks_window_softcap_scale():
-    """Sinks on packed decode rows (the Mosaic kernel's gap), a window, a softcap and a scale reach the kernel."""
+    """Sinks on packed decode rows, a window, a softcap and a scale reach the kernel (page 1: Triton's)."""
     rng = np.random.default_rng(5)
     runner, table, backend = triton_setup(6, 1)
     before = InterpretedTriton.calls

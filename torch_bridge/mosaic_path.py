@@ -441,7 +441,7 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
     q_shape = (rows, hkv, g, d) if g > 1 else (rows, hq, d)
     out_shape = (rows, hkv, g, dv) if g > 1 else (rows, hq, dv)
     with torch.inference_mode(False):
-        sinks = torch.zeros(hq if g == 1 else hkv, dtype=torch.float32, device=device)
+        sinks = torch.zeros(hq, dtype=torch.float32, device=device)  # packed rows read their group's
     st = kernel_statics(
         num_tokens=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),

@@ -2,7 +2,7 @@
 
 The launch path's second kernel family (``torch_bridge.mosaic_path`` holds the first and the shared
 machinery): what the Mosaic kernel does not take (page sizes that are not a multiple of 8, SGLang's
-default of 1 among them; head dims it lacks; sinks on packed decode rows; absorbed MLA; cross attention
+default of 1 among them; head dims it lacks; fp8 pools; absorbed MLA; cross attention
 over the encoder tokens; GPUs that are not Hopper) runs ``jax_attn.kernels.triton_paged``'s kernel,
 compiled by ``torch_bridge.launcher`` from the same Triton IR that XLA would compile, and launched with
 raw pointers on torch's current stream. A layer is then a KV write, an output allocation and one launch

@@ -378,12 +378,27 @@ def aligned_rows(row_bytes: int) -> int:
     return 128 // math.gcd(row_bytes, 128)
 
 
+def _row_sinks(st, sinks_ref, head):
+    """The sink logit of each row: the CTA's query head's (``sinks_ref`` is ``f32[Hq]``), or with packed rows
+    (``token_major``: row ``j * (block_q // G) + t`` is query head ``j`` of kv head ``head``'s group) a
+    ``[block_q]`` vector of the group's ``G`` sinks."""
+    if st.pack == 1:
+        return sinks_ref[head]
+    tpb = st.block_q // st.pack
+    row = plgpu.broadcasted_iota(jnp.int32, (st.block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+    first = head * st.pack
+    vec = plgpu.layout_cast(jnp.full((st.block_q,), sinks_ref[first], jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    for j in range(1, st.pack):
+        vec = jnp.where(row >= j * tpb, sinks_ref[first + j], vec)
+    return vec
+
+
 def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem, lse_smem2):
     """A compute warpgroup's end: the sinks folded in, the rows normalized and stored (``store_rows``),
     the LSE (natural log) of its rows written to its tile's slot."""
     acc, m_i, l_i = carry
-    if st.has_sinks:  # one query head per CTA (packed rows never carry sinks); kv split 0 only
-        sink = sinks_ref[head] * LOG2E
+    if st.has_sinks:  # kv split 0 only
+        sink = _row_sinks(st, sinks_ref, head) * LOG2E
         if split is not None:
             sink = jnp.where(split == 0, sink, -jnp.inf)
         m_new = jnp.maximum(m_i, sink)

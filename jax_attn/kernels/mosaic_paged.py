@@ -262,9 +262,6 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     if pack > 1 and not packed_rows_aligned(head_dim, head_dim_v, jnp.dtype(dtype).itemsize, pack, config):
         raise NotImplementedError(f"impl='mosaic': {pack} packed query heads at head dims {head_dim}/{head_dim_v} "
                                   "(unaligned TMA copies); use impl='triton'")
-    if has_sinks and pack > 1:
-        raise NotImplementedError("impl='mosaic': attention sinks with packed decode rows (max_q_len <= "
-                                  f"{config.pack_max_q_len}); use impl='triton'")
     st = KernelStatics(
         num_rows=num_tokens * pack, num_heads=num_q_heads if pack == 1 else num_kv_heads, kv_group=g // pack,
         pack=pack, page_size=page_size, block_q=config.block_q, block_kv=block_kv, stages=stages,
