@@ -4,7 +4,8 @@
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend and for decode of few
                   tokens (``mosaic_wanted``) when it covers the call (bf16/f16, head dims that are
                   multiples of 16 up to 192 and 256, page size a multiple of 8, or 1, 2, 4 for prefill/extend
-                  at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale,
+                  at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale, no sinks
+                  on packed decode rows (``packed_sinks_wanted``: the kernel takes them, slower),
                   not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;
   ``"triton"``    the Pallas kernel lowered through Triton (any page size, every feature, head dims
@@ -84,7 +85,7 @@ def mosaic_wanted(call: Call) -> bool:
     """
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    if call.deterministic or not on_hopper() or not gathered_rows_wanted(call):
+    if call.deterministic or not on_hopper() or not (gathered_rows_wanted(call) and packed_sinks_wanted(call)):
         return False
     if call.max_q_len > config.pack_max_q_len:
         return True
@@ -124,13 +125,23 @@ def triton_launchable(call: Call) -> bool:
     return unsupported(call.dtype, call.head_dim, call.head_dim_v, latent=call.latent) is None
 
 
+def packed_sinks_wanted(call: Call) -> bool:
+    """False for decode and verify rows that pack a group's query heads and carry sinks (gpt-oss): the Mosaic
+    kernel takes them (each row its query head's sink) but was slower than Triton on an H200 (64/8 heads,
+    d 64, page 16, 2026-11-28, benchmarks/RESULTS.md): decode 64 x 4096 3.24 against 4.06 TB/s, 8 x 8192
+    2.05 against 3.08. Prefill rows (one head each) always pass."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+
+    return not call.has_sinks or call.max_q_len > config.pack_max_q_len
+
+
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:
     """The kernel a call runs with: ``"mosaic"``, ``"triton"`` or ``"reference"``. ``from_torch``: the
     kernel torch launches, ``"mosaic"`` (where ``hopper``) or ``"triton"``, else ``"jax"`` (a compiled JAX
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        speed = impl == "mosaic" or gathered_rows_wanted(call)
+        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call))
         if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"

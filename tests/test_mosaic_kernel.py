@@ -43,6 +43,7 @@ MOSAIC_CPU_CASES = [
     _c("sinks_decode_packed_window", [(1, 17), (1, 130), (1, 3)], sinks=True, heads=(8, 2), window=(40, 0),
        pad_rows=1),
     _c("sinks_verify_packed", [(4, 40), (4, 9)], sinks=True, heads=(8, 2), softmax_scale=0.2),
+    _c("sinks_decode_packed_split2", [(1, 200), (1, 70)], sinks=True, heads=(8, 2), num_splits=2),  # split 0's sinks
     _c("f16_dv128", [(9, 30), (1, 70)], dtype="float16", head_dim=128, heads=(2, 1)),
     # Head dims other than 64 / 128: 64-byte (96) and 32-byte (80) swizzled tiles; D != Dv (Q and
     # output staging differ); 192 / 128 gets 64-key blocks; a split tile of two warpgroups at
@@ -181,7 +182,9 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(1, 300)] * 16, heads=(32, 4)) == "mosaic"
     assert impl([(1, 300)] * 4, heads=(40, 8)) == "triton"  # group 5: decode rows the kernel cannot pack
     assert impl([(40, 60)], heads=(40, 8)) == "mosaic"  # prefill rows are one head each anyway
-    assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"
+    assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"  # covered, but slower there
+    assert choose_impl("mosaic", *build_inputs(Case(name="s", seq_lens=((1, 30),), heads=(8, 2), dtype="bfloat16"))[:4],
+                       sinks=jnp.zeros((8,), jnp.float32)) == "mosaic"
     assert impl([(40, 60)], sinks=jnp.zeros((32,), jnp.float32)) == "mosaic"
     assert impl([(1, 300)] * 4, page_size=1) == "triton"  # decode at page 1: Triton is faster
     assert impl([(40, 60)], page_size=1) == "mosaic"  # prefill at pages of 1, 2, 4: rows gathered
@@ -194,6 +197,9 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert kernel_policy.select_kernel("auto", torch_extend, from_torch=True) == "mosaic"  # the bridge alike
     assert kernel_policy.select_kernel("auto", torch_decode, from_torch=True) == "triton"
     assert kernel_policy.select_kernel("mosaic", torch_decode, from_torch=True) == "mosaic"  # asked for
+    sinks16 = dataclasses.replace(torch_decode, page_size=16, has_sinks=True)
+    assert kernel_policy.select_kernel("auto", sinks16, from_torch=True) == "triton"  # packed rows with sinks
+    assert kernel_policy.select_kernel("mosaic", sinks16, from_torch=True) == "mosaic"
     assert kernel_policy.select_kernel("auto", dataclasses.replace(torch_extend, head_dim=96, head_dim_v=96),
                                        from_torch=True) == "triton"  # gathered rows: head dims 64 and 128
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"

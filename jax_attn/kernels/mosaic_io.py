@@ -400,7 +400,7 @@ def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref
     if st.has_sinks:  # kv split 0 only
         sink = _row_sinks(st, sinks_ref, head) * LOG2E
         if split is not None:
-            sink = jnp.where(split == 0, sink, -jnp.inf)
+            sink = sink + jnp.where(split == 0, 0.0, -jnp.inf)  # (a scalar select: packed rows' sinks are a vector)
         m_new = jnp.maximum(m_i, sink)
         m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m_i - m_sub)
