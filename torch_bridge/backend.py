@@ -57,9 +57,11 @@ time:
 torch writes K/V, the kernel is launched on torch's current stream by ``torch_bridge.launcher`` with
 tables made once per step (``torch_bridge.mosaic_path``). Such a forward is captured by
 ``torch.cuda.graph`` (run the bucket once before capturing, as SGLang's graph runner does). A uniform
-bucket's graph (decode, chain draft decode and verify) recomputes its tables itself from the engine's
-static buffers, so its replay hook runs no planner (``torch_bridge.graph_tables``); other buckets' replay
-hooks run the planner, which refreshes the tables in the persistent buffers the graph reads.
+bucket's graph (decode, chain draft decode and verify) and a tree verify bucket's (topk > 1: its mask
+copied by the replay hook into a buffer the graph reads) recompute their tables themselves from the
+engine's static buffers, so their replay hooks run no planner (``torch_bridge.graph_tables``); other
+buckets' replay hooks (tree draft decode, an ``SWAKVPool``'s tree tables) run the planner, which refreshes
+the tables in the persistent buffers the graph reads.
 
 Other layers run a compiled JAX executable per layer. A JAX computation cannot be captured by
 ``torch.cuda.graph``, so such a forward call during a capture raises. The capture/replay hooks

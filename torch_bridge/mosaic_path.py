@@ -14,7 +14,8 @@ and over a tree step's passes (the flags below). A tree step's prefix pass runs 
 the pass, returning its per-tile LSE for the merge (``LsePass``).
 
 Batch buckets planned by the capture/replay hooks keep their tables in persistent torch buffers
-that every replay hook overwrites (or, for uniform buckets, the graph itself: ``torch_bridge.graph_tables``),
+that every replay hook overwrites (or, for uniform and tree verify buckets, the graph itself:
+``torch_bridge.graph_tables``),
 so a captured graph reads the current step's tables.
 
 Dimension legend: T tokens (the step's padded count), Hq / Hkv heads, D head dim, B sequences,
