@@ -236,13 +236,18 @@ def test_recorded_bucket_replays_without_the_planner(name, page, monkeypatch):
         ref = reference(runner, table, step_rows, step_kv, np.full(bs, per_req), q)
         np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
         assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, step_lens)
-    # A reallocated request table: the graph would read the old one, so the hook refuses.
+    refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
+
+
+def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r):
+    """After a recorded bucket's replays: a reallocated request table (the graph would read the old one)
+    makes the hook refuse; what reads the plan words gets the planner's, for the new inputs: a bad
+    length is flagged (one planner run, by ``check``)."""
     pool = runner.req_to_token_pool
     old, pool.req_to_token = pool.req_to_token, pool.req_to_token.clone()
     with pytest.raises(ValueError, match="capture the graphs again"):
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
     pool.req_to_token = old
-    # What reads the plan words gets the planner's, for the new inputs: a bad length is flagged.
     lens[2] = backend.jax_backend.capacity + 1
     backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
     assert not runs

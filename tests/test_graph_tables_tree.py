@@ -19,7 +19,7 @@ import torch
 from jax_attn.safety import INT32_MAX, INT32_MIN
 
 from tests.test_bridge_launch import HKV, HQ, D, fill
-from tests.test_graph_tables import MAX_CTX, REQS, bad_inputs, edited, make
+from tests.test_graph_tables import MAX_CTX, REQS, bad_inputs, edited, make, refuses_new_table_and_flags_bad_input
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention, SpecInfo
 from torch_bridge import graph_tables
 from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES, key_flags
@@ -160,6 +160,19 @@ def tree_step(runner, table, rng, rows, committed, n: int):
     return loc, [random_tree(rng, n) for _ in rows], q, k, v
 
 
+def two_layers(backend, pool, lay, windowed, window):
+    """``forward(q, k, v, fb, save=True)``: layer ``lay``, then (a sliding-window model, ``window``) the windowed
+    layer 1 over what layer 0 holds; returns both outputs (the second None without a window)."""
+    def forward(q, k, v, fb, save: bool = True):
+        out = backend.forward(q, k, v, lay, fb, save_kv_cache=save)
+        if window is None:
+            return out, None
+        for bufs in (pool.k_buffer, pool.v_buffer):
+            bufs[1].copy_(bufs[0])  # layer 1 reads what layer 0 holds
+        return out, backend.forward(q, None, None, windowed, fb, save_kv_cache=False)
+    return forward
+
+
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16)  # bf16 bit patterns (NaN compares equal to itself)
 
@@ -181,21 +194,15 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, window,
     pool = runner.token_to_kv_pool
     windowed = RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=window if window is not None else -1)
 
-    def forward(fb, save: bool = True):  # the full layer, then (a sliding-window model) the windowed one
-        out = backend.forward(q, k, v, lay, fb, save_kv_cache=save)
-        if window is None:
-            return out, None
-        for bufs in (pool.k_buffer, pool.v_buffer):
-            bufs[1].copy_(bufs[0])  # layer 1 reads what layer 0 holds
-        return out, backend.forward(q, None, None, windowed, fb, save_kv_cache=False)
+    forward = two_layers(backend, pool, lay, windowed, window)
 
     fb = ForwardBatch(VERIFY, bs, rows, lens, loc_buf, token_to_kv_pool=pool, spec_info=cap_spec)
     loc, _, q, k, v = tree_step(runner, table, rng, rows.numpy(), lens.numpy(), n)
     loc_buf.copy_(torch.from_numpy(loc))
-    forward(fb)  # warm-up
+    forward(q, k, v, fb)  # warm-up
     with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
         m.setattr(graph_tables, "capturing", lambda: True)
-        forward(fb)
+        forward(q, k, v, fb)
     assert r.recorded and len(r.verified) == (2 if window is None else 3)
     runs = []
     real_run = planner._run
@@ -219,7 +226,7 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, window,
         before = bits(kb).clone()
         q = torch.cat([q, torch.zeros((bs - real) * n, HQ * D, dtype=q.dtype)])
         k, v = (torch.cat([x, torch.zeros((bs - real) * n, HKV * D, dtype=x.dtype)]) for x in (k, v))
-        out, out_w = forward(fb)
+        out, out_w = forward(q, k, v, fb)
         written = torch.from_numpy(loc[:real * n])
         untouched = torch.ones(kb.shape[0], dtype=torch.bool)
         untouched[written] = untouched[0] = False  # slot 0: the padded tokens' writes
@@ -232,25 +239,13 @@ def test_recorded_tree_bucket_replays_without_the_planner(page, topk, n, window,
         eager_fb = ForwardBatch(VERIFY, bs, torch.from_numpy(step_rows), torch.from_numpy(committed), loc_buf,
                                 token_to_kv_pool=pool, spec_info=spec)
         backend.init_forward_metadata(eager_fb)
-        eager, eager_w = forward(eager_fb, save=False)
+        eager, eager_w = forward(q, k, v, eager_fb, save=False)
         assert runs and torch.equal(bits(out[:real * n]), bits(eager[:real * n]))
         if window is not None:  # launched over the tree's SWA table
             assert key_flags(backend.runner.hits[1].call.heads) & TREE_SWA_TABLES
             assert torch.equal(bits(out_w[:real * n]), bits(eager_w[:real * n]))
         runs.clear()
-    # A reallocated request table: the graph would read the old one, so the hook refuses.
-    req_pool = runner.req_to_token_pool
-    old, req_pool.req_to_token = req_pool.req_to_token, req_pool.req_to_token.clone()
-    with pytest.raises(ValueError, match="capture the graphs again"):
-        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
-    req_pool.req_to_token = old
-    # What reads the plan words gets the planner's, for the new inputs and mask: a bad length is flagged.
-    lens[2] = backend.jax_backend.capacity + 1
-    backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, VERIFY, spec, None)
-    assert not runs
-    with pytest.raises(ValueError, match="bad step input"):
-        backend.check()
-    assert len(runs) == 1 and not r.stale
+    refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, VERIFY, spec, runs, r)
 
 
 @pytest.mark.gpu
@@ -277,21 +272,15 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n, window):
     k, v = (torch.zeros(bs * n, HKV * D, dtype=torch.bfloat16, device=dev) for _ in range(2))
     windowed = RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=window if window is not None else -1)
 
-    def forward(fb, save: bool = True):  # the full layer, then (a sliding-window model) the windowed one
-        out = backend.forward(q, k, v, lay, fb, save_kv_cache=save)
-        if window is None:
-            return out, None
-        for bufs in (pool.k_buffer, pool.v_buffer):
-            bufs[1].copy_(bufs[0])  # layer 1 reads what layer 0 holds
-        return out, backend.forward(q, None, None, windowed, fb, save_kv_cache=False)
+    forward = two_layers(backend, pool, lay, windowed, window)
 
     fb = ForwardBatch(VERIFY, bs, rows, lens, loc, token_to_kv_pool=pool,
                       spec_info=SpecInfo(topk=topk, draft_token_num=n, custom_mask=cap_mask))
-    forward(fb)  # warm-up outside the capture
+    forward(q, k, v, fb)  # warm-up outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out, out_w = forward(fb)
+        out, out_w = forward(q, k, v, fb)
     assert r.recorded and len(r.verified) == (2 if window is None else 3)
     runs = []
     real_run = backend.planner._run
@@ -313,7 +302,7 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n, window):
         assert err < 2e-2, err
         eager_fb = ForwardBatch(VERIFY, bs, rows.clone(), lens.clone(), loc, token_to_kv_pool=pool, spec_info=spec)
         backend.init_forward_metadata(eager_fb)  # the planner's tables of the step, in the same buffers
-        eager, eager_w = forward(eager_fb, save=False)
+        eager, eager_w = forward(q, k, v, eager_fb, save=False)
         assert torch.equal(bits(eager), bits(out)), "graph replay != the same step planned eagerly"
         if window is not None:
             assert torch.equal(bits(eager_w), bits(out_w)), "sliding-window layer: graph replay != eager"
