@@ -29,7 +29,7 @@ from tests.test_bridge_launch import HKV, HQ, InterpretedKernel, fill, reference
 from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
-from torch_bridge import graph_tables
+from torch_bridge import graph_tables, table_rules
 from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath
 from torch_bridge.triton_path import Layout
 
@@ -172,7 +172,7 @@ def test_triton_schedule_equals_the_planners(b, per_req, hq, hkv):
                                num_kv_heads=hkv // pack, num_sms=cfg.num_sms, min_kv_per_split=cfg.min_kv_per_split,
                                split_waves=cfg.split_waves)
         lay = Layout(b * per_req, b, 1, per_req, block_q, s, int(sched.tile_seq.shape[0]), 1)
-        got = graph_tables.triton_schedule(torch.from_numpy(lens), lay, hkv, per_req)
+        got = table_rules.triton_schedule(torch.from_numpy(lens), lay, hkv, per_req)
         for name, g, w in zip(("tile_seq", "tile_q_block", "tile_split", "seq_num_splits"), got,
                               (sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits)):
             np.testing.assert_array_equal(g.numpy(), np.asarray(w), err_msg=f"{name}, lens {lens.tolist()}")

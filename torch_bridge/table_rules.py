@@ -1,0 +1,120 @@
+"""The step planner's table rules as torch ops, for ``torch_bridge.graph_tables``: each function writes what
+its JAX counterpart (named in its docstring) writes, bit for bit, in the planner's int32 arithmetic; the graph's
+table refresh runs them on the GPU inside the engine's CUDA graph."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+import torch
+
+from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
+from jax_attn.kernels.config import cdiv, kv_heads_per_program
+from jax_attn.kernels.mosaic_io import COMPUTE_WGS
+
+
+def wrap32(x: torch.Tensor) -> torch.Tensor:  # i64 -> i64
+    """The value int32 arithmetic (the planner's) gives for a sum or product computed here in int64."""
+    return x.to(torch.int32).to(torch.int64)
+
+
+def tree_mask(mask: torch.Tensor, lens: torch.Tensor, n: int) -> torch.Tensor:  # bool[L], i64[B] -> bool[B * N, N]
+    """``jax_attn.spec.draft_mask_from_custom_mask`` over the flat mask bytes ``mask`` (``lens``: the int32
+    committed lengths): its int32 offsets, False outside the buffer."""
+    row_len = lens + n
+    size = row_len * n
+    starts = torch.cumsum(size, 0) - size
+    i = torch.arange(n, dtype=torch.int64, device=lens.device)
+    idx = wrap32(starts[:, None, None] + (i * row_len[:, None])[:, :, None] + (lens[:, None] + i)[:, None, :])
+    ok = (idx >= 0) & (idx < mask.shape[0])
+    return (ok & mask[idx.clamp(0, mask.shape[0] - 1)]).reshape(-1, n)
+
+
+def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The expand pass's page table and lengths (``plan_verify_tree``, before the guard): per draft row (``mask``'s
+    rows), its request's draft slots with the columns it allows first in column order, and how many it allows.
+    ``rows``: clipped request rows; ``lens``: the int32 committed lengths."""
+    b, n = lens.shape[0], mask.shape[1]
+    j = torch.arange(n, dtype=torch.int64, device=lens.device)
+    cols = wrap32(lens[:, None] + j).clamp(0, r2t.shape[1] - 1)
+    slots = r2t[rows[:, None], cols][:, None, :].expand(b, n, n).reshape(b * n, n)
+    allowed = mask.to(torch.int64)
+    before = torch.cumsum(allowed, 1) - allowed  # allowed columns left of each column
+    count = allowed.sum(1)
+    dest = torch.where(mask, before, count[:, None] + j - before)  # the stable sort's place of each column
+    return torch.empty_like(slots).scatter_(1, dest, slots), count
+
+
+def swa_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, expand: torch.Tensor, counts: torch.Tensor,
+              width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The tree's SWA table and lengths (``jax_attn.spec._swa_md``, before the guard): per draft row, its request's
+    slots of positions ``[0, seq_len)`` (``width`` columns at most) then its ``expand`` slots (unclipped)."""
+    b, n = lens.shape[0], expand.shape[1]
+    base = lens[:, None].expand(b, n).reshape(-1)  # [B * N]
+    col = torch.arange(width + n, dtype=torch.int64, device=lens.device)[None, :]
+    pre = r2t[rows[:, None].expand(b, n).reshape(-1, 1), col.clamp(0, r2t.shape[1] - 1)]
+    post = torch.gather(expand, 1, wrap32(col - base[:, None]).clamp(0, n - 1))
+    return torch.where(col < base[:, None], pre, post), wrap32(base + counts)
+
+
+def guarded(table: torch.Tensor, lens: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A page-size-1 pass's table and lengths as ``jax_attn.safety.guard`` leaves them: slots into the pool,
+    lengths into ``[0, table width]``."""
+    if num_slots:
+        table = table.clamp(0, num_slots - 1)
+    return table, lens.clamp(0, table.shape[1]).to(torch.int32)
+
+
+def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int) -> np.ndarray:  # i64[n * hq]
+    """``jax_attn.kernels.mosaic_split.lse_index`` of a sequence of ``n`` tokens that is tile 0's alone (one tile
+    per sequence, ``heads`` head rows per tile): where the kernel puts each (token, query head) row's LSE in the
+    tile's output ``[heads, rows_per_tile]``, -1 where it puts none. Tile ``t``'s rows are ``t * heads *
+    rows_per_tile`` further on."""
+    rows = COMPUTE_WGS * block_q
+    pos = np.arange(rows)
+    if pack > 1:  # storage position -> row of the row view (token-major within each warpgroup's rows)
+        tpb = block_q // pack
+        pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
+    h = np.arange(heads)[:, None]
+    out_row = (pos // pack)[None, :] * hq + h * pack + (pos % pack)[None, :]  # [heads, rows]
+    ok = np.broadcast_to(pos < n * pack, out_row.shape)
+    index = np.full(n * hq, -1, np.int64)
+    index[out_row[ok]] = np.arange(heads * rows).reshape(heads, rows)[ok]
+    return index
+
+
+def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
+    """``jax_attn.kernels.schedule.plan_schedule``'s tables for a uniform bucket (every sequence
+    ``q_len_per_req`` queries) of layout ``lay`` (``triton_path.Layout``) over ``lens``: tile sequence, query
+    block and split, then kv splits per sequence (the planner's default config, its rules in int32)."""
+    b, n, s, bq = lay.batch, lay.num_tiles, lay.max_splits, lay.block_q
+    dev, i32 = lens.device, torch.int32
+    qb = cdiv(q_len_per_req, bq)
+    if s == 1:
+        splits = torch.ones(b, dtype=i32, device=dev)
+    else:
+        cfg = TRITON_CONFIG
+        pack = kv_heads_per_program(cfg, hkv, decode=lay.max_q_len <= 1, split=True)
+        base = max(b * qb * (hkv // pack), 1)
+        want = 1 if base >= cfg.num_sms else cdiv(cfg.num_sms * cfg.split_waves, base)
+        by_len = torch.div(lens + (cfg.min_kv_per_split - 1), cfg.min_kv_per_split, rounding_mode="floor")
+        splits = by_len.clamp(max=want).clamp(1, s).to(i32)
+    counts = splits * qb
+    ends = torch.cumsum(counts, 0).to(i32)
+    starts = ends - counts
+    tile = torch.arange(n, dtype=i32, device=dev)
+    seq = (ends[None, :] <= tile[:, None]).sum(1)  # searchsorted(ends, tile, side="right")
+    valid = seq < b
+    seq_c = seq.clamp(max=b - 1)
+    local = tile - starts[seq_c]
+    ns = splits[seq_c]
+    q_block = (qb - 1) - torch.div(local, ns, rounding_mode="floor")
+    split = torch.remainder(local, ns)
+    k_len = lens[seq_c]
+    cost = torch.div(torch.minimum(k_len, k_len - q_len_per_req + (q_block + 1) * bq), ns, rounding_mode="floor")
+    cost = torch.where(valid, cost.clamp(min=0), -1)
+    order = torch.argsort(-cost, stable=True)
+    neg = torch.full_like(tile, -1)
+    return [torch.where(valid, x.to(i32), neg)[order] for x in (seq_c, q_block, split)] + [splits]
