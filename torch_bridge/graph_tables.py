@@ -51,7 +51,6 @@ bucket), the tiles of each sequence in order, then sorted by estimated keys, lon
 with splits each output row's split count (``row_num_splits``).
 """
 
-
 from __future__ import annotations
 
 import dataclasses

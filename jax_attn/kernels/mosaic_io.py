@@ -33,7 +33,7 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
     """Zeros for the rows after the last sequence's rows (``PAD_BLOCKS`` row blocks per padding tile;
     in a ``solo`` kernel the one running warpgroup zeroes both warpgroups' rows)."""
     o_smem = o_smem2.at[wg]
-    for c in range(st.out_chunks):
+    for c in range(o_smem.shape[0]):  # its column chunks
         o_smem.at[c][...] = plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     rows_per_block = COMPUTE_WGS * st.block_q
@@ -289,7 +289,7 @@ def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):
     8): other rows, and packed rows (gathered head by head, ``st.token_major``), are staged through
     the untiled ``q_stage``, then stored tiled.
     """
-    bq, w, chunks = st.block_q, st.q_chunk, st.q_chunks
+    bq, chunks, w = st.block_q, q_stage.shape[0], q_stage.shape[-1]  # ``q_stage``: [chunks, block_q, columns]
 
     def restage():
         for c in range(chunks):
@@ -340,7 +340,7 @@ def zero_tail_values(st, v_slot, blk, k_len):
 
 def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
     """TMA-stores rows ``[0, n)`` of ``o_smem`` (``[chunks, block_q, Dv // chunks]``: column chunks,
-    ``KernelStatics.out_chunk``) to ``out_ref[row0:row0 + n, head]`` (n <= block_q): one copy per
+    ``mosaic_kernel.chunked``) to ``out_ref[row0:row0 + n, head]`` (n <= block_q): one copy per
     binary digit of ``n`` and chunk, so no row outside the range is written. ``token_major``:
     ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G).
 
@@ -409,9 +409,9 @@ def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref
         m_i = m_new
     l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
     acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    w = st.out_chunk
-    for c in range(st.out_chunks):
-        o_smem.at[c][...] = (acc if st.out_chunks == 1 else acc[:, c * w:(c + 1) * w]).astype(o_smem.dtype)
+    chunks, w = o_smem.shape[0], o_smem.shape[-1]  # ``o_smem``: [chunks, block_q, columns]
+    for c in range(chunks):
+        o_smem.at[c][...] = (acc if chunks == 1 else acc[:, c * w:(c + 1) * w]).astype(o_smem.dtype)
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()

@@ -61,6 +61,12 @@ def row_chunk(dim: int) -> int:
     return 128 if dim > MAX_CHUNK else dim
 
 
+def chunked(dim: int) -> tuple[int, int]:
+    """(chunks, columns per chunk) of an untiled buffer's rows of ``dim`` elements (``row_chunk``). The code
+    that moves or copies such a buffer reads both from its shape ``[..., chunks, rows, columns]``."""
+    return dim // row_chunk(dim), row_chunk(dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelStatics:
     """Trace-time constants of one kernel instance."""
@@ -108,24 +114,6 @@ class KernelStatics:
         """The split kernel's float32 output buffer lives in the key ring (one compute warpgroup:
         the ring is idle once its key loop ends), which leaves room for a deeper ring."""
         return self.split and self.solo
-
-    @property
-    def out_chunk(self) -> int:
-        """Columns of one chunk of the output buffers (``out_chunks`` of them per warpgroup, ``row_chunk``)."""
-        return row_chunk(self.head_dim_v)
-
-    @property
-    def out_chunks(self) -> int:
-        return self.head_dim_v // self.out_chunk
-
-    @property
-    def q_chunk(self) -> int:
-        """Columns of one chunk of the Q staging buffer (``q_chunks`` of them per warpgroup, ``row_chunk``)."""
-        return row_chunk(self.head_dim)
-
-    @property
-    def q_chunks(self) -> int:
-        return self.head_dim // self.q_chunk
 
     @property
     def pages_per_block(self) -> int:
@@ -429,11 +417,11 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     # kernels at head dim 192, every kernel at 256) keep the Q staging and the output buffer in the
     # key/value rings: the producer starts once both warpgroups hold their Q, and they meet at a
     # barrier before their epilogues.
-    # Output buffers hold each warpgroup's rows in ``out_chunks`` column chunks (``KernelStatics.out_chunk``).
-    chunks = (wgs, st.out_chunks, bq, st.out_chunk)
-    o32 = plgpu.SMEM(chunks, jnp.float32)
-    out = o32 if st.split else plgpu.SMEM(chunks, st.dtype)
-    q_stage = plgpu.SMEM((wgs, st.q_chunks, bq, st.q_chunk), st.dtype)
+    # The Q staging and output buffers hold each warpgroup's rows as column chunks (``chunked``).
+    (q_chunks, q_cols), (o_chunks, o_cols) = chunked(st.head_dim), chunked(st.head_dim_v)
+    o32 = plgpu.SMEM((wgs, o_chunks, bq, o_cols), jnp.float32)
+    out = o32 if st.split else plgpu.SMEM((wgs, o_chunks, bq, o_cols), st.dtype)
+    q_stage = plgpu.SMEM((wgs, q_chunks, bq, q_cols), st.dtype)
     v_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim_v), st.dtype, transforms=tiled_v)
     if st.ring_staging:
         k_ring, staging = plgpu.RefUnion(k_ring, o32), q_stage
@@ -455,7 +443,7 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
         # Q: one copy per head and chunk
-        plgpu.Barrier(num_arrivals=(st.pack if st.token_major else 1) * st.q_chunks, num_barriers=wgs),
+        plgpu.Barrier(num_arrivals=(st.pack if st.token_major else 1) * q_chunks, num_barriers=wgs),
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # key loops over (``kv_staging``)
     )

@@ -145,7 +145,7 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
     dtype, k_dtype, v_dtype = (jnp.dtype(x) for x in (dtype, k_dtype, v_dtype))
     if dtype not in (jnp.bfloat16, jnp.float16) or k_dtype != dtype or v_dtype != dtype:
         return f"dtypes {dtype}/{k_dtype}/{v_dtype}: the Mosaic kernel takes bf16 or f16 q and cache"
-    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > MAX_HEAD_DIM or row_chunk(d) < d and d % row_chunk(d)
+    if any(swizzle_bytes(d, dtype.itemsize) == 0 or d > MAX_HEAD_DIM or d % row_chunk(d)
            for d in (head_dim, head_dim_v)):
         return (f"head dims {head_dim}/{head_dim_v}: the Mosaic kernel takes multiples of 16 up to {MAX_CHUNK} "
                 f"(wgmma's swizzled tiles) and {MAX_HEAD_DIM} (rows staged as 128-column chunks); impl='triton' "
