@@ -10,8 +10,9 @@ shuffled) and shared zero-copy with JAX through DLPack. Queries ``[T, Hq, D]`` a
 (DeepSeek's qk_nope + rope head dims, no YaRN factor).
 
 Peers:
-  ours           ``jax_attn.attention.attention(q, latent, None, md, impl=--impl, latent_dim=L, ...)``,
-                 metadata from ``peers._ours_metadata`` and the work schedule planned once beforehand.
+  ours_<kernel>  ``jax_attn.attention.attention(q, latent, None, md, impl=--impl, latent_dim=L, ...)``,
+                 metadata from ``peers._ours_metadata`` and the work schedules planned once beforehand
+                 (the Mosaic kernel's with ``latent=True``; it takes pages that are multiples of 8).
   sglang_triton  SGLang's ``decode_attention_fwd`` (triton_ops/decode_attention.py) as its MLA path calls
                  it: k_buffer = the cache as token rows ``[slots, 1, D]``, v_buffer = its first L columns
                  (a view), token-level kv_indptr / kv_indices, f32 attn_logits / attn_lse scratch; kv
@@ -21,7 +22,8 @@ Points (``POINTS``), B=64, ctx 4096 (drafts included), bf16, page size 64 and 1:
   decode H=16    latent-cache read bandwidth, TB/s of ``B * ctx * D * 2`` bytes plus q and out.
   decode H=128   both peers; TB/s and TFLOP/s.
   verify q=2 H=128  MTP verify (bottom-right causal), ours alone, TFLOP/s of ``2 * B * q_len * Hq * ctx * (D + L)``.
-Every row prints both TB/s and TFLOP/s; ``ours/peer`` = our throughput / the peer's (> 1: ours faster).
+Every row prints both TB/s and TFLOP/s; each of our rows carries ``ours/peer`` = its throughput / SGLang's
+(> 1: ours faster).
 
 Correctness, before timing: each peer's output on the first ``--check-seqs`` sequences is compared with
 a float32 torch evaluation of the absorbed formula; the max absolute error is printed, and an error over
@@ -37,7 +39,7 @@ Commands (GPU machine, repository root; SGLang from ``bash benchmarks/fetch_peer
 
 Flags: ``--smoke`` toy points (CPU: the SGLang peer and CUPTI are skipped, one line says so);
 ``--reps N`` timed repetitions (30; smoke 2); ``--page-size`` only points of this page size;
-``--impl`` auto | triton (ours); ``--check-seqs N`` sequences compared with the float32 reference (2).
+``--impl`` auto, triton, mosaic or a comma-separated list (ours: one row each, named by the kernel run); ``--check-seqs N`` sequences compared with the float32 reference (2).
 """
 
 from __future__ import annotations
@@ -146,6 +148,15 @@ def ours(p: peers.Problem, pt: Point, impl: str) -> peers.PeerRun:
     md = dataclasses.replace(md, schedule=jax.block_until_ready(sched))
     kw = dict(latent_dim=pt.latent, softmax_scale=SCALE, causal=True)
     kernel = select_kernel(impl, call_of(q, k, None, md, **kw))
+    if kernel == "mosaic":  # its own tiles, planned once (a step plan carries them)
+        from jax_attn.kernels.mosaic_paged import latent_unsupported, plan_mosaic_schedule
+
+        reason = latent_unsupported(q.dtype, k.dtype, k.shape[-1], pt.latent, pt.page_size, pt.heads, 1)
+        if reason is not None:
+            raise peers.Unavailable(reason)
+        plan = functools.partial(plan_mosaic_schedule, num_q_heads=pt.heads, num_kv_heads=1, num_splits=None,
+                                 latent=True)
+        md = dataclasses.replace(md, mosaic_schedule=jax.block_until_ready(jax.jit(plan)(md)))
     fn = jax.jit(lambda q, k, md: attention(q, k, None, md, impl=impl, **kw))
 
     def to_tokens(out):
@@ -153,7 +164,7 @@ def ours(p: peers.Problem, pt: Point, impl: str) -> peers.PeerRun:
         return torch.from_dlpack(out).reshape(p.num_tokens, pt.heads, pt.latent)
 
     note = f"impl={impl} -> {kernel}, {md.mode.name.lower()}"
-    return peers.PeerRun("ours", lambda: fn(q, k, md), to_tokens, "jax", note)
+    return peers.PeerRun(f"ours_{kernel}", lambda: fn(q, k, md), to_tokens, "jax", note)
 
 
 def sglang_mla(p: peers.Problem, pt: Point, max_kv_splits: int) -> peers.PeerRun:
@@ -223,12 +234,13 @@ def run_peer(name: str, build, pt: Point, ref: torch.Tensor, reps: int) -> Resul
     return res
 
 
-def run_point(pt: Point, *, device: str, impl: str, reps: int, check_seqs: int) -> list[Result]:
-    """Ours and SGLang (the fastest of its kv splits) on one point; SGLang's row carries ours/peer."""
+def run_point(pt: Point, *, device: str, impls: list[str], reps: int, check_seqs: int) -> list[Result]:
+    """Ours (each of ``impls``) and SGLang (the fastest of its kv splits) on one point; each of our rows
+    carries ours/peer against SGLang's."""
     print(f"{pt.name}:", flush=True)
     p = make_problem(pt, device)
     ref = reference(p, pt, check_seqs)
-    mine = run_peer("ours", lambda: ours(p, pt, impl), pt, ref, reps)
+    mine = [run_peer(f"ours/{impl}", lambda impl=impl: ours(p, pt, impl), pt, ref, reps) for impl in impls]
     tries = []
     for s in SGLANG_SPLITS:
         tries.append(run_peer(f"sglang_triton/{s}", lambda s=s: sglang_mla(p, pt, s), pt, ref, reps))
@@ -236,9 +248,10 @@ def run_point(pt: Point, *, device: str, impl: str, reps: int, check_seqs: int) 
             break
     timed = [r for r in tries if r.status == "ok"]
     theirs = min(timed, key=lambda r: r.time_us) if timed else tries[0]
-    if mine.status == "ok" and theirs.status == "ok":
-        theirs.ratio = theirs.time_us / mine.time_us
-    return [mine, theirs]
+    for r in mine:
+        if r.status == "ok" and theirs.status == "ok":
+            r.ratio = theirs.time_us / r.time_us
+    return mine + [theirs]
 
 
 def format_table(results: list[Result]) -> str:
@@ -257,7 +270,7 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="toy points; on the CPU ours runs interpreted, SGLang skipped")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per peer (default 30, smoke 2)")
     ap.add_argument("--page-size", type=int, default=0, help="only points of this page size (64 or 1)")
-    ap.add_argument("--impl", default="auto", choices=["auto", "triton"], help="our kernel choice (auto: Triton)")
+    ap.add_argument("--impl", default="auto", help="our kernel choices, comma-separated: auto, triton, mosaic")
     ap.add_argument("--check-seqs", type=int, default=2, help="sequences compared with the float32 reference")
     return ap.parse_args(argv)
 
@@ -282,7 +295,7 @@ def main(argv=None) -> int:
               flush=True)
     results = []
     for pt in points:
-        results += run_point(pt, device=device, impl=args.impl, reps=reps, check_seqs=args.check_seqs)
+        results += run_point(pt, device=device, impls=args.impl.split(","), reps=reps, check_seqs=args.check_seqs)
         gc.collect()  # the point's problem and peers' buffers
         if on_gpu:
             torch.cuda.empty_cache()
@@ -299,7 +312,7 @@ def main(argv=None) -> int:
           f"ours/peer = our throughput / peer's (>1: ours faster); maxerr vs float32 on {args.check_seqs} sequences, "
           f"FAIL over {TOLERANCE:.0e}")
     print(format_table(results))
-    bad = [r for r in results if r.status == "FAIL" or (r.peer == "ours" and r.status != "ok")]
+    bad = [r for r in results if r.status == "FAIL" or (r.peer.startswith("ours") and r.status not in ("ok", "n/a"))]
     return 1 if bad else 0
 
 

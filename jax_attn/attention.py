@@ -27,8 +27,8 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto",
     Keyword arguments are the FA3 feature set shared by every implementation: ``causal``,
     ``window_size``, ``softcap``, ``sinks``, ``k_descale``, ``v_descale``, ``softmax_scale``,
     ``return_lse``, and (kernels only) ``num_splits``, ``config``. ``v_cache=None`` with ``latent_dim``:
-    absorbed MLA over one latent cache (``triton_paged.paged_attention``); the Mosaic kernel does not
-    take it.
+    absorbed MLA over one latent cache (both kernels; ``mosaic_paged.latent_unsupported`` says what the
+    Mosaic kernel takes).
     """
     impl = select_kernel(impl, call_of(q, k_cache, v_cache, md, **kw))
     if impl == "reference":
@@ -38,9 +38,6 @@ def attention(q, k_cache, v_cache, md: AttentionMetadata, *, impl: str = "auto",
         if v_cache is None:
             v_cache = k_cache[..., :latent]
         return reference_from_metadata(q, k_cache, v_cache, md, **kw)
-    if impl == "mosaic" and v_cache is None:
-        raise NotImplementedError("impl='mosaic': a latent (MLA) cache (v_cache=None) is not in the Mosaic kernel; "
-                                  "use impl='triton' (or 'auto')")
     if impl == "mosaic":
         from jax_attn.kernels.mosaic_paged import paged_attention_mosaic
 

@@ -87,7 +87,7 @@ def mosaic_wanted(call: Call) -> bool:
 
     if call.deterministic or not on_hopper() or not (gathered_rows_wanted(call) and packed_sinks_wanted(call)):
         return False
-    if call.max_q_len > config.pack_max_q_len:
+    if call.max_q_len > config.pack_max_q_len or call.latent:
         return True
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
     if group > 1 and config.block_q % group:
@@ -109,10 +109,13 @@ def gathered_rows_wanted(call: Call) -> bool:
 
 def mosaic_covers(call: Call) -> bool:
     """Whether the Mosaic kernel takes this call at all (its capability rules)."""
-    from jax_attn.kernels.mosaic_paged import pack_for, unsupported
+    from jax_attn.kernels.mosaic_paged import latent_unsupported, pack_for, unsupported
 
-    if call.latent or call.fp8_descale:
-        return False  # MLA latent caches; fp8 descale
+    if call.fp8_descale:
+        return False
+    if call.latent:
+        return latent_unsupported(call.dtype, call.kv_dtype, call.head_dim, call.head_dim_v, call.page_size,
+                                  call.num_q_heads, call.num_kv_heads, has_sinks=call.has_sinks) is None
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 1
     return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
                        call.page_size, packed_group=pack_for(group, call.max_q_len)) is None

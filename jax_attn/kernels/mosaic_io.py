@@ -36,16 +36,18 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
     for c in range(o_smem.shape[0]):  # its column chunks
         o_smem.at[c][...] = plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
-    rows_per_block = COMPUTE_WGS * st.block_q
+    rows_per_block = st.rows_per_tile
     first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block)
     halves = COMPUTE_WGS // st.active_wgs
+    # (A latent cache's warpgroups zero their value halves of the same rows.)
+    own_rows, col0 = (0, wg * st.value_cols) if st.latent else (wg * halves * st.block_q, 0)
 
     # A loop, not unrolled: each store_rows call site is a few dozen TMA copies to lower and compile.
     @pl.loop(0, PAD_BLOCKS * halves)
     def _block(i):
-        start = first + (i // halves) * rows_per_block + (wg * halves + i % halves) * st.block_q
+        start = first + (i // halves) * rows_per_block + own_rows + (i % halves) * st.block_q
         n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major))
+        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major, col0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)
 
 
@@ -64,7 +66,7 @@ def memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_sme
     if not st.spread_copies:  # the whole warpgroup issues every copy
         body(None)
         return
-    copies_per_block = 1 if st.page_size >= st.block_kv else st.pages_per_block
+    copies_per_block = (1 if st.page_size >= st.block_kv else st.pages_per_block) * len(_ring_parts(st, k_smem))
     if copies_per_block >= WARPS_PER_WG:
         plgpu.warp_map(body)
         return
@@ -94,7 +96,7 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         def page_id(j):
             return read_page(jnp.minimum(blk * ppb + j, last_page))
 
-        if warp is None:
+        if warp is None or st.latent:  # (a latent cache's copies of a page are spread over the warps)
             ids = [page_id(j) for j in range(ppb)]
         else:  # a warp reads only the page ids of its own copies j = warp + 4 i
             mine = [page_id(warp + WARPS_PER_WG * i) for i in range(cdiv(ppb, WARPS_PER_WG))]
@@ -102,17 +104,21 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         return [(ids[j], pl.ds(0, st.page_size), pl.ds(j * st.page_size, st.page_size)) for j in range(ppb)]
 
     def issue(plan, slot, src_ref, dst_smem, bar):
+        parts = _ring_parts(st, dst_smem)
         for j, (page, src, dst) in enumerate(plan):
-            copy = functools.partial(plgpu.copy_gmem_to_smem, src_ref.at[page, src, kv_head], dst_smem.at[slot, dst],
-                                     bar.at[slot])
-            if warp is None:
-                copy()
-            else:
-                pl.when(warp == j % WARPS_PER_WG)(copy)
+            for c, (cols, dst_part) in enumerate(parts):
+                rows = src_ref.at[page, src, kv_head]
+                copy = functools.partial(plgpu.copy_gmem_to_smem, rows if cols is None else rows.at[:, cols],
+                                         dst_part(slot, dst), bar.at[slot])
+                if warp is None:
+                    copy()
+                else:
+                    pl.when(warp == (j * len(parts) + c) % WARPS_PER_WG)(copy)
 
     def issue_both(plan, slot):
         issue(plan, slot, k_ref, k_smem, k_bar)
-        issue(plan, slot, v_ref, v_smem, v_bar)
+        if not st.latent:  # (a latent cache's values are its key rows)
+            issue(plan, slot, v_ref, v_smem, v_bar)
 
     # The first blocks' page ids are all read before any copy is issued (one round of loads, not one
     # per block); a block past ``nblk`` reads clamped ids it never uses.
@@ -129,15 +135,32 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
         plan = copies(step)
         plgpu.barrier_wait(k_used.at[slot])
         issue(plan, slot, k_ref, k_smem, k_bar)
-        plgpu.barrier_wait(v_used.at[slot])
-        issue(plan, slot, v_ref, v_smem, v_bar)
+        if not st.latent:
+            plgpu.barrier_wait(v_used.at[slot])
+            issue(plan, slot, v_ref, v_smem, v_bar)
 
     # Drain: observe the consumers' last arrivals so every barrier ends on a completed phase.
     @pl.loop(jnp.maximum(nblk - st.stages, 0), nblk)
     def _drain(step):
         slot = lax.rem(step, st.stages)
         plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+        if not st.latent:
+            plgpu.barrier_wait(v_used.at[slot])
+
+
+def _ring_parts(st, ring):
+    """(source columns, destination) of each TMA copy that fills a ring slot's rows from a page's: one
+    copy of the whole rows, or a latent cache's three column parts (``mosaic_kernel.latent_parts``:
+    ``ring`` is then the (value halves, rope) pair of rings)."""
+    if not st.latent:
+        return [(None, lambda slot, dst: ring.at[slot, dst])]
+    from jax_attn.kernels.mosaic_kernel import latent_parts
+
+    halves, rope = ring
+    parts = latent_parts(st)
+    return ([(pl.ds(c0, w), functools.partial(lambda i, slot, dst: halves.at[slot, i, dst], i))
+             for i, (c0, w) in enumerate(parts[:-1])]
+            + [(pl.ds(*parts[-1]), lambda slot, dst: rope.at[slot, dst])])
 
 
 def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
@@ -282,13 +305,27 @@ def _gather_block(st, pt_ref, src_ref, dst, seq, kv_head, blk, k_len):
     gather(pt_ref, src_ref, dst, seq, kv_head, blk, k_len)
 
 
-def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head):
+def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head, wg):
     """Rows ``[row0, row0 + block_q)`` of row-view head ``head`` into ``q_smem``, tiled for wgmma.
 
     TMA into the tiled layout needs 8-aligned rows (and a q array whose row count is a multiple of
     8): other rows, and packed rows (gathered head by head, ``st.token_major``), are staged through
-    the untiled ``q_stage``, then stored tiled.
+    the untiled ``q_stage``, then stored tiled. A latent cache's rows (``st.latent``: always 8-aligned,
+    as the query heads are a multiple of 8) go to its column parts, copied by the first warpgroup for both.
     """
+    if st.latent:
+        from jax_attn.kernels.mosaic_kernel import latent_parts
+
+        rows = q_ref.at[pl.ds(pl.multiple_of(row0, 8), st.block_q), head]
+        dsts = [q_smem[0].at[i] for i in range(COMPUTE_WGS)] + [q_smem[1]]
+
+        @pl.when(wg == 0)
+        def _copy():
+            for (c0, w), dst in zip(latent_parts(st), dsts):
+                plgpu.copy_gmem_to_smem(rows.at[:, pl.ds(c0, w)], dst, q_bar)
+
+        plgpu.barrier_wait(q_bar)
+        return
     bq, chunks, w = st.block_q, q_stage.shape[0], q_stage.shape[-1]  # ``q_stage``: [chunks, block_q, columns]
 
     def restage():
@@ -331,18 +368,19 @@ def zero_tail_values(st, v_slot, blk, k_len):
     def _():
         for c in range(st.block_kv // 64):
             rows = v_slot.at[pl.ds(c * 64, 64)]
-            ids = plgpu.broadcasted_iota(jnp.int32, (64, st.head_dim_v), 0, layout=plgpu.Layout.WGMMA)
+            ids = plgpu.broadcasted_iota(jnp.int32, (64, v_slot.shape[-1]), 0, layout=plgpu.Layout.WGMMA)
             v = plgpu.load(rows, layout=plgpu.Layout.WGMMA)  # layouts pinned: less for layout inference to search
             keep = jnp.where(ids + (blk * st.block_kv + c * 64) < k_len, v, jnp.zeros_like(v))
             rows[...] = plgpu.layout_cast(keep, plgpu.Layout.WGMMA)
         plgpu.commit_smem()
 
 
-def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
+def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False, col0=0):
     """TMA-stores rows ``[0, n)`` of ``o_smem`` (``[chunks, block_q, Dv // chunks]``: column chunks,
     ``mosaic_kernel.chunked``) to ``out_ref[row0:row0 + n, head]`` (n <= block_q): one copy per
     binary digit of ``n`` and chunk, so no row outside the range is written. ``token_major``:
     ``out_ref`` is ``[T, H, G, Dv]`` and rows go as whole tokens (``row0`` and ``n`` are multiples of G).
+    ``col0``: the buffer's first column is this column of ``out_ref`` (a latent cache's value halves).
 
     A TMA copy's shared-memory address is 128-byte aligned: when a row is not a multiple of 128
     bytes (head dims 80, 96, 112, ...), copies start on multiples of ``aligned_rows`` rows only, and
@@ -361,7 +399,8 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False):
             dst = out_ref.at[rows, head, j] if token_major else out_ref.at[rows, head]
             for c in range(chunks):
                 src = o_smem.at[c, pl.ds(j * tpb + at, size)]
-                plgpu.copy_smem_to_gmem(src, dst if chunks == 1 else dst.at[:, pl.ds(c * w, w)])
+                whole = chunks == 1 and w == dst.shape[-1]
+                plgpu.copy_smem_to_gmem(src, dst if whole else dst.at[:, pl.ds(col0 + c * w, w)])
 
     size = tpb
     while size >= step:
@@ -415,7 +454,13 @@ def epilogue(st, carry, n_valid, row0, head, wg, tile, split, sinks_ref, out_ref
     if st.return_lse:
         lse_smem2.at[wg][...] = jnp.where(l_i == 0.0, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
-    store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major)
+    store_rows(st, o_smem, out_ref, row0, n_valid, head, token_major=st.token_major,
+               col0=wg * st.value_cols if st.latent else 0)
     if st.return_lse:
-        plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
+        lse = functools.partial(plgpu.copy_smem_to_gmem, lse_smem2.at[wg],
+                                lse_ref.at[tile, head, pl.ds(wg * st.block_q, st.block_q)])
+        if st.latent:  # the warpgroups hold the same rows: the first one writes their LSE
+            pl.when(wg == 0)(lse)
+        else:
+            lse()
     plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)

@@ -50,6 +50,7 @@ from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
 TILE_INFO_COLUMNS = ("seq", "first_row", "split", "k_len", "q_start", "q_len", "seq_splits")
 TILE_INFO_WORDS = 8
 MAX_CHUNK = 192  # the widest row of an untiled buffer, in elements (``row_chunk``)
+LATENT_PARTS = COMPUTE_WGS + 1  # a latent cache's row in shared memory: the value halves, then the rope part
 
 
 def row_chunk(dim: int) -> int:
@@ -95,6 +96,18 @@ class KernelStatics:
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
     store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
     kv_staging: bool = False  # split kernel, two warpgroups, wide heads: Q staging and float32 output in the rings
+    latent: int = 0  # absorbed MLA: values are the first ``latent`` columns of each key row (``head_dim_v``); 0: not MLA
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Rows of a work tile: one ``block_q`` block per compute warpgroup, or with a latent cache one block
+        that both warpgroups share, each accumulating half of the value columns (see the module docstring)."""
+        return self.block_q if self.latent else COMPUTE_WGS * self.block_q
+
+    @property
+    def value_cols(self) -> int:
+        """Value columns one compute warpgroup accumulates."""
+        return self.head_dim_v // COMPUTE_WGS if self.latent else self.head_dim_v
 
     @property
     def active_wgs(self) -> int:
@@ -106,8 +119,9 @@ class KernelStatics:
         """Packed rows read q and write the output (the split kernel: its partials) in the
         token-major ``[T, Hkv, G, D]`` layout, a free view of ``[T, Hq, D]``. A warpgroup's
         ``block_q`` rows are then ``block_q // G`` tokens, stored head by head: row
-        ``j * (block_q // G) + t`` is query head ``j`` of the group for token ``t`` of the block."""
-        return self.pack > 1
+        ``j * (block_q // G) + t`` is query head ``j`` of the group for token ``t`` of the block.
+        A latent cache (one kv head) keeps q's own order instead: row ``t * Hq + j``, rows contiguous in memory."""
+        return self.pack > 1 and not self.latent
 
     @property
     def ring_staging(self) -> bool:
@@ -175,7 +189,9 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     """
     q_ref, k_ref, v_ref, pt_ref, cu_ref, info_ref, sinks_ref, out_ref, lse_ref = refs
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
-    if st.ring_staging:  # see ``kernel_entry``
+    if st.latent:  # one Q block (its column parts) for both warpgroups; the output buffers in the ring
+        (k_smem, o_smem2), q_stage2 = k_smem, None
+    elif st.ring_staging:  # see ``kernel_entry``
         (k_smem, o_smem2), q_stage2 = k_smem, staging
     elif st.kv_staging:
         (k_smem, v_smem), q_stage2, o_smem2 = k_smem
@@ -200,7 +216,8 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     def _valid_tile():
         row_base, k_len, q_start, q_len = (info(c) for c in ("first_row", "k_len", "q_start", "q_len"))
         seq_rows = q_len * st.pack
-        ranges = [_row_ranges(st, i, row_base, seq_rows, q_len, k_len) for i in range(COMPUTE_WGS)]
+        # (A latent cache's warpgroups share one block of rows.)
+        ranges = [_row_ranges(st, 0 if st.latent else i, row_base, seq_rows, q_len, k_len) for i in range(COMPUTE_WGS)]
         both = ranges[1][1] > 0  # the second warpgroup has rows
         cta_lo = jnp.where(both, jnp.minimum(ranges[0][3], ranges[1][3]), ranges[0][3])
         cta_hi = jnp.where(both, jnp.maximum(ranges[0][4], ranges[1][4]), ranges[0][4])
@@ -217,8 +234,9 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
             rng = [jnp.where(wg == 0, a, b) for a, b in zip(ranges[0], ranges[1])]
             out = out_ref if split is None else out_ref.at[split]
             _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out, lse_ref,
-                        sinks_ref, q_smem2.at[wg], k_smem, v_smem, q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
-                        q_bar.at[wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
+                        sinks_ref, q_smem2 if st.latent else q_smem2.at[wg], k_smem, v_smem,
+                        None if st.latent else q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
+                        q_bar.at[0 if st.latent else wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
                         None if p_smem2 is None else p_smem2.at[wg], q_staged, done)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -240,7 +258,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     # each warpgroup reaches its epilogue only after a ``sched`` wait that needs the other's first
     # arrival, which follows its Q load. A ``solo`` kernel has no such wait, and no second
     # warpgroup loading Q either.)
-    load_q(st, q_ref, q_smem, q_stage, q_bar, seq_row0 + r0, head)
+    load_q(st, q_ref, q_smem, q_stage, q_bar, seq_row0 + r0, head, wg)
     if st.kv_staging:
         plgpu.barrier_arrive(q_staged)
 
@@ -308,6 +326,20 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         from the step before it, while that step's P @ V is in flight)."""
         pl.when(blk < cta_hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
 
+    def qk_operands(slot):
+        """(Q, keys) pairs whose products sum to the scores: the whole rows, or a latent cache's column
+        parts (the two value halves, then the rope part)."""
+        if not st.latent:
+            return [(q_smem, k_smem.at[slot])]
+        (q_lat, q_rope), (lat, rope) = q_smem, k_smem
+        return [(q_lat.at[i], lat.at[slot, i]) for i in range(COMPUTE_WGS)] + [(q_rope, rope.at[slot])]
+
+    def values(slot):  # the value rows this warpgroup multiplies (a latent cache: its half of the latent part)
+        return k_smem[0].at[slot, wg] if st.latent else v_smem.at[slot]
+
+    # A latent cache's key slot holds the values too: it is released (``k_used``) after P @ V.
+    v_ready, v_release = (None, k_used) if st.latent else (v_bar, v_used)
+
     def step(blk, carry, masked):
         acc, m_i, l_i = carry
         slot = lax.rem(blk - cta_lo, st.stages)
@@ -315,12 +347,14 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             plgpu.barrier_wait(k_bar.at[slot])
 
         def qk_fn(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            for a, b in qk_operands(slot):
+                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
             sched_barrier()
             return acc_ref[...]
 
         s = logits(pl.run_scoped(qk_fn, plgpu.ACC((bq, bk), jnp.float32)))
-        plgpu.barrier_arrive(k_used.at[slot])
+        if not st.latent:
+            plgpu.barrier_arrive(k_used.at[slot])
         if masked:
             s = mask(s, blk)
         m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
@@ -332,14 +366,15 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         p16 = p.astype(st.dtype)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         sched_arrive()
-        plgpu.barrier_wait(v_bar.at[slot])
+        if v_ready is not None:
+            plgpu.barrier_wait(v_ready.at[slot])
         if masked:
-            zero_tail_values(st, v_smem.at[slot], blk, k_len)
+            zero_tail_values(st, values(slot), blk, k_len)
         sched_wait()
 
-        acc = _pv(st, acc, p16, v_smem.at[slot], p_smem,
+        acc = _pv(st, acc, p16, values(slot), p_smem,
                   functools.partial(wait_keys, blk + 1) if st.early_k_wait else None)
-        plgpu.barrier_arrive(v_used.at[slot])
+        plgpu.barrier_arrive(v_release.at[slot])
         return acc, m_new, l_i
 
     def skip(blk, carry):
@@ -348,14 +383,16 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             wait_keys(blk + 1)  # this block's keys were waited for by the step before
         else:
             plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_arrive(k_used.at[slot])
+        if not st.latent:
+            plgpu.barrier_arrive(k_used.at[slot])
         sched_barrier()
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_arrive(v_used.at[slot])
+        if v_ready is not None:
+            plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(v_release.at[slot])
         sched_barrier()
         return carry
 
-    acc = plgpu.layout_cast(jnp.zeros((bq, st.head_dim_v), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((bq, st.value_cols), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     lo = jnp.clip(blk_lo, cta_lo, cta_hi)
@@ -373,7 +410,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     carry = lax.fori_loop(f_hi, hi, masked_step, carry)
     lax.fori_loop(hi, cta_hi, skip, None)
     pl.when(wg == 0)(sched_barrier)
-    if st.kv_staging:  # the output buffer is in the rings: both warpgroups' key loops must be over
+    if st.kv_staging or st.latent:  # the output buffer is in the rings: both warpgroups' key loops must be over
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
     epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
@@ -408,8 +445,36 @@ def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
 def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     """The ``plgpu.kernel`` body: allocates shared memory and barriers, then runs ``_kernel`` on every
     warpgroup (``refs``: the inputs and outputs of ``kernel_call``, or of ``mosaic_split.kernel_call_split``)."""
-    tiled, tiled_v = tiled_layout(st.head_dim, st.dtype), tiled_layout(st.head_dim_v, st.dtype)
     wgs, bq = st.active_wgs, st.block_q  # per-warpgroup buffers only for warpgroups that run (``solo``)
+    tiled_v = tiled_layout(st.value_cols, st.dtype)
+    smem = _latent_buffers(st) if st.latent else _buffers(st)
+    smem = smem + (
+        plgpu.SMEM((wgs, bq), jnp.float32),
+        # P staging for the interpreter only (see ``_pv``): P @ V's operands share V's swizzle.
+        plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled_v) if st.interpret else None,
+    )
+    # Arrivals on a ring slot: TMA copies (a latent cache's: three column parts per page) or the gatherers.
+    ppb = 1 if st.gathers_rows else st.pages_per_block * (LATENT_PARTS if st.latent else 1)
+    q_chunks = chunked(st.head_dim)[0]
+    q_copies = LATENT_PARTS if st.latent else (st.pack if st.token_major else 1) * q_chunks  # per head and chunk
+    both = st.kv_staging or st.latent
+    bars = (
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
+        plgpu.Barrier(num_arrivals=q_copies, num_barriers=wgs),
+        plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
+        plgpu.Barrier(num_arrivals=wgs) if both else None,  # key loops over (the output buffer is in the rings)
+    )
+    used = (plgpu.Barrier(num_arrivals=st.active_wgs, num_barriers=st.stages),) * 2
+    sched = plgpu.Barrier(num_arrivals=wgs)
+    pl.run_scoped(lambda *a: _kernel(st, num_tiles, refs, *a), smem, bars, used, sched, collective_axes="wg")
+
+
+def _buffers(st: KernelStatics):
+    """Shared memory of the kernel without a latent cache: (Q per warpgroup, the key ring, the value ring,
+    the Q staging and output buffers)."""
+    tiled, tiled_v = tiled_layout(st.head_dim, st.dtype), tiled_layout(st.head_dim_v, st.dtype)
+    wgs, bq = st.active_wgs, st.block_q
     k_ring = plgpu.SMEM((st.stages, st.block_kv, st.head_dim), st.dtype, transforms=tiled)
     # Q is staged through the output buffer (a ``RefUnion``). The split kernel's float32 output buffer
     # shares its memory with the key ring when one warpgroup runs (``ring_staging``: the ring is idle
@@ -429,27 +494,29 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         k_ring, v_ring, staging = plgpu.RefUnion((k_ring, v_ring), q_stage, out), None, None
     else:
         staging = plgpu.RefUnion(q_stage, out)
-    smem = (
-        plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled),
-        k_ring,
-        v_ring,
-        staging,
-        plgpu.SMEM((wgs, bq), jnp.float32),
-        # P staging for the interpreter only (see ``_pv``): P @ V's operands share V's swizzle.
-        plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled_v) if st.interpret else None,
-    )
-    ppb = 1 if st.gathers_rows else st.pages_per_block  # arrivals on a ring slot: TMA copies or the gatherers
-    bars = (
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        # Q: one copy per head and chunk
-        plgpu.Barrier(num_arrivals=(st.pack if st.token_major else 1) * q_chunks, num_barriers=wgs),
-        plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
-        plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # key loops over (``kv_staging``)
-    )
-    used = (plgpu.Barrier(num_arrivals=st.active_wgs, num_barriers=st.stages),) * 2
-    sched = plgpu.Barrier(num_arrivals=wgs)
-    pl.run_scoped(lambda *a: _kernel(st, num_tiles, refs, *a), smem, bars, used, sched, collective_axes="wg")
+    return plgpu.SMEM((wgs, bq, st.head_dim), st.dtype, transforms=tiled), k_ring, v_ring, staging
+
+
+def latent_parts(st: KernelStatics) -> list[tuple[int, int]]:
+    """(first column, columns) of each part of a latent cache's rows as the kernel keeps them: the latent
+    (value) columns in ``COMPUTE_WGS`` halves, one per compute warpgroup's P @ V, then the rope columns."""
+    half = st.value_cols
+    return [(i * half, half) for i in range(COMPUTE_WGS)] + [(st.latent, st.head_dim - st.latent)]
+
+
+def _latent_buffers(st: KernelStatics):
+    """Shared memory of a latent-cache kernel (``st.latent``): the one Q block as (value halves
+    ``[2, block_q, Dv / 2]``, rope ``[block_q, R]``); the key ring as the same parts, which is also where
+    each warpgroup's output buffer (its value half, in column chunks) lives once the key loops are over."""
+    (_, half), (_, rope) = latent_parts(st)[0], latent_parts(st)[-1]
+    tl, tr = tiled_layout(half, st.dtype), tiled_layout(rope, st.dtype)
+    chunks, cols = chunked(half)
+    out = plgpu.SMEM((COMPUTE_WGS, chunks, st.block_q, cols), jnp.float32 if st.split else st.dtype)
+    ring = (plgpu.SMEM((st.stages, COMPUTE_WGS, st.block_kv, half), st.dtype, transforms=tl),
+            plgpu.SMEM((st.stages, st.block_kv, rope), st.dtype, transforms=tr))
+    q = (plgpu.SMEM((COMPUTE_WGS, st.block_q, half), st.dtype, transforms=tl),
+         plgpu.SMEM((st.block_q, rope), st.dtype, transforms=tr))
+    return q, plgpu.RefUnion(ring, out), None, None
 
 
 def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):
@@ -473,11 +540,11 @@ def out_types(st: KernelStatics, num_tiles: int):
     if st.token_major:
         out_shape = (st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
     return (jax.ShapeDtypeStruct(out_shape, st.dtype),
-            jax.ShapeDtypeStruct((num_tiles, st.num_heads, COMPUTE_WGS * st.block_q), jnp.float32))
+            jax.ShapeDtypeStruct((num_tiles, st.num_heads, st.rows_per_tile), jnp.float32))
 
 
 def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
-    pad_tiles = cdiv(st.num_rows, COMPUTE_WGS * st.block_q * PAD_BLOCKS)
+    pad_tiles = cdiv(st.num_rows, st.rows_per_tile * PAD_BLOCKS)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
         out_type=out_types(st, num_tiles),

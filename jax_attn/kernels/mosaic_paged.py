@@ -54,6 +54,9 @@ class MosaicConfig:
         ``1 / split_below_fill`` of the multiprocessors.
       split_waves: CTAs per multiprocessor the split heuristic aims for (rounded down to whole
         waves of ``num_sms`` CTAs).
+      latent_split_below_fill: ``split_below_fill`` for a latent (MLA) cache: its decode reads one row
+        of 576 values per key for every query head, so a GPU left half idle costs half the bandwidth
+        (1: split whenever the unsplit CTAs do not fill it).
       early_k_wait: with one head per row block (prefill, extend), a compute warpgroup waits for
         the next key block right after issuing this block's P @ V (while it runs) instead of at the
         start of the next step. (Measured on an H100: prefill +1-2%; packed decode rows slower, so
@@ -96,6 +99,7 @@ class MosaicConfig:
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 1
     split_below_fill: int = 4
+    latent_split_below_fill: int = 1
     early_k_wait: bool = True
     solo: bool = True
     decode_block_kv: int | None = 64
@@ -121,7 +125,8 @@ class MosaicConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 2")
         if self.stages < 2:
             raise ValueError(f"{self.stages=} must be >= 2")
-        for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves", "split_below_fill"):
+        for name in ("max_splits", "min_kv_per_split", "num_sms", "split_waves", "split_below_fill",
+                     "latent_split_below_fill"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -129,10 +134,15 @@ class MosaicConfig:
 DEFAULT_MOSAIC_CONFIG = MosaicConfig()
 
 
-def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_descale=None) -> str | None:
-    """``None`` if the Mosaic kernel runs this call, else the reason it does not."""
+def supports(q, k_cache, v_cache, md: AttentionMetadata, *, k_descale=None, v_descale=None,
+             latent_dim: int | None = None, has_sinks: bool = False) -> str | None:
+    """``None`` if the Mosaic kernel runs this call, else the reason it does not (``v_cache=None`` with
+    ``latent_dim``: an absorbed MLA latent cache, ``latent_unsupported``)."""
     if k_descale is not None or v_descale is not None or k_cache.dtype.itemsize == 1:
         return "fp8 KV with k/v descale is not in the Mosaic kernel"
+    if v_cache is None:
+        return latent_unsupported(q.dtype, k_cache.dtype, k_cache.shape[-1], latent_dim, md.page_size, q.shape[1],
+                                  k_cache.shape[2], has_sinks=has_sinks)
     return unsupported(q.dtype, k_cache.dtype, v_cache.dtype, k_cache.shape[-1], v_cache.shape[-1], md.page_size,
                        packed_group=choose_pack(md, q.shape[1], k_cache.shape[2], DEFAULT_MOSAIC_CONFIG))
 
@@ -167,6 +177,27 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
 MAX_HEAD_DIM = 256  # the widest K and V rows the kernel takes
 
 
+def latent_unsupported(dtype, kv_dtype, head_dim: int, latent: int | None, page_size: int, num_q_heads: int,
+                       num_kv_heads: int, has_sinks: bool = False) -> str | None:
+    """The kernel's rules for an absorbed MLA latent cache (rows of ``latent`` value columns, then the rope
+    part, ``head_dim`` in all; ``KernelStatics.latent``): ``None`` when they hold, else the reason."""
+    dtype, kv_dtype = jnp.dtype(dtype), jnp.dtype(kv_dtype)
+    rope = head_dim - (latent or 0)
+    if dtype not in (jnp.bfloat16, jnp.float16) or kv_dtype != dtype:
+        return f"dtypes {dtype}/{kv_dtype}: the Mosaic kernel takes bf16 or f16 q and latent cache"
+    if not latent or latent % (2 * 64) or latent > 2 * 256 or rope <= 0 or swizzle_bytes(rope, dtype.itemsize) == 0:
+        return (f"latent cache rows {latent} + {rope}: the Mosaic kernel takes latent widths that are multiples of "
+                "128 up to 512 and rope widths that are multiples of 16")
+    if num_kv_heads != 1 or num_q_heads % 8:
+        return (f"{num_q_heads}/{num_kv_heads} heads over a latent cache: the Mosaic kernel takes one latent head "
+                "and query heads in multiples of 8")
+    if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
+        return f"page_size={page_size} with a latent cache: the Mosaic kernel takes multiples of 8 dividing or divided by 64"
+    if has_sinks:
+        return "sinks with a latent cache are not in the Mosaic kernel"
+    return None
+
+
 def packed_rows_aligned(head_dim: int, head_dim_v: int, itemsize: int, group: int,
                         config: MosaicConfig = DEFAULT_MOSAIC_CONFIG) -> bool:
     """Whether packed rows keep every TMA copy aligned: a query head's ``block_q // group`` rows of
@@ -189,24 +220,26 @@ def pack_for(group: int, max_q_len: int, config: MosaicConfig = DEFAULT_MOSAIC_C
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,
                          config: MosaicConfig | None = None, num_tokens: int | None = None,
-                         num_splits: int | None = 1, with_lse: bool = False):
+                         num_splits: int | None = 1, with_lse: bool = False, latent: bool = False):
     """The kernel's work tiles for one step (jit-able; a planner attaches it as ``md.mosaic_schedule``).
 
     ``num_splits``: 1 (the default) = no split-KV, the unsplit kernel; None = the split heuristic
     (splits only when the CTAs cannot fill the GPU; per sequence by its length); k > 1 = exactly
     k kv splits per sequence (short sequences get empty splits). ``max_splits > 1`` in the result
     selects the split kernel, and the schedule then carries the merge's ``lse_index``, as it does
-    with ``with_lse`` (the calls return the LSE: a cascade's parts).
+    with ``with_lse`` (the calls return the LSE: a cascade's parts). ``latent``: for an absorbed MLA
+    latent cache (every query head in the rows, one ``block_q`` block per tile: ``KernelStatics.latent``).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
-    pack = choose_pack(md, num_q_heads, num_kv_heads, config)
+    pack = num_q_heads if latent else choose_pack(md, num_q_heads, num_kv_heads, config)
     t = md.num_tokens if num_tokens is None else num_tokens
-    rows_per_tile = COMPUTE_WGS * config.block_q
+    rows_per_tile = (1 if latent else COMPUTE_WGS) * config.block_q
     num_heads = num_q_heads if pack == 1 else num_kv_heads
     s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
                           num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
                           max_splits=config.max_splits, num_sms=config.num_sms, split_waves=config.split_waves,
-                          min_kv_per_split=config.min_kv_per_split, split_below_fill=config.split_below_fill)
+                          min_kv_per_split=config.min_kv_per_split,
+                          split_below_fill=config.latent_split_below_fill if latent else config.split_below_fill)
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
@@ -217,7 +250,7 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     if s > 1 or with_lse:
         sched = dataclasses.replace(sched, lse_index=lse_index(sched, md.cu_seqlens_q, num_tokens=t,
                                                                num_q_heads=num_q_heads, num_heads=num_heads,
-                                                               block_q=config.block_q))
+                                                               block_q=config.block_q, latent=latent))
     return sched
 
 
@@ -239,14 +272,17 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
                    page_size: int, pack: int, dtype, causal: bool = True, window_size=(-1, -1),
                    softcap: float = 0.0, softmax_scale: float | None = None, has_sinks: bool = False,
                    return_lse: bool = False, config: MosaicConfig | None = None,
-                   interpret: bool = False, num_splits: int = 1, max_q_len: int | None = None) -> KernelStatics:
+                   interpret: bool = False, num_splits: int = 1, max_q_len: int | None = None,
+                   latent: int = 0) -> KernelStatics:
     """The kernel's trace-time constants for one call shape (the row view follows ``pack``;
     ``num_splits > 1``: the split kernel, which always writes the LSE; ``max_q_len``: the static bound
-    on queries per sequence, which lets packed decode run one compute warpgroup, ``MosaicConfig.solo``)."""
+    on queries per sequence, which lets packed decode run one compute warpgroup, ``MosaicConfig.solo``;
+    ``latent``: an absorbed MLA latent cache's value columns, ``head_dim_v``, with ``pack`` = every query head)."""
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     g = num_q_heads // num_kv_heads
     block_kv, stages = config.block_kv, config.stages
-    solo = config.solo and pack > 1 and max_q_len is not None and max_q_len * pack <= config.block_q
+    solo = (config.solo and pack > 1 and not latent and max_q_len is not None
+            and max_q_len * pack <= config.block_q)
     many = num_tokens * num_kv_heads >= config.decode_min_ctas and not config.batch_invariant
     if pack > 1 and num_splits == 1 and many:
         block_kv = config.decode_block_kv or block_kv
@@ -259,7 +295,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         stages = config.solo_stages or stages
     if max(head_dim, head_dim_v) > 128:
         block_kv = 64  # 64 x Dv float32 accumulators leave registers for 64 keys of scores, not 128
-    if pack > 1 and not packed_rows_aligned(head_dim, head_dim_v, jnp.dtype(dtype).itemsize, pack, config):
+    if pack > 1 and not latent and not packed_rows_aligned(head_dim, head_dim_v, jnp.dtype(dtype).itemsize, pack, config):
         raise NotImplementedError(f"impl='mosaic': {pack} packed query heads at head dims {head_dim}/{head_dim_v} "
                                   "(unaligned TMA copies); use impl='triton'")
     st = KernelStatics(
@@ -269,17 +305,19 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, return_lse=return_lse or num_splits > 1, dtype=jnp.dtype(dtype), interpret=interpret,
         num_splits=num_splits, early_k_wait=config.early_k_wait and pack == 1,
-        solo=solo, spread_copies=config.spread_copies, store_read_wait=config.store_read_wait,
+        solo=solo, spread_copies=config.spread_copies, store_read_wait=config.store_read_wait, latent=latent,
     )
     return fit_shared_memory(st)
 
 
-def pack_rows(q, pack: int, num_kv_heads: int):
+def pack_rows(q, pack: int, num_kv_heads: int, latent: bool = False):
     """``q [T, Hq, D]`` -> the kernel's q argument: itself, or with packed rows the free view
-    ``[T, Hkv, G, D]``."""
+    ``[T, Hkv, G, D]`` (a latent cache's: ``[T * Hq, 1, D]``, rows in q's own order)."""
+    t, hq, d = q.shape
+    if latent:
+        return q.reshape(t * hq, 1, d)
     if pack == 1:
         return q
-    t, hq, d = q.shape
     return q.reshape(t, num_kv_heads, pack, d)
 
 
@@ -292,7 +330,7 @@ def _plan_in_call(plan, *args, **kw):
 def paged_attention_mosaic(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [num_pages, page_size, Hkv, D]
-    v_cache: jax.Array,  # [num_pages, page_size, Hkv, Dv]
+    v_cache: jax.Array | None,  # [num_pages, page_size, Hkv, Dv]; None: an MLA latent cache (``latent_dim``)
     md: AttentionMetadata,
     *,
     causal: bool = True,
@@ -306,6 +344,7 @@ def paged_attention_mosaic(
     num_splits: int | None = None,
     config: MosaicConfig | None = None,
     interpret=None,
+    latent_dim: int | None = None,
 ):
     """Paged attention with the Mosaic GPU kernel (same semantics as ``triton_paged.paged_attention``).
 
@@ -314,33 +353,39 @@ def paged_attention_mosaic(
     ``num_splits``: None = split-KV by the heuristic (``plan_mosaic_schedule``); 1 = no split
     (deterministic, batch invariant); k > 1 = exactly k kv splits per sequence.
 
+    ``v_cache=None`` with ``latent_dim``: absorbed MLA over one latent cache ``[pages, page_size, 1, D]``
+    whose values are the first ``latent_dim`` columns of each key row (``KernelStatics.latent``).
+
     Returns ``out [T, Hq, Dv]`` (zeros for padding tokens) and, with ``return_lse``, ``lse f32[T, Hq]``.
     Raises ``NotImplementedError`` for what the kernel does not cover (see ``supports``).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     if interpret is None and interpret_default():
         interpret = plgpu.InterpretGPUParams()
-    reason = supports(q, k_cache, v_cache, md, k_descale=k_descale, v_descale=v_descale)
+    reason = supports(q, k_cache, v_cache, md, k_descale=k_descale, v_descale=v_descale, latent_dim=latent_dim,
+                      has_sinks=sinks is not None)
     if reason is not None:
         raise NotImplementedError(f"impl='mosaic': {reason}; use impl='triton'")
+    latent = v_cache is None
     t, hq, d = q.shape
-    _, page_size, hkv, dv = v_cache.shape
+    _, page_size, hkv, dv = k_cache.shape[:3] + (latent_dim,) if latent else v_cache.shape
     if hq % hkv:
         raise ValueError(f"{hq=} query heads must be a multiple of {hkv=} kv heads")
     if page_size != md.page_size:
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
-    if (sched is None or sched.tile_info is None or sched.block_q != COMPUTE_WGS * config.block_q
-            or sched.pack != choose_pack(md, hq, hkv, config) or not sched.fits_heads(hq, hkv)
+    rows_per_tile = (1 if latent else COMPUTE_WGS) * config.block_q
+    if (sched is None or sched.tile_info is None or sched.block_q != rows_per_tile
+            or sched.pack != (hq if latent else choose_pack(md, hq, hkv, config)) or not sched.fits_heads(hq, hkv)
             or (num_splits is not None and sched.max_splits != num_splits)):
         sched = _plan_in_call(plan_mosaic_schedule, md, num_q_heads=hq, num_kv_heads=hkv, config=config,
-                              num_tokens=t, num_splits=num_splits)
+                              num_tokens=t, num_splits=num_splits, latent=latent)
     pack = sched.pack
     st = kernel_statics(num_tokens=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
                         page_size=page_size, pack=pack, dtype=q.dtype, causal=causal, window_size=window_size,
                         softcap=softcap, softmax_scale=softmax_scale, has_sinks=sinks is not None,
                         return_lse=return_lse, config=config, interpret=interpret is not None,
-                        num_splits=sched.max_splits, max_q_len=md.max_q_len)
+                        num_splits=sched.max_splits, max_q_len=md.max_q_len, latent=dv if latent else 0)
     tables = (md.page_table.astype(jnp.int32), md.cu_seqlens_q.astype(jnp.int32), sched.tile_info)
     # Without sinks the kernel never reads its sinks argument: an array that exists already stands
     # in for it (zeros made here would be one more kernel per call, 0.9 us on an H100).
@@ -348,15 +393,18 @@ def paged_attention_mosaic(
     index = sched.lse_index  # planned once per step (split schedules, ``with_lse``); else built here
     if (st.split or return_lse) and (index is None or index.shape != (st.num_splits, t * hq)):
         index = _plan_in_call(lse_index, sched, md.cu_seqlens_q, num_tokens=t, num_q_heads=hq,
-                              num_heads=st.num_heads, block_q=config.block_q)
+                              num_heads=st.num_heads, block_q=config.block_q, latent=latent)
+    q_rows = pack_rows(q, pack, hkv, latent)
+    v_cache = k_cache if latent else v_cache  # (the kernel reads a latent cache's values from its key rows)
     if st.split:
         part_o, lse_tiles = kernel_call_split(st, sched.tile_seq.shape[0], interpret)(
-            pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
+            q_rows, k_cache, v_cache, *tables, sinks_arr)
         out, lse = merge_partials(part_o, lse_tiles, index, out_dtype=q.dtype,
                                   interpret=interpret is not None or interpret_default())
+        out, lse = out.reshape(t, hq, dv), lse.reshape(t, hq)
         return (out, lse) if return_lse else out
     out, lse_tiles = kernel_call(st, sched.tile_seq.shape[0], interpret)(
-        pack_rows(q, pack, hkv), k_cache, v_cache, *tables, sinks_arr)
+        q_rows, k_cache, v_cache, *tables, sinks_arr)
     out = out.reshape(t, hq, dv)
     if not return_lse:
         return out

@@ -48,6 +48,11 @@ def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: 
 
 
 def statics_smem_bytes(st: "KernelStatics") -> int:
+    if st.latent:  # one Q block, the ring (whole rows, in parts), the output buffers in the ring, the LSE rows
+        itemsize = jnp.dtype(st.dtype).itemsize
+        out = 2 * st.block_q * st.value_cols * (4 if st.split else itemsize)
+        return (st.block_q * st.head_dim * itemsize
+                + max(st.stages * st.block_kv * st.head_dim * itemsize, out) + 2 * st.block_q * 4)
     return smem_bytes(wgs=st.active_wgs, block_q=st.block_q, block_kv=st.block_kv, stages=st.stages,
                       head_dim=st.head_dim, head_dim_v=st.head_dim_v, itemsize=jnp.dtype(st.dtype).itemsize,
                       split=st.split, ring_staging=st.ring_staging, kv_staging=st.kv_staging)
@@ -67,7 +72,7 @@ def fit_shared_memory(st: KernelStatics) -> KernelStatics:
         return st
 
     fitted = shrink(st)
-    if statics_smem_bytes(fitted) > SMEM_BYTES and not st.solo:
+    if statics_smem_bytes(fitted) > SMEM_BYTES and not (st.solo or st.latent):
         fitted = shrink(dataclasses.replace(st, kv_staging=True))
     if statics_smem_bytes(fitted) > SMEM_BYTES:
         raise ValueError(f"the Mosaic kernel's buffers ({statics_smem_bytes(fitted)} bytes) exceed {SMEM_BYTES}: {st}")

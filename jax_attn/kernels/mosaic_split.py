@@ -76,7 +76,7 @@ def _out_type(st: KernelStatics, num_tiles: int):
     if st.token_major:
         part_shape = (st.num_splits, st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
     return (jax.ShapeDtypeStruct(part_shape, jnp.float32),
-            jax.ShapeDtypeStruct((num_tiles, st.num_heads, COMPUTE_WGS * st.block_q), jnp.float32))
+            jax.ShapeDtypeStruct((num_tiles, st.num_heads, st.rows_per_tile), jnp.float32))
 
 
 def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
@@ -102,6 +102,7 @@ def lse_index(
     num_q_heads: int,
     num_heads: int,
     block_q: int,
+    latent: bool = False,
 ) -> jax.Array:
     """``i32[S, T * Hq]``: where the kernel put the LSE of each (kv split, token, query head) in its
     per-tile output ``f32[N, H, 2 * block_q]`` (flattened), ``-1`` where no tile wrote one.
@@ -109,11 +110,12 @@ def lse_index(
     The kernel writes a tile's LSE in its warpgroups' row order: the row view's order with one head
     per row, token-major within each warpgroup's ``block_q`` rows for packed rows
     (``KernelStatics.token_major``). ``S = sched.max_splits``; an unsplit schedule gives ``S = 1``.
+    ``latent``: a latent cache's tiles (one block of rows in q's own order, ``KernelStatics.rows_per_tile``).
     """
-    pack, rows_per_tile = sched.pack, COMPUTE_WGS * block_q
+    pack, rows_per_tile = sched.pack, (1 if latent else COMPUTE_WGS) * block_q
     n = sched.tile_seq.shape[0]
     pos = np.arange(rows_per_tile)
-    if pack > 1:  # storage position -> row of the row view within the tile
+    if pack > 1 and not latent:  # storage position -> row of the row view within the tile
         tpb = block_q // pack
         pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
     seq = jnp.maximum(sched.tile_seq, 0)

@@ -1,0 +1,93 @@
+"""Absorbed MLA on the Mosaic GPU kernel (``KernelStatics.latent``): one latent cache whose rows are the
+latent ``c_kv`` (also the value row) then ``k_rope``; every query head of a token in the rows, both compute
+warpgroups on the same rows, each accumulating half of the latent (value) columns.
+
+CPU: the Mosaic GPU interpreter at latent 128 + rope 64. GPU (``-m gpu``): compiled at DeepSeek's 512 + 64
+with 16 and 128 query heads. Every case compares with the float64-accumulated reference of the absorbed
+formula per sequence, LSE included; unused pages and slots hold NaN and padding rows must come back zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_attn.attention import attention, call_of
+from jax_attn.kernel_policy import mosaic_covers
+from jax_attn.kernels.mosaic_paged import latent_unsupported, paged_attention_mosaic
+from tests.attention_cases import Case, build_inputs, compare_per_sequence, reference_by_sequence
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+
+
+def _mla(name, seq_lens, latent, rope, **kw):
+    kw = dict(dict(heads=(16, 1), head_dim=latent + rope, softmax_scale=0.11, dtype="bfloat16", num_splits=1), **kw)
+    return Case(name, tuple(seq_lens), **kw), latent
+
+
+# Interpreted: decode with padded batch rows, MTP verify over two kv splits, extend with a prefix.
+CPU_CASES = [
+    _mla("decode_pad_rows", [(1, 17), (1, 140), (1, 3)], 128, 64, page_size=16, pad_rows=1),
+    _mla("verify_q4_split2", [(4, 150), (4, 9)], 128, 64, page_size=64, heads=(8, 1), num_splits=2),
+    _mla("extend_prefix", [(12, 40), (3, 33), (20, 20)], 128, 64, page_size=16, heads=(8, 1)),
+]
+
+# Compiled at DeepSeek's widths: 16 heads (TP8) and 128 (TP1); split decode; MTP verify; extend.
+GPU_CASES = [
+    _mla("decode_h16", [(1, 700), (1, 4100), (1, 1), (1, 65)], 512, 64, page_size=64, pad_rows=2),
+    _mla("decode_h16_split", [(1, 5000), (1, 333)], 512, 64, page_size=64, num_splits=None),
+    _mla("decode_h128_page16", [(1, 900), (1, 77)], 512, 64, page_size=16, heads=(128, 1)),
+    _mla("verify_q2_h128", [(2, 1500), (2, 64), (2, 2)], 512, 64, page_size=64, heads=(128, 1)),
+    _mla("verify_q4_h16_split4", [(4, 3000), (4, 100)], 512, 64, page_size=64, num_splits=4),
+    _mla("extend_h16", [(70, 600), (5, 5), (130, 130)], 512, 64, page_size=64),
+]
+
+
+def _check(case, latent, **kw_call):
+    q, k, _, md, kw = build_inputs(case)
+    got = paged_attention_mosaic(q, k, None, md, latent_dim=latent, num_splits=case.num_splits, **kw, **kw_call)
+    want = reference_by_sequence(q, k, k[..., :latent], md, **kw)
+    n = int(md.cu_seqlens_q[-1])
+    assert got[0].shape == q.shape[:2] + (latent,)
+    compare_per_sequence(got[0], want[0], md.cu_seqlens_q, tol=3e-2, what=case.name)
+    np.testing.assert_allclose(np.asarray(got[1][:n]), np.asarray(want[1][:n]), rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(np.asarray(got[0][n:], np.float32), 0.0)  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("case,latent", CPU_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_mosaic_latent_interpret(case, latent):
+    if ON_GPU:
+        pytest.skip("interpreter cases run on the CPU")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _check(case, latent, interpret=plgpu.InterpretGPUParams())
+
+
+@gpu
+@pytest.mark.parametrize("case,latent", GPU_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_mosaic_latent_gpu(case, latent):
+    if not ON_GPU:
+        pytest.skip("needs a Hopper GPU")
+    _check(case, latent)
+
+
+def test_latent_rules():
+    """What the kernel takes of a latent cache, and that ``auto``'s capability check asks the same rules."""
+    ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=576, latent=512, page_size=64, num_q_heads=16,
+              num_kv_heads=1)
+    assert latent_unsupported(**ok) is None
+    for change, words in ((dict(page_size=1), "page_size=1"), (dict(num_q_heads=12), "multiples of 8"),
+                          (dict(latent=448, head_dim=512), "multiples of 128"), (dict(head_dim=520), "rope"),
+                          (dict(kv_dtype=jnp.float32), "dtypes"), (dict(num_kv_heads=2), "one latent head")):
+        assert words in latent_unsupported(**{**ok, **change}), change
+    assert "sinks" in latent_unsupported(**ok, has_sinks=True)
+    case, latent = GPU_CASES[0]
+    q, k, _, md, _ = build_inputs(Case("tiny", ((1, 20),), page_size=64, heads=(16, 1), head_dim=576,
+                                       dtype="bfloat16"))
+    assert mosaic_covers(call_of(q, k, None, md, latent_dim=512))
+    assert not mosaic_covers(call_of(q[:, :12], k, None, md, latent_dim=512))
+    with pytest.raises(NotImplementedError, match="multiples of 8"):
+        attention(q[:, :12], k, None, md, impl="mosaic", latent_dim=512)
