@@ -39,7 +39,8 @@ Commands (GPU machine, repository root; SGLang from ``bash benchmarks/fetch_peer
 
 Flags: ``--smoke`` toy points (CPU: the SGLang peer and CUPTI are skipped, one line says so);
 ``--reps N`` timed repetitions (30; smoke 2); ``--page-size`` only points of this page size;
-``--impl`` auto, triton, mosaic or a comma-separated list (ours: one row each, named by the kernel run); ``--check-seqs N`` sequences compared with the float32 reference (2).
+``--impl`` auto, triton, mosaic or a comma-separated list (ours: one row each, named by the kernel run);
+``--check-seqs N`` sequences compared with the float32 reference (2).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class KernelStatics:
     spread_copies: bool = True  # the producer's TMA copies are shared among its four warps
     store_read_wait: bool = True  # the epilogue waits for its stores to read shared memory, not to land
     kv_staging: bool = False  # split kernel, two warpgroups, wide heads: Q staging and float32 output in the rings
-    latent: int = 0  # absorbed MLA: values are the first ``latent`` columns of each key row (``head_dim_v``); 0: not MLA
+    latent: int = 0  # absorbed MLA: the values are each key row's first ``latent`` columns (``head_dim_v``); 0: no
 
     @property
     def rows_per_tile(self) -> int:

@@ -192,7 +192,8 @@ def latent_unsupported(dtype, kv_dtype, head_dim: int, latent: int | None, page_
         return (f"{num_q_heads}/{num_kv_heads} heads over a latent cache: the Mosaic kernel takes one latent head "
                 "and query heads in multiples of 8")
     if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
-        return f"page_size={page_size} with a latent cache: the Mosaic kernel takes multiples of 8 dividing or divided by 64"
+        return (f"page_size={page_size} with a latent cache: the Mosaic kernel takes multiples of 8 dividing or "
+                "divided by 64")
     if has_sinks:
         return "sinks with a latent cache are not in the Mosaic kernel"
     return None
@@ -295,7 +296,8 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         stages = config.solo_stages or stages
     if max(head_dim, head_dim_v) > 128:
         block_kv = 64  # 64 x Dv float32 accumulators leave registers for 64 keys of scores, not 128
-    if pack > 1 and not latent and not packed_rows_aligned(head_dim, head_dim_v, jnp.dtype(dtype).itemsize, pack, config):
+    itemsize = jnp.dtype(dtype).itemsize
+    if pack > 1 and not latent and not packed_rows_aligned(head_dim, head_dim_v, itemsize, pack, config):
         raise NotImplementedError(f"impl='mosaic': {pack} packed query heads at head dims {head_dim}/{head_dim_v} "
                                   "(unaligned TMA copies); use impl='triton'")
     st = KernelStatics(
