@@ -80,7 +80,7 @@ def test_latent_rules():
               num_kv_heads=1)
     assert latent_unsupported(**ok) is None
     for change, words in ((dict(page_size=1), "page_size=1"), (dict(num_q_heads=12), "multiples of 8"),
-                          (dict(latent=448, head_dim=512), "multiples of 128"), (dict(head_dim=520), "rope"),
+                          (dict(latent=448, head_dim=512), "multiples of 128"), (dict(head_dim=608), "rope part of 64"),
                           (dict(kv_dtype=jnp.float32), "dtypes"), (dict(num_kv_heads=2), "one latent head")):
         assert words in latent_unsupported(**{**ok, **change}), change
     assert "sinks" in latent_unsupported(**ok, has_sinks=True)

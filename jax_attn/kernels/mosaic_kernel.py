@@ -189,8 +189,9 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
     """
     q_ref, k_ref, v_ref, pt_ref, cu_ref, info_ref, sinks_ref, out_ref, lse_ref = refs
     q_smem2, k_smem, v_smem, staging, lse_smem2, p_smem2 = smem
+    handoff = None
     if st.latent:  # one Q block (its column parts) for both warpgroups; the output buffers in the ring
-        (k_smem, o_smem2), q_stage2 = k_smem, None
+        (k_smem, o_smem2), q_stage2, handoff = k_smem, None, staging
     elif st.ring_staging:  # see ``kernel_entry``
         (k_smem, o_smem2), q_stage2 = k_smem, staging
     elif st.kv_staging:
@@ -237,7 +238,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
                         sinks_ref, q_smem2 if st.latent else q_smem2.at[wg], k_smem, v_smem,
                         None if st.latent else q_stage2.at[wg], o_smem2.at[wg], lse_smem2,
                         q_bar.at[0 if st.latent else wg], k_bar, v_bar, k_used, v_used, sched, tile, split,
-                        None if p_smem2 is None else p_smem2.at[wg], q_staged, done)
+                        None if p_smem2 is None else p_smem2.at[wg], q_staged, done, handoff)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -250,8 +251,14 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
 def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref, lse_ref, sinks_ref, q_smem, k_smem,
                 v_smem, q_stage, o_smem, lse_smem2, q_bar, k_bar, v_bar, k_used, v_used, sched, tile, split, p_smem,
-                q_staged, done):
-    """Consumer: online softmax over the CTA's key blocks, then the ragged row stores."""
+                q_staged, done, handoff):
+    """Consumer: online softmax over the CTA's key blocks, then the ragged row stores.
+
+    A latent cache (``st.latent``): the first warpgroup leads. It computes the scores over the whole rows
+    and the softmax, multiplies P by the first half of the values, and hands P (written over the key
+    slot's rope part, which no one reads again) and its row rescale (``handoff``) to the second warpgroup,
+    which multiplies P by the second half (``follow``; ``v_bar`` then says a slot's P is ready). Each score
+    is computed once; the follower lags the leader by up to the ring's depth."""
     r0, n_valid, p_first, blk_lo, blk_hi, full_lo, full_hi = rng
     bq, bk = st.block_q, st.block_kv
     # (The split kernel's ``q_stage`` may share memory with the other warpgroup's output buffer:
@@ -266,12 +273,16 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         sched_arrive()
         sched_wait()
 
-    def sched_arrive():  # the warpgroups take turns on the tensor cores (a lone one has no one to wait for)
-        if not st.solo:
+    # The warpgroups take turns on the tensor cores (a lone one has no one to wait for; a latent cache's
+    # follower has no softmax to hide).
+    turns = not (st.solo or st.latent)
+
+    def sched_arrive():
+        if turns:
             plgpu.barrier_arrive(sched)
 
     def sched_wait():
-        if not st.solo:
+        if turns:
             plgpu.barrier_wait(sched)
 
     c = st.scale * LOG2E
@@ -365,6 +376,11 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(st.dtype)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        if st.latent:  # P and the rescale to the follower
+            k_smem[1].at[slot][...] = p16
+            handoff[0].at[slot][...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(v_bar.at[slot])
         sched_arrive()
         if v_ready is not None:
             plgpu.barrier_wait(v_ready.at[slot])
@@ -400,33 +416,82 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     f_lo = jnp.clip(full_lo, lo, hi)
     f_hi = jnp.clip(full_hi, f_lo, hi)
     masked_step = functools.partial(step, masked=True)
+    if st.latent:
+        finish = functools.partial(epilogue, st, n_valid=n_valid, row0=seq_row0 + r0, head=head, wg=wg, tile=tile,
+                                   split=split, sinks_ref=sinks_ref, out_ref=out_ref, lse_ref=lse_ref, o_smem=o_smem,
+                                   lse_smem2=lse_smem2)
+        pl.when(wg == 1)(functools.partial(_follow, st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar, v_bar,
+                                           k_used, handoff, p_smem, done, finish))
     pl.when(wg == 1)(sched_barrier)
     if st.early_k_wait:
         wait_keys(cta_lo)
-    carry = lax.fori_loop(cta_lo, lo, skip, None)
-    carry = (acc, m_i, l_i)
-    carry = lax.fori_loop(lo, f_lo, masked_step, carry)
-    carry = lax.fori_loop(f_lo, f_hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(f_hi, hi, masked_step, carry)
+
+    def lead():
+        lax.fori_loop(cta_lo, lo, skip, None)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(lo, f_lo, masked_step, carry)
+        carry = lax.fori_loop(f_lo, f_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(f_hi, hi, masked_step, carry)
+        lax.fori_loop(hi, cta_hi, skip, None)
+        pl.when(wg == 0)(sched_barrier)
+        if st.latent:  # the row sums, for the follower's epilogue
+            handoff[1][...] = carry[2]
+        if st.kv_staging or st.latent:  # the output buffer is in the rings: both warpgroups' key loops must be over
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
+        epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
+                 lse_smem2)
+
+    if st.latent:
+        pl.when(wg == 0)(lead)
+    else:
+        lead()
+
+
+def _follow(st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar, p_bar, k_used, handoff, p_smem, done,
+            finish):
+    """A latent cache's second warpgroup (see ``_compute_wg``): for each key block the leader computed, its
+    P (over the slot's rope part) times this warpgroup's half of the values, after the leader's rescale;
+    then the leader's row sums and ``finish`` (the epilogue)."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    def skip(blk, carry):  # a block outside the rows' range: the leader only waits for it and releases it
+        slot = lax.rem(blk - cta_lo, st.stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(k_used.at[slot])
+        return carry
+
+    def step(blk, acc):
+        slot = lax.rem(blk - cta_lo, st.stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(p_bar.at[slot])
+        alpha = plgpu.load(handoff[0].at[slot], layout=row)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        zero_tail_values(st, values(slot), blk, k_len)
+        acc = _pv(st, acc, None, values(slot), p_smem, p_ref=k_smem[1].at[slot])
+        plgpu.barrier_arrive(k_used.at[slot])
+        return acc
+
+    lax.fori_loop(cta_lo, lo, skip, None)
+    acc = lax.fori_loop(lo, hi, step, acc)
     lax.fori_loop(hi, cta_hi, skip, None)
-    pl.when(wg == 0)(sched_barrier)
-    if st.kv_staging or st.latent:  # the output buffer is in the rings: both warpgroups' key loops must be over
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
-    epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
-              lse_smem2)
+    plgpu.barrier_arrive(done)  # the output buffers are in the ring
+    plgpu.barrier_wait(done)
+    l_i = plgpu.load(handoff[1], layout=row)
+    finish((acc, l_i, l_i))
 
 
-def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
-    """``acc + p16 @ v_slot`` accumulated in place by wgmma, ``p16`` from registers. (The interpreter
-    lacks ``run_state`` and register operands: there ``p16`` goes through shared memory and the
-    product gets its own accumulator.)"""
+def _pv(st, acc, p16, v_slot, p_smem, while_running=None, p_ref=None):
+    """``acc + p16 @ v_slot`` accumulated in place by wgmma, ``p16`` from registers (or P from shared
+    memory, ``p_ref``). (The interpreter lacks ``run_state`` and register operands: there ``p16`` goes
+    through shared memory and the product gets its own accumulator.)"""
     if st.interpret:
-        p_smem[...] = p16
-        plgpu.commit_smem()
+        if p_ref is None:
+            p_smem[...] = p16
+            plgpu.commit_smem()
 
         def product(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_slot)
+            plgpu.wgmma(acc_ref, p_smem if p_ref is None else p_ref, v_slot)
             return acc_ref[...]
 
         out = acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
@@ -435,7 +500,7 @@ def _pv(st, acc, p16, v_slot, p_smem, while_running=None):
         return out
 
     def chained(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_slot)
+        plgpu.wgmma(acc_ref, p16 if p_ref is None else p_ref, v_slot)
         if while_running is not None:
             while_running()
 
@@ -460,7 +525,8 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
     both = st.kv_staging or st.latent
     bars = (
         plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=st.stages),
+        # values landed; a latent cache's: the leader's P for them is ready (``_compute_wg``)
+        plgpu.Barrier(num_arrivals=1 if st.latent else ppb, num_barriers=st.stages),
         plgpu.Barrier(num_arrivals=q_copies, num_barriers=wgs),
         plgpu.Barrier(num_arrivals=wgs) if st.kv_staging else None,  # Q staged (``kv_staging``)
         plgpu.Barrier(num_arrivals=wgs) if both else None,  # key loops over (the output buffer is in the rings)
@@ -507,7 +573,9 @@ def latent_parts(st: KernelStatics) -> list[tuple[int, int]]:
 def _latent_buffers(st: KernelStatics):
     """Shared memory of a latent-cache kernel (``st.latent``): the one Q block as (value halves
     ``[2, block_q, Dv / 2]``, rope ``[block_q, R]``); the key ring as the same parts, which is also where
-    each warpgroup's output buffer (its value half, in column chunks) lives once the key loops are over."""
+    each warpgroup's output buffer (its value half, in column chunks) lives once the key loops are over; the
+    leader's hand-off to the follower (``_compute_wg``): each slot's row rescale, and the row sums at the end.
+    The leader writes a slot's P ``[block_q, block_kv]`` over its rope part ``[block_kv, R]``: both are 64 x 64."""
     (_, half), (_, rope) = latent_parts(st)[0], latent_parts(st)[-1]
     tl, tr = tiled_layout(half, st.dtype), tiled_layout(rope, st.dtype)
     chunks, cols = chunked(half)
@@ -516,7 +584,10 @@ def _latent_buffers(st: KernelStatics):
             plgpu.SMEM((st.stages, st.block_kv, rope), st.dtype, transforms=tr))
     q = (plgpu.SMEM((COMPUTE_WGS, st.block_q, half), st.dtype, transforms=tl),
          plgpu.SMEM((st.block_q, rope), st.dtype, transforms=tr))
-    return q, plgpu.RefUnion(ring, out), None, None
+    if not st.block_q == st.block_kv == rope:
+        raise ValueError(f"a latent cache's P goes over the rope part: block_q, block_kv and rope must be equal ({st})")
+    handoff = (plgpu.SMEM((st.stages, st.block_q), jnp.float32), plgpu.SMEM((st.block_q,), jnp.float32))
+    return q, plgpu.RefUnion(ring, out), None, handoff
 
 
 def kernel_call(st: KernelStatics, num_tiles: int, interpret=None):

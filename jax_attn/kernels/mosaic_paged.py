@@ -185,9 +185,9 @@ def latent_unsupported(dtype, kv_dtype, head_dim: int, latent: int | None, page_
     rope = head_dim - (latent or 0)
     if dtype not in (jnp.bfloat16, jnp.float16) or kv_dtype != dtype:
         return f"dtypes {dtype}/{kv_dtype}: the Mosaic kernel takes bf16 or f16 q and latent cache"
-    if not latent or latent % (2 * 64) or latent > 2 * 256 or rope <= 0 or swizzle_bytes(rope, dtype.itemsize) == 0:
+    if not latent or latent % (2 * 64) or latent > 2 * 256 or rope != 64:
         return (f"latent cache rows {latent} + {rope}: the Mosaic kernel takes latent widths that are multiples of "
-                "128 up to 512 and rope widths that are multiples of 16")
+                "128 up to 512 and a rope part of 64 (DeepSeek V2/V3, Kimi K2)")
     if num_kv_heads != 1 or num_q_heads % 8:
         return (f"{num_q_heads}/{num_kv_heads} heads over a latent cache: the Mosaic kernel takes one latent head "
                 "and query heads in multiples of 8")
