@@ -91,3 +91,22 @@ def test_latent_rules():
     assert not mosaic_covers(call_of(q[:, :12], k, None, md, latent_dim=512))
     with pytest.raises(NotImplementedError, match="multiples of 8"):
         attention(q[:, :12], k, None, md, impl="mosaic", latent_dim=512)
+
+
+@pytest.mark.parametrize("page,heads,want", [(64, 16, "mosaic"), (16, 128, "mosaic"), (1, 16, "triton"),
+                                             (64, 12, "triton")])
+def test_policy_latent(page, heads, want, monkeypatch):
+    """``auto`` on Hopper runs every latent-cache call the Mosaic kernel takes there (decode of any batch
+    included), the rest on Triton; the torch bridge launches latent caches on the Triton-lowered kernel
+    (its launch path plans no latent tables yet); deterministic mode keeps Triton."""
+    from jax_attn import kernel_policy
+    from jax_attn.kernel_policy import select_kernel
+
+    monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
+    q, k, _, md, _ = build_inputs(Case("c", ((1, 20),), page_size=page, heads=(16, 1), head_dim=576,
+                                       dtype="bfloat16"))
+    q = jnp.zeros((1024, heads, 576), q.dtype)  # many decode tokens: more than one wave of (token, head) programs
+    call = call_of(q, k, None, md, latent_dim=512)
+    assert select_kernel("auto", call) == want
+    assert select_kernel("auto", call, from_torch=True, hopper=True) == "triton"
+    assert select_kernel("auto", call_of(q, k, None, md, latent_dim=512, num_splits=1)) == "triton"

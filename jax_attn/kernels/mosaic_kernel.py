@@ -420,8 +420,8 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         finish = functools.partial(epilogue, st, n_valid=n_valid, row0=seq_row0 + r0, head=head, wg=wg, tile=tile,
                                    split=split, sinks_ref=sinks_ref, out_ref=out_ref, lse_ref=lse_ref, o_smem=o_smem,
                                    lse_smem2=lse_smem2)
-        pl.when(wg == 1)(functools.partial(_follow, st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar, v_bar,
-                                           k_used, handoff, p_smem, done, finish))
+        pl.when(wg == 1)(functools.partial(_follow, st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar,
+                                           v_bar, k_used, handoff, p_smem, done, finish))
     pl.when(wg == 1)(sched_barrier)
     if st.early_k_wait:
         wait_keys(cta_lo)
