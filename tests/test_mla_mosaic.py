@@ -110,3 +110,54 @@ def test_policy_latent(page, heads, want, monkeypatch):
     assert select_kernel("auto", call) == want
     assert select_kernel("auto", call, from_torch=True, hopper=True) == "triton"
     assert select_kernel("auto", call_of(q, k, None, md, latent_dim=512, num_splits=1)) == "triton"
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_jax_backend_mla_on_mosaic(mode):
+    """``FlashAttentionBackend.forward`` on a DeepSeek-wide MLA layer (16 heads, 512 + 64, bf16, page 64) on
+    Hopper: ``describe`` names the Mosaic kernel, the new rows land in the pool, no other slot changes
+    (NaN everywhere else), and the output equals the float32 reference per sequence."""
+    if not ON_GPU:
+        pytest.skip("needs a Hopper GPU")
+    from jax_attn.backend import FlashAttentionBackend, LayerParams
+    from jax_attn.batch import ForwardBatch
+    from jax_attn.kv_cache import KVPool, paged_view
+    from jax_attn.metadata import ForwardMode
+    from jax_attn.reference import paged_attention_reference
+    from tests.paging import committed_pools, shuffled_table
+
+    hq, latent, page, max_ctx = 16, 512, 64, 2048
+    d = latent + 64
+    rng = np.random.default_rng(7)
+    table, num_slots = shuffled_table(6, max_ctx, page, seed=3)
+    rows = np.array([3, 1, 5], np.int32)
+    committed = np.array([0, 900, 1500]) if mode == "extend" else np.array([40, 900, 1999])
+    q_lens = (np.array([70, 3, 129]) if mode == "extend" else np.ones(3, np.int64)).astype(np.int32)
+    bf = jnp.bfloat16
+    k_pool = np.asarray(jnp.asarray(committed_pools(table, num_slots, rows, committed, 1, d, 1, rng)[0], bf),
+                        np.float32)  # (the pool's values, NaN kept)
+    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
+    fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
+    fb = ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)
+    n = int(q_lens.sum())
+    q = rng.standard_normal((n, hq * d)).astype(np.float32)
+    k_new = rng.standard_normal((n, d)).astype(np.float32)
+    backend = FlashAttentionBackend(table, page_size=page, max_context_len=max_ctx, num_heads=(hq, 1))
+    layer = LayerParams(hq, 1, d, v_head_dim=latent, scaling=0.07, mla=True)
+    md = backend.plan(fb)
+    assert backend.describe(md, layer)["attention"] == "mosaic"
+    out, new_pool = backend.forward(jnp.asarray(q, bf), jnp.asarray(k_new, bf), None, layer,
+                                    KVPool(jnp.asarray(k_pool, bf), None), md)
+    k_pool[loc, 0] = np.asarray(jnp.asarray(k_new, bf), np.float32)
+    after = np.asarray(new_pool.k, np.float32)
+    np.testing.assert_array_equal(np.isnan(after), np.isnan(k_pool))  # no other slot written
+    np.testing.assert_array_equal(after[~np.isnan(after)], k_pool[~np.isnan(k_pool)])
+    pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    paged = paged_view(jnp.asarray(k_pool), page)
+    want = paged_attention_reference(jnp.asarray(q, bf).astype(jnp.float32).reshape(n, hq, d), paged,
+                                     paged[..., :latent], jnp.asarray(committed + q_lens, jnp.int32), jnp.asarray(cu),
+                                     jnp.asarray(pt), page_size=page, softmax_scale=0.07)
+    compare_per_sequence(np.asarray(out, np.float32).reshape(n, hq, latent), np.asarray(want), cu, tol=3e-2,
+                         what=mode)
