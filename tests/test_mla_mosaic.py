@@ -97,8 +97,8 @@ def test_latent_rules():
                                              (64, 12, "triton")])
 def test_policy_latent(page, heads, want, monkeypatch):
     """``auto`` on Hopper runs every latent-cache call the Mosaic kernel takes there (decode of any batch
-    included), the rest on Triton; the torch bridge launches latent caches on the Triton-lowered kernel
-    (its launch path plans no latent tables yet); deterministic mode keeps Triton."""
+    included), the rest on Triton; the torch bridge's launch path runs it unsplit, so only where its tiles fill
+    the GPU (``latent_launch_wanted``); deterministic mode keeps Triton."""
     from jax_attn import kernel_policy
     from jax_attn.kernel_policy import select_kernel
 
@@ -108,7 +108,10 @@ def test_policy_latent(page, heads, want, monkeypatch):
     q = jnp.zeros((1024, heads, 576), q.dtype)  # many decode tokens: more than one wave of (token, head) programs
     call = call_of(q, k, None, md, latent_dim=512)
     assert select_kernel("auto", call) == want
-    assert select_kernel("auto", call, from_torch=True, hopper=True) == "triton"
+    assert select_kernel("auto", call, from_torch=True, hopper=True) == want  # unsplit tiles fill the GPU
+    few = call_of(q[:64], k, None, md, latent_dim=512)  # 64 sequences: 64 unsplit tiles at 16 heads
+    assert select_kernel("auto", few, from_torch=True, hopper=True) == ("mosaic" if want == "mosaic" and heads == 128
+                                                                        else "triton")
     assert select_kernel("auto", call_of(q, k, None, md, latent_dim=512, num_splits=1)) == "triton"
 
 
@@ -161,3 +164,66 @@ def test_jax_backend_mla_on_mosaic(mode):
                                      jnp.asarray(pt), page_size=page, softmax_scale=0.07)
     compare_per_sequence(np.asarray(out, np.float32).reshape(n, hq, latent), np.asarray(want), cu, tol=3e-2,
                          what=mode)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_torch_bridge_mla_mosaic_launch(device, monkeypatch):
+    """An MLA model through the bridge on the Mosaic launch path (the latent kernel launched from torch; on
+    the CPU interpreted): two decode steps (the second reuses the bound launch), the write lands only at the
+    step's slots (NaN in every unused slot), the output equals the float32 reference per sequence."""
+    import torch
+
+    from jax_attn import kernel_policy
+    from jax_attn.reference import paged_attention_reference
+    from tests.paging import shuffled_table
+    from tests.test_bridge_launch import InterpretedKernel
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+    from torch_bridge import mosaic_path
+    from torch_bridge.mosaic_path import MosaicPath
+
+    if device == "cuda" and not ON_GPU:
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small batch, launched
+    latent, rope, hq, page, max_ctx = (128, 64, 8, 16, 96) if device == "cpu" else (512, 64, 16, 64, 1024)
+    d = latent + rope
+    rng = np.random.default_rng(5)
+    table, num_slots = shuffled_table(6, max_ctx, page, seed=4)
+    pool = MLATokenToKVPool.create(num_slots, 1, latent, rope, torch.bfloat16, device)
+    buf = pool.kv_buffer[0]
+    buf.fill_(float("nan"))
+    buf[0] = 0.0
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool,
+                         ModelConfig(max_ctx, attention_arch="MLA"), page_size=page, device=device)
+    path = MosaicPath(make_kernel=InterpretedKernel, hopper=True, triton=False) if device == "cpu" else None
+    backend = FlashAttentionBackend(runner, mosaic_path=path)
+    layer = RadixAttention(hq, d, 0.09, 1, 0, v_head_dim=latent)
+    rows = np.array([3, 1, 5], np.int64)
+    launches = InterpretedKernel.calls
+    for step in range(2):
+        committed = np.array([4, 40, 90 if device == "cpu" else 1000]) - 2 + step
+        for r, n in zip(rows, committed):
+            buf[torch.from_numpy(table[r, :n].astype(np.int64)).to(device)] = torch.from_numpy(
+                rng.standard_normal((n, 1, d)).astype(np.float32)).to(device, torch.bfloat16)
+        loc = torch.from_numpy(table[rows, committed].astype(np.int64)).to(device)
+        fb = ForwardBatch(ForwardMode.DECODE, 3, torch.from_numpy(rows).to(device),
+                          torch.from_numpy(committed + 1).to(device), loc, token_to_kv_pool=pool)
+        q = torch.from_numpy(rng.standard_normal((3, hq, d)).astype(np.float32)).to(device, torch.bfloat16)
+        k_new = torch.from_numpy(rng.standard_normal((3, d)).astype(np.float32)).to(device, torch.bfloat16)
+        before = buf.clone()
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q.reshape(3, -1), k_new, k_new[:, :latent], layer, fb)
+        before[loc, 0] = k_new
+        torch.testing.assert_close(buf, before, rtol=0, atol=0, equal_nan=True)  # only the step's slots
+        pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
+        cu = np.arange(4, dtype=np.int32)
+        paged = jnp.asarray(buf.float().cpu().numpy()).reshape(-1, page, 1, d)
+        want = paged_attention_reference(jnp.asarray(q.float().cpu().numpy()), paged, paged[..., :latent],
+                                         jnp.asarray(committed + 1, jnp.int32), jnp.asarray(cu),
+                                         jnp.asarray(pt.astype(np.int32)), page_size=page, softmax_scale=0.09)
+        compare_per_sequence(out.float().cpu().numpy().reshape(3, hq, latent), np.asarray(want), cu, tol=3e-2,
+                             what=f"step {step}")
+    assert len(backend.runner.hits) == 1
+    assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the Mosaic kernel's launch
+    if device == "cpu":
+        assert InterpretedKernel.calls == launches + 2  # launched once per step

@@ -196,7 +196,10 @@ class LayerRunner:
                     num_tokens=key.num_tokens, num_kv_heads=lp.num_kv_heads, head_dim=lp.head_dim,
                     head_dim_v=lp.v_head_dim or lp.head_dim, dtype=jax_dtype(dtype), kv_dtype=jax_dtype(k_buf.dtype),
                     has_sinks=has_sinks, num_q_heads=lp.num_q_heads, latent=lp.mla)
-        return self.mosaic_path.kernel_for(self.jax_backend.impl, call)
+        kernel = self.mosaic_path.kernel_for(self.jax_backend.impl, call)
+        if kernel == "mosaic" and lp.mla and key.topk > 1:  # an MLA tree step's passes: the Triton-lowered kernel
+            kernel = self.mosaic_path.kernel_for("triton", call)
+        return kernel
 
     def launch_specs(self, step: Step, layer, pool, dtype: torch.dtype, has_sinks: bool = False) -> list:
         """What ``layer``'s launch over ``step`` builds (``MosaicPath.prebuild`` specs; ``dtype``: its

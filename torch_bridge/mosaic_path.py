@@ -59,10 +59,11 @@ WARM_UP_MESSAGE = ("torch_bridge: this layer's kernel or step tables are not rea
 # PREFIX_TABLES / EXPAND_TABLES over a tree step's two passes (``jax_attn.spec.CascadeMetadata``),
 # TREE_SWA_TABLES over its SWA table (a sliding-window layer's one pass: committed then draft slots per row; with
 # SWA_TABLES, translated into an ``SWAKVPool``'s SWA pool), TRITON_TABLES the Triton-lowered kernel's
-# (``torch_bridge.triton_path``)
+# (``torch_bridge.triton_path``), LATENT_TABLES the Mosaic kernel's tiles for an MLA latent cache (every query head
+# of a token in the rows, ``KernelStatics.latent``)
 TableKey = Tuple[int, ...]
 LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, CROSS_TABLES, PREFIX_TABLES, EXPAND_TABLES = 1, 2, 4, 8, 16, 32
-TREE_SWA_TABLES = 64
+TREE_SWA_TABLES, LATENT_TABLES = 64, 128
 TREE_TABLES = PREFIX_TABLES | EXPAND_TABLES
 
 
@@ -104,9 +105,10 @@ def table_key(lp: LayerParams, swa: bool = False, triton: bool = False, tree_pas
     """Which tables a layer reads: its head counts, whether it runs on the local virtual batch, (``swa``: a
     sliding-window layer of an ``SWAKVPool``) on the SWA pool's page table, (a cross-attention layer) on
     the encoder tokens or (``tree_pass``: ``PREFIX_TABLES``, ``EXPAND_TABLES`` or ``TREE_SWA_TABLES``) on a
-    tree step's pass, and which kernel (``triton``: the Triton-lowered one) reads them."""
+    tree step's pass, and which kernel (``triton``: the Triton-lowered one; an MLA layer's Mosaic tiles are the
+    latent kernel's) reads them."""
     flags = (LOCAL_TABLES if lp.use_irope else SWA_TABLES if swa else CROSS_TABLES if lp.is_cross_attention else 0)
-    flags |= (TRITON_TABLES if triton else 0) | tree_pass
+    flags |= (TRITON_TABLES if triton else LATENT_TABLES if lp.mla else 0) | tree_pass
     return (lp.num_q_heads, lp.num_kv_heads) + ((flags,) if flags else ())
 
 
@@ -145,7 +147,8 @@ def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None, det
         parts = triton_path.table_parts(md, key[:2], deterministic)
     else:  # a tree step's prefix pass returns its LSE for the merge: the tables carry where the kernel puts it
         lse = bool(key_flags(key) & PREFIX_TABLES)
-        sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config, with_lse=lse)
+        sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config, with_lse=lse,
+                                     latent=bool(key_flags(key) & LATENT_TABLES))
         parts = [md.page_table, md.cu_seqlens_q, sched.tile_info] + ([sched.lse_index] if lse else [])
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
@@ -262,7 +265,7 @@ class MosaicPath:
             return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
                           md.max_q_len, lay)
         b, p = md.page_table.shape
-        pack = choose_pack(md, heads[0], heads[1], self.config)
+        pack = heads[0] if key_flags(heads) & LATENT_TABLES else choose_pack(md, heads[0], heads[1], self.config)
         lse = (md.num_tokens * heads[0],) if key_flags(heads) & PREFIX_TABLES else None  # ``LsePass``'s index
         num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1) - (_padded(lse[0]) if lse else 0)) \
             // TILE_INFO_WORDS
@@ -441,15 +444,18 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
     dv, g, rows = lp.v_head_dim or d, tables.pack, key.num_tokens
     q_shape = (rows, hkv, g, d) if g > 1 else (rows, hq, d)
     out_shape = (rows, hkv, g, dv) if g > 1 else (rows, hq, dv)
+    if lp.mla:  # a latent cache: q's rows as they are (``mosaic_paged.pack_rows``), the values in the key rows
+        q_shape, out_shape, v_buf = (rows * hq, 1, d), (rows * hq, 1, dv), k_buf
     with torch.inference_mode(False):
         sinks = torch.zeros(hq, dtype=torch.float32, device=device)  # packed rows read their group's
     st = kernel_statics(
         num_tokens=rows, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv,
         page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),
         causal=lp.attends_causally, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
-        has_sinks=has_sinks, return_lse=return_lse, config=config, max_q_len=tables.max_q_len)
+        has_sinks=has_sinks, return_lse=return_lse, config=config, max_q_len=tables.max_q_len,
+        latent=dv if lp.mla else 0)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
-            v_buf.view(-1, key.page_size, hkv, dv), *tables.args[:3], sinks)  # (a prefix's LSE index: not read)
+            v_buf.view(-1, key.page_size, hkv, d if lp.mla else dv), *tables.args[:3], sinks)  # (a prefix's LSE index: not read)
     with torch.inference_mode(False):  # the pass's persistent results (``LsePass``): normal tensors
         lse = torch.empty(out_types(st, tables.num_tiles)[1].shape, dtype=torch.float32, device=device) \
             if return_lse else None
