@@ -124,9 +124,7 @@ def test_jax_backend_mla_layer(mode, page, split_inputs):
     updated pool; no slot outside the step's writes changes (NaN in every unused slot). Inputs either
     whole rows or SGLang's split form (latent ``q`` / ``k`` with ``q_rope`` / ``k_rope``)."""
     from jax_attn.backend import FlashAttentionBackend, LayerParams
-    from jax_attn.batch import ForwardBatch
-    from jax_attn.kv_cache import KVPool, paged_view
-    from jax_attn.metadata import ForwardMode
+    from jax_attn.kv_cache import KVPool
     from tests.paging import committed_pools, shuffled_table
 
     rng = np.random.default_rng(page)
@@ -136,9 +134,7 @@ def test_jax_backend_mla_layer(mode, page, split_inputs):
     committed = np.array([0, 9, 20]) if mode == "extend" else np.array([4, 9, 30])
     q_lens = (rng.integers(1, 6, 3) if mode == "extend" else np.ones(3, np.int64)).astype(np.int32)
     k_pool, _ = committed_pools(table, num_slots, rows, committed, 1, d, 1, rng)
-    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
-    fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
-    fb = ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)
+    loc, fb = mla_step(table, rows, committed, q_lens, mode)
     n = int(q_lens.sum())
     q = rng.standard_normal((n, HQ * d)).astype(np.float32)
     k_new = rng.standard_normal((n, d)).astype(np.float32)
@@ -154,16 +150,38 @@ def test_jax_backend_mla_layer(mode, page, split_inputs):
     out, new_pool = backend.forward(*args, layer, pool, backend.plan(fb), **kw)
     assert new_pool.v is None and out.shape == (n, HQ * LATENT)
     k_pool[loc, 0] = k_new
-    after = np.asarray(new_pool.k)
-    np.testing.assert_array_equal(np.isnan(after), np.isnan(k_pool))  # no other slot written
-    np.testing.assert_array_equal(after[~np.isnan(after)], k_pool[~np.isnan(k_pool)])
-    pt = table[rows][:, ::page][:, :-(-MAX_CTX // page)] // page
+    check_mla_step(out, new_pool, k_pool, q, table, rows, committed, q_lens, page, MAX_CTX, LATENT, 0.19, 2e-5, mode)
+
+
+def mla_step(table, rows, committed, q_lens, mode: str):
+    """(the slots a decode or extend step over ``rows`` writes, its ``ForwardBatch``): ``q_lens`` new tokens
+    after each row's ``committed`` ones."""
+    from jax_attn.batch import ForwardBatch
+    from jax_attn.metadata import ForwardMode
+
+    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
+    fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
+    return loc, ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)
+
+
+def check_mla_step(out, new_pool, want_pool, q, table, rows, committed, q_lens, page: int, max_ctx: int, latent: int,
+                   scale: float, tol: float, what: str):
+    """An MLA layer's step (``mla_step``) against ``want_pool`` (the latent pool with the step's rows
+    written, NaN where no one wrote): the pool equals it (no other slot written), and the output equals the
+    reference over it per sequence (``q`` in the layer's dtype's values)."""
+    from jax_attn.kv_cache import paged_view
+
+    n, d = int(np.sum(q_lens)), want_pool.shape[-1]
+    after = np.asarray(new_pool.k, np.float32)
+    np.testing.assert_array_equal(np.isnan(after), np.isnan(want_pool))
+    np.testing.assert_array_equal(after[~np.isnan(after)], want_pool[~np.isnan(want_pool)])
+    pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    paged = paged_view(jnp.asarray(k_pool), page)
-    want = paged_attention_reference(jnp.asarray(q).reshape(n, HQ, d), paged, paged[..., :LATENT],
+    paged = paged_view(jnp.asarray(want_pool), page)
+    want = paged_attention_reference(jnp.asarray(q, jnp.float32).reshape(n, -1, d), paged, paged[..., :latent],
                                      jnp.asarray(committed + q_lens, jnp.int32), jnp.asarray(cu), jnp.asarray(pt),
-                                     page_size=page, softmax_scale=0.19)
-    compare_per_sequence(np.asarray(out).reshape(n, HQ, LATENT), np.asarray(want), cu, tol=2e-5, what=mode)
+                                     page_size=page, softmax_scale=scale)
+    compare_per_sequence(np.asarray(out, np.float32).reshape(n, -1, latent), np.asarray(want), cu, tol=tol, what=what)
 
 
 def test_jax_backend_mla_rules():

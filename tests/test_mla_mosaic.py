@@ -124,11 +124,9 @@ def test_jax_backend_mla_on_mosaic(mode):
     if not ON_GPU:
         pytest.skip("needs a Hopper GPU")
     from jax_attn.backend import FlashAttentionBackend, LayerParams
-    from jax_attn.batch import ForwardBatch
-    from jax_attn.kv_cache import KVPool, paged_view
-    from jax_attn.metadata import ForwardMode
-    from jax_attn.reference import paged_attention_reference
+    from jax_attn.kv_cache import KVPool
     from tests.paging import committed_pools, shuffled_table
+    from tests.test_mla import check_mla_step, mla_step
 
     hq, latent, page, max_ctx = 16, 512, 64, 2048
     d = latent + 64
@@ -140,9 +138,7 @@ def test_jax_backend_mla_on_mosaic(mode):
     bf = jnp.bfloat16
     k_pool = np.asarray(jnp.asarray(committed_pools(table, num_slots, rows, committed, 1, d, 1, rng)[0], bf),
                         np.float32)  # (the pool's values, NaN kept)
-    loc = np.concatenate([table[r, s:s + n] for r, s, n in zip(rows, committed, q_lens)])
-    fm = ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE
-    fb = ForwardBatch(fm, rows, committed + q_lens, loc, extend_seq_lens=q_lens if mode == "extend" else None)
+    loc, fb = mla_step(table, rows, committed, q_lens, mode)
     n = int(q_lens.sum())
     q = rng.standard_normal((n, hq * d)).astype(np.float32)
     k_new = rng.standard_normal((n, d)).astype(np.float32)
@@ -153,17 +149,8 @@ def test_jax_backend_mla_on_mosaic(mode):
     out, new_pool = backend.forward(jnp.asarray(q, bf), jnp.asarray(k_new, bf), None, layer,
                                     KVPool(jnp.asarray(k_pool, bf), None), md)
     k_pool[loc, 0] = np.asarray(jnp.asarray(k_new, bf), np.float32)
-    after = np.asarray(new_pool.k, np.float32)
-    np.testing.assert_array_equal(np.isnan(after), np.isnan(k_pool))  # no other slot written
-    np.testing.assert_array_equal(after[~np.isnan(after)], k_pool[~np.isnan(k_pool)])
-    pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    paged = paged_view(jnp.asarray(k_pool), page)
-    want = paged_attention_reference(jnp.asarray(q, bf).astype(jnp.float32).reshape(n, hq, d), paged,
-                                     paged[..., :latent], jnp.asarray(committed + q_lens, jnp.int32), jnp.asarray(cu),
-                                     jnp.asarray(pt), page_size=page, softmax_scale=0.07)
-    compare_per_sequence(np.asarray(out, np.float32).reshape(n, hq, latent), np.asarray(want), cu, tol=3e-2,
-                         what=mode)
+    check_mla_step(out, new_pool, k_pool, jnp.asarray(q, bf), table, rows, committed, q_lens, page, max_ctx, latent,
+                   0.07, 3e-2, mode)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
