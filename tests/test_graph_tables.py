@@ -119,12 +119,19 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     r = planner.refreshes[(mode, bs)]
     heads = (HQ, HKV) if page % 8 == 0 else (HQ, HKV, TRITON_TABLES)
     assert r.verified == {heads} and not r.recorded
+    refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
+
+
+def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int):
+    """Twelve trials of valid and bad inputs (rows, lengths, page ids outside the pool): after the planner's
+    tables of one input, the refresh of the next must write exactly the planner's tables of that one
+    (``rows`` / ``lens``: the capture hook's buffers; ``r``: the bucket's ``TableRefresh``)."""
     tables = r.step.tables[heads]
     rng = np.random.default_rng(page + bs)
     capacity = backend.jax_backend.capacity
 
     r2t = runner.req_to_token_pool.req_to_token
-    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    num_slots = runner.token_to_kv_pool.get_key_buffer(0).shape[0]
     num_pages = num_slots // page
 
     def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)

@@ -9,6 +9,8 @@ formula per sequence, LSE included; unused pages and slots hold NaN and padding 
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,38 @@ def test_torch_bridge_mla_mosaic_launch(device, monkeypatch):
     assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the Mosaic kernel's launch
     if device == "cpu":
         assert InterpretedKernel.calls == launches + 2  # launched once per step
+
+
+@pytest.mark.parametrize("name, bs", [("decode", 4), ("verify", 3)])
+def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeypatch):
+    """A captured MLA bucket on the Mosaic launch path (the latent kernel's tiles, one per sequence) refreshes
+    its tables inside the graph: the capture checks the refresh against the planner, and over valid and bad
+    inputs the refresh writes the planner's tables bit for bit (``test_graph_tables.refresh_trials``)."""
+    import torch
+
+    from jax_attn import kernel_policy
+    from tests.paging import shuffled_table
+    from tests.test_bridge_launch import InterpretedKernel
+    from tests.test_graph_tables import MAX_CTX, MODES, REQS, refresh_trials
+    from tests.test_triton_launch import InterpretedTriton
+    from torch_bridge import FlashAttentionBackend, MLATokenToKVPool, ModelConfig, ModelRunner, ReqToTokenPool
+    from torch_bridge.mosaic_path import LATENT_TABLES, MosaicPath
+
+    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)
+    hq, page = 8, 16
+    table, num_slots = shuffled_table(REQS, MAX_CTX, page, 0)
+    pool = MLATokenToKVPool.create(num_slots, 1, 128, 64, torch.bfloat16)
+    config = ModelConfig(MAX_CTX, attention_arch="MLA")
+    config.hf_text_config = types.SimpleNamespace(num_attention_heads=hq)
+    config.get_num_kv_heads = lambda tp: 1
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool, config, page_size=page)
+    backend = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
+                                                                   make_triton=InterpretedTriton))
+    mode, per_req, spec, _ = MODES[name]
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    r = backend.planner.refreshes[(mode, bs)]
+    heads = (hq, 1, LATENT_TABLES)
+    assert heads in r.verified and not r.recorded
+    refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)

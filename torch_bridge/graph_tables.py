@@ -69,8 +69,8 @@ from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from torch_bridge.mosaic_path import (EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables,
-                                      key_flags)
+from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES,
+                                      TableKey, Tables, key_flags)
 from torch_bridge.table_rules import expand_parts, guarded, lse_pattern, swa_parts, tree_mask, triton_schedule
 from torch_bridge.translate import UNIFORM
 
@@ -267,9 +267,10 @@ class TableRefresh:
             want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
-        if (flags != MOSAIC_FLAGS[self.tree] or tables.num_tiles != b  # local / SWA tables; several tiles
-                or qpr * tables.pack > self.rows_per_tile):  # per sequence
-            return False
+        latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
+        if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.tree] or (latent and self.tree)  # local / SWA tables
+                or tables.num_tiles != b or qpr * tables.pack > (self.block_q if latent else self.rows_per_tile)):
+            return False  # (several tiles per sequence)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=dev)

@@ -44,9 +44,9 @@ from torch_bridge.checks import RunnerSettings, check_host_lengths, plans_local
 from torch_bridge import graph_tables
 from torch_bridge.dlpack import Importer, capturing, narrow_int32, pack_mask_words, pad_int32
 from torch_bridge.launcher import jax_dtype
-from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
-                                      TREE_SWA_TABLES, TREE_TABLES, TRITON_TABLES, WARM_UP_MESSAGE, MosaicPath,
-                                      TableKey, Tables, flatten_tables, key_flags)
+from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES,
+                                      SWA_TABLES, TREE_SWA_TABLES, TREE_TABLES, TRITON_TABLES, WARM_UP_MESSAGE,
+                                      MosaicPath, TableKey, Tables, flatten_tables, key_flags)
 from torch_bridge.step import Packing, PlanLayout, Step, as_words, narrow, packing
 from torch_bridge.warmup import prebuild_classes, prebuild_recipe, shares_class
 from torch_bridge.translate import (UNIFORM, custom_mask, extend_lens, loc_steps, locs_per_token, pad_wide, plan_locs,
@@ -81,7 +81,7 @@ class StepPlanner:
             # SGLang's model config names the layer shapes: their tables come with every plan (a key first
             # seen in a graph bucket's warm-up would otherwise change the plans its replays make)
             for triton in expected_kernels(mosaic_path, settings, model_runner, jax_backend):
-                flags = TRITON_TABLES if triton else 0
+                flags = TRITON_TABLES if triton else LATENT_TABLES if settings.mla else 0
                 self.launch_heads.add(settings.heads + ((flags,) if flags else ()))
                 if settings.attention_chunk_size:  # a local-attention model's use_irope layers read md.local
                     self.launch_heads.add(settings.heads + (LOCAL_TABLES | flags,))
@@ -550,8 +550,15 @@ def expected_kernels(path: MosaicPath, settings: RunnerSettings, model_runner, j
     pool (head dims, dtype; q in the pool's dtype, bf16 over an fp8 pool) and the policy, for steps of these
     queries per request (default: decode, and extend steps)."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
-    if settings.mla:
-        return (True,)  # absorbed MLA: the Triton-lowered kernel only
+    if settings.mla:  # absorbed MLA: the Triton-lowered kernel, and the Mosaic one for batches it fills the GPU with
+        latent, buf = getattr(pool, "kv_lora_rank", None), getattr(pool, "kv_buffer", None)
+        if not isinstance(latent, int) or not buf:
+            return (True,)
+        kv_dtype = jax_dtype(buf[0].dtype)
+        call = Call(max_q_len=1, page_size=jax_backend.page_size, num_tokens=1 << 20, num_kv_heads=1,
+                    head_dim=buf[0].shape[-1], head_dim_v=latent, dtype=kv_dtype, kv_dtype=kv_dtype,
+                    num_q_heads=settings.heads[0], latent=True)
+        return (False, True) if path.kernel_for(jax_backend.impl, call) == "mosaic" else (True,)
     try:
         k_buf, v_buf = pool.get_kv_buffer(0)
     except (AttributeError, IndexError, TypeError):
