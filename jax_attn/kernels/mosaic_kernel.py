@@ -10,6 +10,13 @@ is, ``[T, Hq, D]``), the layout for prefill/extend. With ``pack == G`` the ``G``
 kv head are packed into the rows (``q`` read as ``[T, Hkv, G, D]``, ``KernelStatics.token_major``),
 so decode and verify fill the tensor core tile with one read of each key block.
 
+Latent caches (``KernelStatics.latent``: absorbed MLA, DeepSeek's 512 + 64): one kv head whose rows are the
+latent (also the value row) then the rope part. The rows are every query head of a token in q's own order,
+and a tile is one ``block_q`` block that both compute warpgroups share: a 64 x 512 float32 accumulator does
+not fit one warpgroup's registers, so each accumulates half of the value columns. The first computes the
+scores once and hands P and its rescale to the second (``_compute_wg``, ``_follow``). The ring keeps a page's
+rows as three parts (``latent_parts``), and the values are read from the key slot.
+
 Ragged outputs: each compute warpgroup stores its valid rows with TMA copies of 64, 32, ..., 1 rows
 (the binary digits of the count), so a tile never writes rows of another sequence.
 
