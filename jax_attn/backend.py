@@ -97,6 +97,9 @@ class FlashAttentionBackend:
       num_heads: ``(num_q_heads, num_kv_heads)`` of the model's layers; with a kernel ``impl``
         the plan then carries the kernel's work schedule, built once per step instead of per
         layer (layers with other head counts still get a correct, per-call schedule).
+      mla: the model's layers are absorbed MLA layers (``LayerParams(mla=True)``): with ``num_heads``
+        (``(Hq, 1)``) the plan carries the Mosaic kernel's latent-cache tiles (``plan_mosaic_schedule(...,
+        latent=True)``) where ``auto`` or ``impl="mosaic"`` would run it.
       attention_chunk_size: Llama-4 chunked local attention (SGLang's ``attention_chunk_size``; 0 =
         none): every plan of a mode in ``jax_attn.local.LOCAL_MODES`` then carries the virtual batch
         (``md.local``) that ``use_irope`` layers run. A multiple of ``page_size``.
@@ -108,7 +111,8 @@ class FlashAttentionBackend:
     def __init__(self, req_to_token, *, page_size: int = 1, max_context_len: Optional[int] = None,
                  impl: str = "auto", deterministic: bool = False, max_encoder_len: int = 0,
                  num_heads: Optional[tuple] = None, num_slots: int = 0, validate: Optional[bool] = None,
-                 attention_chunk_size: int = 0, num_swa_slots: int = 0, full_to_swa_index_mapping=None):
+                 attention_chunk_size: int = 0, num_swa_slots: int = 0, full_to_swa_index_mapping=None,
+                 mla: bool = False):
         if attention_chunk_size:
             local_attn.check_chunk_size(attention_chunk_size, page_size)
         self.attention_chunk_size = int(attention_chunk_size or 0)
@@ -120,6 +124,7 @@ class FlashAttentionBackend:
         self.deterministic = deterministic
         self.max_encoder_len = max_encoder_len
         self.num_heads = num_heads
+        self.mla = bool(mla)
         self.num_slots = int(num_slots)
         self.validate = safety.validate_default() if validate is None else bool(validate)
         self.num_swa_slots = int(num_swa_slots)  # SGLang's hybrid SWAKVPool: slots of its SWA pool
@@ -191,11 +196,12 @@ class FlashAttentionBackend:
         mosaic = None
         call = Call(max_q_len=md.max_q_len, page_size=md.page_size, num_tokens=md.num_tokens, num_kv_heads=hkv,
                     head_dim=0, head_dim_v=0, dtype=None, kv_dtype=None, deterministic=self.deterministic,
-                    num_q_heads=hq)
+                    num_q_heads=hq, latent=self.mla)
         if self.impl == "mosaic" or (self.impl == "auto" and mosaic_wanted(call)):
             from jax_attn.kernels.mosaic_paged import plan_mosaic_schedule
 
-            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, num_splits=splits, with_lse=with_lse)
+            mosaic = plan_mosaic_schedule(md, num_q_heads=hq, num_kv_heads=hkv, num_splits=splits, with_lse=with_lse,
+                                          latent=self.mla)
         # chunked local layers' own tiles
         local = None if md.local is None else self.attach_schedule(md.local, num_heads=heads)
         encoder = md.encoder

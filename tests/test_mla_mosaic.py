@@ -251,3 +251,40 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     heads = (hq, 1, LATENT_TABLES)
     assert heads in r.verified and not r.recorded
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_jax_backend_plans_the_latent_tiles_once_per_step(mode, monkeypatch):
+    """``FlashAttentionBackend(mla=True, num_heads=(Hq, 1))``: the plan carries the latent kernel's tiles, so
+    an MLA layer's Mosaic call plans nothing itself (``forbid_kernel_planning``), and the step is right: the
+    pool changes only at its rows, the output equals the reference per sequence (interpreted on the CPU)."""
+    if ON_GPU:
+        pytest.skip("interpreter case (the GPU runs test_jax_backend_mla_on_mosaic)")
+    from jax_attn.backend import FlashAttentionBackend, LayerParams
+    from jax_attn.kv_cache import KVPool
+    from tests.attention_cases import forbid_kernel_planning
+    from tests.paging import committed_pools, shuffled_table
+    from tests.test_mla import check_mla_step, mla_step
+
+    hq, latent, page, max_ctx = 8, 128, 16, 96
+    d, bf = latent + 64, jnp.bfloat16
+    rng = np.random.default_rng(3)
+    table, num_slots = shuffled_table(4, max_ctx, page, seed=2)
+    rows = np.array([3, 1], np.int32)
+    committed = np.array([10, 70])
+    q_lens = (np.array([5, 9]) if mode == "extend" else np.ones(2, np.int64)).astype(np.int32)
+    k_pool = np.asarray(jnp.asarray(committed_pools(table, num_slots, rows, committed, 1, d, 1, rng)[0], bf),
+                        np.float32)
+    loc, fb = mla_step(table, rows, committed, q_lens, mode)
+    n = int(q_lens.sum())
+    q = jnp.asarray(rng.standard_normal((n, hq * d)), bf)
+    k_new = jnp.asarray(rng.standard_normal((n, d)), bf)
+    backend = FlashAttentionBackend(table, page_size=page, max_context_len=max_ctx, num_heads=(hq, 1), impl="mosaic",
+                                    mla=True)
+    md = backend.plan(fb)
+    assert md.mosaic_schedule.block_q == 64 and md.mosaic_schedule.pack == hq  # the latent kernel's tiles
+    forbid_kernel_planning(monkeypatch)
+    layer = LayerParams(hq, 1, d, v_head_dim=latent, scaling=0.1, mla=True)
+    out, new_pool = backend.forward(q, k_new, None, layer, KVPool(jnp.asarray(k_pool, bf), None), md)
+    k_pool[loc, 0] = np.asarray(k_new, np.float32)
+    check_mla_step(out, new_pool, k_pool, q, table, rows, committed, q_lens, page, max_ctx, latent, 0.1, 3e-2, mode)

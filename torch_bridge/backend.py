@@ -159,7 +159,7 @@ class FlashAttentionBackend:
                                       deterministic=self.settings.deterministic,
                                       max_encoder_len=max_encoder_len, num_slots=num_slots, validate=validate,
                                       attention_chunk_size=self.settings.attention_chunk_size,
-                                      num_swa_slots=self.settings.num_swa_slots)
+                                      num_swa_slots=self.settings.num_swa_slots, mla=self.settings.mla)
         if mosaic_path is None:
             mosaic_path = MosaicPath.for_device(self.device, impl)
         if mosaic_path and self.settings.deterministic:  # a request's bits must not depend on the batch
