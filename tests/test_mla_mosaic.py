@@ -30,11 +30,14 @@ def _mla(name, seq_lens, latent, rope, **kw):
     return Case(name, tuple(seq_lens), **kw), latent
 
 
-# Interpreted: decode with padded batch rows, MTP verify over two kv splits, extend with a prefix.
+# Interpreted: decode with padded batch rows, MTP verify over two kv splits, extend with a prefix, a window.
 CPU_CASES = [
     _mla("decode_pad_rows", [(1, 17), (1, 140), (1, 3)], 128, 64, page_size=16, pad_rows=1),
     _mla("verify_q4_split2", [(4, 150), (4, 9)], 128, 64, page_size=64, heads=(8, 1), num_splits=2),
     _mla("extend_prefix", [(12, 40), (3, 33), (20, 20)], 128, 64, page_size=16, heads=(8, 1)),
+    # a window and a softcap (the mask and logits code the latent mode shares), eight pages per key block
+    _mla("extend_window_softcap_page8", [(9, 70), (1, 41)], 128, 64, page_size=8, heads=(8, 1), window=(20, 0),
+         softcap=7.0),
 ]
 
 # Compiled at DeepSeek's widths: 16 heads (TP8) and 128 (TP1); split decode; MTP verify; extend.
