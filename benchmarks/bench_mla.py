@@ -18,7 +18,8 @@ Peers:
                  (a view), token-level kv_indptr / kv_indices, f32 attn_logits / attn_lse scratch; kv
                  splits 4, 8 and 16 are tried and the fastest kept. One query per request: no q_len 2 row.
 
-Points (``POINTS``), B=64, ctx 4096 (drafts included), bf16, page size 64 and 1:
+Points (``POINTS``), B=64, ctx 4096 (drafts included), bf16, page size 64 and 1; and decode of few long
+sequences (H=16, page 64: B=1 ctx 32768, B=8 ctx 8192), where the kernels split the keys:
   decode H=16    latent-cache read bandwidth, TB/s of ``B * ctx * D * 2`` bytes plus q and out.
   decode H=128   both peers; TB/s and TFLOP/s.
   verify q=2 H=128  MTP verify (bottom-right causal), ours alone, TFLOP/s of ``2 * B * q_len * Hq * ctx * (D + L)``.
@@ -96,7 +97,8 @@ class Point:
         return 2 * self.batch * self.q_len * self.heads * self.ctx * (2 * self.latent + self.rope)
 
 
-POINTS = [Point(h, 64, q, 4096, ps) for h, q in ((16, 1), (128, 1), (128, 2)) for ps in (64, 1)]
+POINTS = ([Point(h, 64, q, 4096, ps) for h, q in ((16, 1), (128, 1), (128, 2)) for ps in (64, 1)]
+          + [Point(16, 1, 1, 32768, 64), Point(16, 8, 1, 8192, 64)])  # few long sequences: split-KV
 SMOKE_POINTS = [Point(4, 3, 1, 40, 16), Point(4, 2, 2, 24, 1)]
 
 
