@@ -38,6 +38,8 @@ CPU_CASES = [
     # a window and a softcap (the mask and logits code the latent mode shares), eight pages per key block
     _mla("extend_window_softcap_page8", [(9, 70), (1, 41)], 128, 64, page_size=8, heads=(8, 1), window=(20, 0),
          softcap=7.0),
+    # a tree step's prefix pass: its draft tokens see every committed key (non-causal), LSE for the merge
+    _mla("tree_prefix_noncausal", [(4, 90), (4, 20)], 128, 64, page_size=16, heads=(8, 1), causal=False),
 ]
 
 # Compiled at DeepSeek's widths: 16 heads (TP8) and 128 (TP1); split decode; MTP verify; extend.
