@@ -138,12 +138,13 @@ def latent_launch_wanted(call: Call) -> bool:
     least 90% of the GPU (decode: 16 heads from about 119 sequences on, 128 heads from 60); the JAX API
     splits instead (``mosaic_wanted``). The H200 figures behind the Mosaic latent kernel were unsplit at 128
     heads, B 64 (128 CTAs, 528 TFLOP/s against Triton's 154)."""
+    from jax_attn.kernels.mosaic_kernel import tile_rows
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
     if not call.latent:
         return True
     seqs = call.num_tokens // max(call.max_q_len, 1)
-    tiles = max(-(-call.num_tokens * call.num_q_heads // config.block_q), seqs)
+    tiles = max(-(-call.num_tokens * call.num_q_heads // tile_rows(config.block_q, latent=True)), seqs)
     return 10 * tiles >= 9 * config.num_sms
 
 
@@ -163,8 +164,8 @@ def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bo
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call))
-        speed = speed and (impl == "mosaic" or latent_launch_wanted(call))
+        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call)
+                                     and latent_launch_wanted(call))
         if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"

@@ -63,8 +63,7 @@ from jax_attn import batch as jbatch
 from jax_attn.metadata import ForwardMode
 from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.config import cdiv
-from jax_attn.kernels.mosaic_io import COMPUTE_WGS
-from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS
+from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
@@ -140,7 +139,7 @@ class TableRefresh:
                  capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
-        self.rows_per_tile, self.block_q = COMPUTE_WGS * config.block_q, config.block_q
+        self.rows_per_tile, self.block_q = tile_rows(config.block_q, latent=False), config.block_q
         self.rows, self.lens = rows, lens  # the graph reads these tensors
         self.n = min(int(rows.shape[0]), b)
         self.tree = tree_verify(key)
@@ -269,7 +268,7 @@ class TableRefresh:
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
         if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.tree] or (latent and self.tree)  # local / SWA tables
-                or tables.num_tiles != b or qpr * tables.pack > (self.block_q if latent else self.rows_per_tile)):
+                or tables.num_tiles != b or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several tiles per sequence)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))

@@ -265,7 +265,7 @@ class MosaicPath:
             return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
                           md.max_q_len, lay)
         b, p = md.page_table.shape
-        pack = heads[0] if key_flags(heads) & LATENT_TABLES else choose_pack(md, heads[0], heads[1], self.config)
+        pack = choose_pack(md, heads[0], heads[1], self.config, bool(key_flags(heads) & LATENT_TABLES))
         lse = (md.num_tokens * heads[0],) if key_flags(heads) & PREFIX_TABLES else None  # ``LsePass``'s index
         num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1) - (_padded(lse[0]) if lse else 0)) \
             // TILE_INFO_WORDS
@@ -454,8 +454,9 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
         causal=lp.attends_causally, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
         has_sinks=has_sinks, return_lse=return_lse, config=config, max_q_len=tables.max_q_len,
         latent=dv if lp.mla else 0)
+    # (the tables' fourth part, a prefix pass's LSE index, is not a kernel argument)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
-            v_buf.view(-1, key.page_size, hkv, d if lp.mla else dv), *tables.args[:3], sinks)  # (a prefix's LSE index: not read)
+            v_buf.view(-1, key.page_size, hkv, d if lp.mla else dv), *tables.args[:3], sinks)
     with torch.inference_mode(False):  # the pass's persistent results (``LsePass``): normal tensors
         lse = torch.empty(out_types(st, tables.num_tiles)[1].shape, dtype=torch.float32, device=device) \
             if return_lse else None

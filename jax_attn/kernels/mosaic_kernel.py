@@ -60,6 +60,12 @@ MAX_CHUNK = 192  # the widest row of an untiled buffer, in elements (``row_chunk
 LATENT_PARTS = COMPUTE_WGS + 1  # a latent cache's row in shared memory: the value halves, then the rope part
 
 
+def tile_rows(block_q: int, latent: bool) -> int:
+    """Rows of a work tile: one ``block_q`` block per compute warpgroup, or with a latent cache one block
+    that both warpgroups share, each accumulating half of the value columns (see the module docstring)."""
+    return block_q if latent else COMPUTE_WGS * block_q
+
+
 def row_chunk(dim: int) -> int:
     """Columns per chunk of the untiled buffers that registers are stored to or loaded from (the Q
     staging and the output buffers), which hold rows of ``dim`` elements as column chunks, each chunk
@@ -107,9 +113,7 @@ class KernelStatics:
 
     @property
     def rows_per_tile(self) -> int:
-        """Rows of a work tile: one ``block_q`` block per compute warpgroup, or with a latent cache one block
-        that both warpgroups share, each accumulating half of the value columns (see the module docstring)."""
-        return self.block_q if self.latent else COMPUTE_WGS * self.block_q
+        return tile_rows(self.block_q, bool(self.latent))
 
     @property
     def value_cols(self) -> int:
@@ -423,10 +427,10 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     f_lo = jnp.clip(full_lo, lo, hi)
     f_hi = jnp.clip(full_hi, f_lo, hi)
     masked_step = functools.partial(step, masked=True)
+    finish = functools.partial(epilogue, st, n_valid=n_valid, row0=seq_row0 + r0, head=head, wg=wg, tile=tile,
+                               split=split, sinks_ref=sinks_ref, out_ref=out_ref, lse_ref=lse_ref, o_smem=o_smem,
+                               lse_smem2=lse_smem2)  # (``carry`` -> the epilogue)
     if st.latent:
-        finish = functools.partial(epilogue, st, n_valid=n_valid, row0=seq_row0 + r0, head=head, wg=wg, tile=tile,
-                                   split=split, sinks_ref=sinks_ref, out_ref=out_ref, lse_ref=lse_ref, o_smem=o_smem,
-                                   lse_smem2=lse_smem2)
         pl.when(wg == 1)(functools.partial(_follow, st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar,
                                            v_bar, k_used, handoff, p_smem, done, finish))
     pl.when(wg == 1)(sched_barrier)
@@ -446,8 +450,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         if st.kv_staging or st.latent:  # the output buffer is in the rings: both warpgroups' key loops must be over
             plgpu.barrier_arrive(done)
             plgpu.barrier_wait(done)
-        epilogue(st, carry, n_valid, seq_row0 + r0, head, wg, tile, split, sinks_ref, out_ref, lse_ref, o_smem,
-                 lse_smem2)
+        finish(carry)
 
     if st.latent:
         pl.when(wg == 0)(lead)

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import HOPPER_NUM_SMS, interpret_default
-from jax_attn.kernels.mosaic_kernel import (COMPUTE_WGS, MAX_CHUNK, TILE_INFO_COLUMNS, TILE_INFO_WORDS,
-                                            KernelStatics, kernel_call, row_chunk)
+from jax_attn.kernels.mosaic_kernel import (MAX_CHUNK, TILE_INFO_COLUMNS, TILE_INFO_WORDS, KernelStatics,
+                                            kernel_call, row_chunk, tile_rows)
 from jax_attn.kernels.mosaic_io import aligned_rows
 from jax_attn.kernels.mosaic_smem import fit_shared_memory, swizzle_bytes
 from jax_attn.kernels.mosaic_split import kernel_call_split, lse_index, merge_partials, static_num_splits
@@ -208,9 +208,10 @@ def packed_rows_aligned(head_dim: int, head_dim_v: int, itemsize: int, group: in
                                                                  (head_dim_v, 4)))
 
 
-def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, config: MosaicConfig) -> int:
-    """Rows per query token of this call (``pack_for``)."""
-    return pack_for(num_q_heads // num_kv_heads, md.max_q_len, config)
+def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, config: MosaicConfig,
+                latent: bool = False) -> int:
+    """Rows per query token of this call (``pack_for``; a latent cache's rows hold every query head)."""
+    return num_q_heads if latent else pack_for(num_q_heads // num_kv_heads, md.max_q_len, config)
 
 
 def pack_for(group: int, max_q_len: int, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG) -> int:
@@ -232,9 +233,9 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     latent cache (every query head in the rows, one ``block_q`` block per tile: ``KernelStatics.latent``).
     """
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
-    pack = num_q_heads if latent else choose_pack(md, num_q_heads, num_kv_heads, config)
+    pack = choose_pack(md, num_q_heads, num_kv_heads, config, latent)
     t = md.num_tokens if num_tokens is None else num_tokens
-    rows_per_tile = (1 if latent else COMPUTE_WGS) * config.block_q
+    rows_per_tile = tile_rows(config.block_q, latent)
     num_heads = num_q_heads if pack == 1 else num_kv_heads
     s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
                           num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
@@ -376,9 +377,8 @@ def paged_attention_mosaic(
     if page_size != md.page_size:
         raise ValueError(f"cache page size {page_size} != metadata page_size {md.page_size}")
     sched = md.mosaic_schedule
-    rows_per_tile = (1 if latent else COMPUTE_WGS) * config.block_q
-    if (sched is None or sched.tile_info is None or sched.block_q != rows_per_tile
-            or sched.pack != (hq if latent else choose_pack(md, hq, hkv, config)) or not sched.fits_heads(hq, hkv)
+    if (sched is None or sched.tile_info is None or sched.block_q != tile_rows(config.block_q, latent)
+            or sched.pack != choose_pack(md, hq, hkv, config, latent) or not sched.fits_heads(hq, hkv)
             or (num_splits is not None and sched.max_splits != num_splits)):
         sched = _plan_in_call(plan_mosaic_schedule, md, num_q_heads=hq, num_kv_heads=hkv, config=config,
                               num_tokens=t, num_splits=num_splits, latent=latent)

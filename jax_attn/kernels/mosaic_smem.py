@@ -48,12 +48,13 @@ def smem_bytes(*, wgs: int, block_q: int, block_kv: int, stages: int, head_dim: 
 
 
 def statics_smem_bytes(st: "KernelStatics") -> int:
-    if st.latent:  # one Q block, the ring (whole rows, in parts), the output buffers in the ring, the LSE rows
+    if st.latent:  # one Q block, the ring (whole rows, in parts) with both warpgroups' output halves in it, the
+        # LSE rows and the leader's hand-off (``mosaic_kernel._latent_buffers``)
         itemsize = jnp.dtype(st.dtype).itemsize
-        out = 2 * st.block_q * st.value_cols * (4 if st.split else itemsize)
+        out = st.block_q * st.head_dim_v * (4 if st.split else itemsize)
         handoff = (st.stages + 1) * st.block_q * 4
-        return (st.block_q * st.head_dim * itemsize
-                + max(st.stages * st.block_kv * st.head_dim * itemsize, out) + 2 * st.block_q * 4 + handoff)
+        return (st.block_q * st.head_dim * itemsize + max(st.stages * st.block_kv * st.head_dim * itemsize, out)
+                + st.active_wgs * st.block_q * 4 + handoff)
     return smem_bytes(wgs=st.active_wgs, block_q=st.block_q, block_kv=st.block_kv, stages=st.stages,
                       head_dim=st.head_dim, head_dim_v=st.head_dim_v, itemsize=jnp.dtype(st.dtype).itemsize,
                       split=st.split, ring_staging=st.ring_staging, kv_staging=st.kv_staging)

@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax_attn.kernels.config import DEFAULT_CONFIG, cdiv
 from jax_attn.kernels.kernel_cache import mosaic_call
 from jax_attn.kernels.merge_state import merge_splits
-from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry
+from jax_attn.kernels.mosaic_kernel import COMPUTE_WGS, KernelStatics, kernel_entry, tile_rows
 from jax_attn.metadata import WorkSchedule
 
 
@@ -112,7 +112,7 @@ def lse_index(
     (``KernelStatics.token_major``). ``S = sched.max_splits``; an unsplit schedule gives ``S = 1``.
     ``latent``: a latent cache's tiles (one block of rows in q's own order, ``KernelStatics.rows_per_tile``).
     """
-    pack, rows_per_tile = sched.pack, (1 if latent else COMPUTE_WGS) * block_q
+    pack, rows_per_tile = sched.pack, tile_rows(block_q, latent)
     n = sched.tile_seq.shape[0]
     pos = np.arange(rows_per_tile)
     if pack > 1 and not latent:  # storage position -> row of the row view within the tile
