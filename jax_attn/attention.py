@@ -6,7 +6,9 @@ Which kernel runs is decided in one place, ``jax_attn.kernel_policy`` (its docst
 
 from __future__ import annotations
 
-from jax_attn.kernel_policy import Call, select_kernel
+import dataclasses
+
+from jax_attn.kernel_policy import VARLEN_PAGE, Call, select_kernel, varlen_repaged
 from jax_attn.metadata import AttentionMetadata, ForwardMode
 from jax_attn.reference import reference_from_metadata
 
@@ -69,8 +71,34 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, 
                      impl: str = "auto", **kw):
     """``flash_attn_varlen_func``: ``q [Tq, Hq, D]`` over ``k [Tk, Hkv, D]`` / ``v [Tk, Hkv, Dv]`` in
     ragged runs (``cu_seqlens_q`` / ``cu_seqlens_k``, i32[B + 1]); bottom-right causal when ``causal``.
+    The keys are pages of one row, or (``kernel_policy.varlen_repaged``: prefill on the Mosaic kernel) copied
+    into pages of ``VARLEN_PAGE`` rows first (``varlen_pages``).
     Keyword arguments as ``attention`` (``causal``, ``softmax_scale``, ``return_lse``, ...). MLA's
     chunked-prefix prefill runs its 192 / 128 multi-head chunks through it."""
     md = varlen_metadata(cu_seqlens_q, cu_seqlens_k, num_tokens=q.shape[0], num_keys=k.shape[0],
                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    if varlen_repaged(impl, call_of(q, k[:, None], v[:, None], md, **kw)):
+        return attention(q, *varlen_pages(k, v, md, VARLEN_PAGE), impl=impl, **kw)
     return attention(q, k[:, None], v[:, None], md, impl=impl, **kw)
+
+
+def varlen_pages(k, v, md: AttentionMetadata, page_size: int):
+    """A varlen call's keys (``md``: ``varlen_metadata``'s) copied into a paged pool: sequence ``b``'s rows
+    from the start of its own page on, each sequence padded to whole pages (rows after a sequence's end hold
+    some key, masked). Returns ``(k_pages, v_pages, md)``: pools ``[P, page_size, Hkv, D|Dv]``, with ``P`` the
+    static bound ``ceil(Tk / page_size) + B``, and the call's metadata over them."""
+    import jax.numpy as jnp
+
+    b, lens = md.batch_size, md.cache_seqlens
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum((lens + page_size - 1) // page_size)])
+    num_pages = -(-k.shape[0] // page_size) + b
+    page = jnp.arange(num_pages, dtype=jnp.int32)
+    # each page's sequence: how many sequences end at or before it (a compare, not a search loop: one fusion)
+    seq = jnp.minimum(jnp.sum(first[None, 1:] <= page[:, None], axis=1, dtype=jnp.int32), b - 1)
+    seq = jnp.repeat(seq, page_size)
+    offset = jnp.arange(num_pages * page_size, dtype=jnp.int32) - first[seq] * page_size
+    src = jnp.where(offset < lens[seq], md.cu_seqlens_k[seq] + offset, 0)
+    max_pages = -(-md.max_pages // page_size)
+    table = jnp.minimum(first[:-1, None] + jnp.arange(max_pages, dtype=jnp.int32)[None, :], num_pages - 1)
+    pages = [x[src].reshape((num_pages, page_size) + x.shape[1:]) for x in (k, v)]
+    return (*pages, dataclasses.replace(md, page_table=table, page_size=page_size, max_pages=max_pages))

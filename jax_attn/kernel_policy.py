@@ -4,8 +4,9 @@
   ``"auto"``      the Mosaic GPU kernel on Hopper GPUs for prefill/extend, for decode of few
                   tokens and for MLA latent caches (``mosaic_wanted``) when it covers the call (bf16/f16,
                   head dims that are multiples of 16 up to 192 and 256, latent caches of 512 + 64 and
-                  alike, page size a multiple of 8, or 1, 2, 4 for prefill/extend
-                  at head dims 64 and 128 (``gathered_rows_wanted``), no fp8 descale, no sinks
+                  alike, page size a multiple of 8, or 1, 2, 4 for prefill/extend at head dims that
+                  are multiples of 64 and for latent caches of 64 query heads or more
+                  (``gathered_rows_wanted``), no fp8 descale, no sinks
                   on packed decode rows (``packed_sinks_wanted``: the kernel takes them, slower),
                   not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;
@@ -105,10 +106,16 @@ def gathered_rows_wanted(call: Call) -> bool:
     runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200
     (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28), against FA3: prefill B4 S4096
     Mosaic 0.86x, Triton 0.65x; extend 1024 on 4096 0.85x against 0.66x; decode 64 x 4096 0.81x against
-    1.06x; verify 32 x 4 on 2048 0.85x against 1.04x (Triton keeps decode and verify)."""
+    1.06x; verify 32 x 4 on 2048 0.85x against 1.04x (Triton keeps decode and verify).
+    An MLA latent cache's decode and verify go there too when a token's query heads fill a row block
+    (``block_q``): there the kernel is bound by its tensor cores, not by the gather. On an H200 (page 1,
+    B64 ctx 4096, ``benchmarks/bench_mla.py``, 2026-11-28), against SGLang's Triton MLA: 128 heads decode
+    Mosaic 4.05x, Triton 1.65x (383 against 156 TFLOP/s; MTP verify q 2: 385 against 195); 16 heads decode
+    (memory-bound) Mosaic 0.96x, Triton 0.99x."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    return call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len
+    return (call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len
+            or (call.latent and call.num_q_heads >= config.block_q))
 
 
 def mosaic_covers(call: Call) -> bool:
@@ -156,6 +163,23 @@ def packed_sinks_wanted(call: Call) -> bool:
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
     return not call.has_sinks or call.max_q_len > config.pack_max_q_len
+
+
+VARLEN_PAGE = 64  # the page size varlen keys are copied into for the Mosaic kernel (``varlen_repaged``)
+
+
+def varlen_repaged(impl: str, call: Call) -> bool:
+    """Whether a varlen call (``attention.varlen_attention``: keys in contiguous ragged runs; ``call`` its
+    view as pages of one row) copies its keys into pages of ``VARLEN_PAGE`` rows first, to run on the Mosaic
+    kernel's TMA copies: where this policy picks Mosaic for the call at that page size, for long query runs
+    only (prefill, a prefix chunk: there the copy, one read and one write of K/V, is small next to the
+    attention, which reads K/V once per block of query rows). Rows of one-row pages are gathered at head dims
+    that are multiples of 64 only, and slower: on an H200 (B4 S4096 causal, 16 heads, bf16,
+    ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-28) 435 TFLOP/s at 192/128 and 492 at 128/128."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+
+    return (call.max_q_len > config.pack_max_q_len
+            and select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) == "mosaic")
 
 
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:

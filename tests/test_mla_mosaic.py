@@ -50,6 +50,11 @@ GPU_CASES = [
     _mla("verify_q2_h128", [(2, 1500), (2, 64), (2, 2)], 512, 64, page_size=64, heads=(128, 1)),
     _mla("verify_q4_h16_split4", [(4, 3000), (4, 100)], 512, 64, page_size=64, num_splits=4),
     _mla("extend_h16", [(70, 600), (5, 5), (130, 130)], 512, 64, page_size=64),
+    # pages of 1, 2, 4 rows: the producer gathers each row's three parts with cp.async (not interpreted)
+    _mla("decode_h16_page1", [(1, 700), (1, 4100), (1, 1), (1, 65)], 512, 64, page_size=1, pad_rows=2),
+    _mla("verify_q2_h128_page1", [(2, 1500), (2, 64), (2, 2)], 512, 64, page_size=1, heads=(128, 1)),
+    _mla("decode_h16_page2_split", [(1, 5000), (1, 333)], 512, 64, page_size=2, num_splits=None),
+    _mla("extend_h16_page4_window", [(70, 600), (5, 5)], 512, 64, page_size=4, window=(100, 0), softcap=9.0),
 ]
 
 
@@ -86,7 +91,8 @@ def test_latent_rules():
     ok = dict(dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, head_dim=576, latent=512, page_size=64, num_q_heads=16,
               num_kv_heads=1)
     assert latent_unsupported(**ok) is None
-    for change, words in ((dict(page_size=1), "page_size=1"), (dict(num_q_heads=12), "multiples of 8"),
+    assert latent_unsupported(**{**ok, "page_size": 1}) is None  # rows gathered
+    for change, words in ((dict(page_size=12), "page_size=12"), (dict(num_q_heads=12), "multiples of 8"),
                           (dict(latent=448, head_dim=512), "multiples of 128"), (dict(head_dim=608), "rope part of 64"),
                           (dict(kv_dtype=jnp.float32), "dtypes"), (dict(num_kv_heads=2), "one latent head")):
         assert words in latent_unsupported(**{**ok, **change}), change
@@ -101,7 +107,7 @@ def test_latent_rules():
 
 
 @pytest.mark.parametrize("page,heads,want", [(64, 16, "mosaic"), (16, 128, "mosaic"), (1, 16, "triton"),
-                                             (64, 12, "triton")])
+                                             (1, 128, "mosaic"), (64, 12, "triton")])
 def test_policy_latent(page, heads, want, monkeypatch):
     """``auto`` on Hopper runs every latent-cache call the Mosaic kernel takes there (decode of any batch
     included), the rest on Triton; the torch bridge's launch path runs it unsplit, so only where its tiles fill
@@ -160,15 +166,15 @@ def test_jax_backend_mla_on_mosaic(mode):
                    0.07, 3e-2, mode)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
-def test_torch_bridge_mla_mosaic_launch(device, monkeypatch):
+@pytest.mark.parametrize("device,page", [("cpu", 16), pytest.param("cuda", 64, marks=gpu),
+                                         pytest.param("cuda", 1, marks=gpu)])
+def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
     """An MLA model through the bridge on the Mosaic launch path (the latent kernel launched from torch; on
     the CPU interpreted): two decode steps (the second reuses the bound launch), the write lands only at the
     step's slots (NaN in every unused slot), the output equals the float32 reference per sequence."""
     import torch
 
     from jax_attn import kernel_policy
-    from jax_attn.reference import paged_attention_reference
     from tests.paging import shuffled_table
     from tests.test_bridge_launch import InterpretedKernel
     from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
@@ -179,7 +185,8 @@ def test_torch_bridge_mla_mosaic_launch(device, monkeypatch):
     if device == "cuda" and not ON_GPU:
         pytest.skip("needs a Hopper GPU")
     monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small batch, launched
-    latent, rope, hq, page, max_ctx = (128, 64, 8, 16, 96) if device == "cpu" else (512, 64, 16, 64, 1024)
+    # (at page 1 the Mosaic kernel gathers rows, which ``auto`` runs from 64 query heads: DeepSeek at TP1)
+    latent, rope, hq, max_ctx = (128, 64, 8, 96) if device == "cpu" else (512, 64, 16 if page > 1 else 128, 1024)
     d = latent + rope
     rng = np.random.default_rng(5)
     table, num_slots = shuffled_table(6, max_ctx, page, seed=4)
@@ -209,18 +216,100 @@ def test_torch_bridge_mla_mosaic_launch(device, monkeypatch):
         out = backend.forward(q.reshape(3, -1), k_new, k_new[:, :latent], layer, fb)
         before[loc, 0] = k_new
         torch.testing.assert_close(buf, before, rtol=0, atol=0, equal_nan=True)  # only the step's slots
-        pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
-        cu = np.arange(4, dtype=np.int32)
-        paged = jnp.asarray(buf.float().cpu().numpy()).reshape(-1, page, 1, d)
-        want = paged_attention_reference(jnp.asarray(q.float().cpu().numpy()), paged, paged[..., :latent],
-                                         jnp.asarray(committed + 1, jnp.int32), jnp.asarray(cu),
-                                         jnp.asarray(pt.astype(np.int32)), page_size=page, softmax_scale=0.09)
-        compare_per_sequence(out.float().cpu().numpy().reshape(3, hq, latent), np.asarray(want), cu, tol=3e-2,
-                             what=f"step {step}")
+        want = _latent_decode_reference(buf, table, rows, committed + 1, q, page, max_ctx, latent, 0.09)
+        compare_per_sequence(out.float().cpu().numpy().reshape(3, hq, latent), want, np.arange(4, dtype=np.int32),
+                             tol=3e-2, what=f"step {step}")
     assert len(backend.runner.hits) == 1
     assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the Mosaic kernel's launch
     if device == "cpu":
         assert InterpretedKernel.calls == launches + 2  # launched once per step
+
+
+def _latent_decode_reference(buf, table, rows, kv_lens, q, page, max_ctx, latent, scale):
+    """Float32 absorbed decode over the latent pool ``buf [slots, 1, D]`` (one query token per row of ``table``
+    in ``rows``): ``[B, Hq, latent]``."""
+    from jax_attn.reference import paged_attention_reference
+
+    d = buf.shape[-1]
+    pt = table[rows][:, ::page][:, :-(-max_ctx // page)] // page
+    paged = jnp.asarray(buf.float().cpu().numpy()).reshape(-1, page, 1, d)
+    return np.asarray(paged_attention_reference(
+        jnp.asarray(q.float().cpu().numpy()), paged, paged[..., :latent], jnp.asarray(kv_lens, jnp.int32),
+        jnp.arange(len(rows) + 1, dtype=jnp.int32), jnp.asarray(pt.astype(np.int32)), page_size=page,
+        softmax_scale=scale))
+
+
+@gpu
+@pytest.mark.parametrize("page", [64, 1])
+def test_latent_decode_bucket_in_a_torch_cuda_graph(page, monkeypatch, engine_grad_mode):
+    """A DeepSeek-wide MLA decode bucket (16 or 128 heads, 512 + 64, bf16) on the Mosaic launch path, captured in a
+    real ``torch.cuda.graph`` after a warm-up forward (SGLang's graph-runner order), then replayed after the replay
+    hook re-plans other lengths and slots: each replay equals the float32 reference per sequence, equals the
+    eager step bit for bit, and writes only the step's slots (NaN elsewhere). Catches a graph that reads the
+    capture-time tables or lengths, and a refresh that differs from the eager planner."""
+    import torch
+
+    from jax_attn import kernel_policy
+    from tests.paging import shuffled_table
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+    from torch_bridge import mosaic_path
+
+    if not ON_GPU:
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small bucket, launched
+    latent, rope, max_ctx, bs = 512, 64, 2048, 4
+    hq = 16 if page > 1 else 128  # (at page 1 ``auto`` launches the latent kernel from 64 query heads)
+    d = latent + rope
+    rng = np.random.default_rng(11)
+    table, num_slots = shuffled_table(8, max_ctx, page, seed=6)
+    pool = MLATokenToKVPool.create(num_slots, 1, latent, rope, torch.bfloat16, "cuda")
+    buf = pool.kv_buffer[0]
+    buf.fill_(float("nan"))
+    buf[0] = 0.0
+    config = ModelConfig(max_ctx, attention_arch="MLA")
+    config.hf_text_config = types.SimpleNamespace(num_attention_heads=hq)
+    config.get_num_kv_heads = lambda tp: 1
+    runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).cuda()), pool, config, page_size=page, device="cuda")
+    backend = FlashAttentionBackend(runner)
+    layer = RadixAttention(hq, d, 0.08, 1, 0, v_head_dim=latent)
+    backend.init_cuda_graph_state(bs, bs)
+    z = torch.zeros(bs, dtype=torch.long, device="cuda")
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, z, z + 1, None, ForwardMode.DECODE, None)
+    q = torch.zeros(bs, hq * d, dtype=torch.bfloat16, device="cuda")
+    k_new = torch.zeros(bs, d, dtype=torch.bfloat16, device="cuda")
+    loc = torch.zeros(bs, dtype=torch.long, device="cuda")
+    fb = ForwardBatch(ForwardMode.DECODE, bs, z, z + 1, loc, token_to_kv_pool=pool)
+    backend.forward(q, k_new, k_new[:, :latent], layer, fb)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, k_new, k_new[:, :latent], layer, fb)
+    assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the latent kernel's launch
+    for committed in (np.array([40, 1900, 700, 3]), np.array([1500, 5, 64, 999])):
+        rows = rng.permutation(np.arange(1, 8))[:bs]
+        for r, n in zip(rows, committed):
+            buf[torch.from_numpy(table[r, :n].astype(np.int64)).cuda()] = torch.from_numpy(
+                rng.standard_normal((n, 1, d)).astype(np.float32)).to("cuda", torch.bfloat16)
+        new_loc = torch.from_numpy(table[rows, committed].astype(np.int64)).cuda()
+        args = [torch.from_numpy(x.astype(np.int64)).cuda() for x in (rows, committed + 1)]
+        backend.init_forward_metadata_replay_cuda_graph(bs, *args, int(committed.sum()) + bs, None,
+                                                        ForwardMode.DECODE, None, None, out_cache_loc=new_loc)
+        loc.copy_(new_loc)
+        q.copy_(torch.from_numpy(rng.standard_normal((bs, hq * d)).astype(np.float32)).to(q))
+        k_new.copy_(torch.from_numpy(rng.standard_normal((bs, d)).astype(np.float32)).to(k_new))
+        before = buf.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        before[new_loc, 0] = k_new
+        torch.testing.assert_close(buf, before, rtol=0, atol=0, equal_nan=True)  # only the step's slots
+        want = _latent_decode_reference(buf, table, rows, committed + 1, q.reshape(bs, hq, d), page, max_ctx,
+                                        latent, layer.scaling)
+        compare_per_sequence(out.float().cpu().numpy().reshape(bs, hq, latent), want, np.arange(bs + 1), tol=3e-2,
+                             what=f"replay at {committed}")
+        eager_fb = ForwardBatch(ForwardMode.DECODE, bs, *args, new_loc, token_to_kv_pool=pool)
+        backend.init_forward_metadata(eager_fb)
+        eager = backend.forward(q, k_new, k_new[:, :latent], layer, eager_fb)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)  # replay == eager, bit for bit
 
 
 @pytest.mark.parametrize("name, bs", [("decode", 4), ("verify", 3)])

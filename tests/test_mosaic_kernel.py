@@ -75,6 +75,12 @@ SMALL_PAGE_GPU_CASES = [
     _c("page1_decode_packed_window", [(1, 17), (1, 130), (1, 3)], page_size=1, window=(40, 0), pad_rows=1),
     _c("page4_d128_extend", [(9, 75), (1, 70)], page_size=4, head_dim=128, heads=(2, 1)),
     _c("page1_d128_long_prefill", [(700, 700), (33, 1200)], page_size=1, head_dim=128, heads=(4, 1)),
+    # wider rows gathered in passes of 256, 128 and 64 columns: MLA's chunked-prefix 192/128, head dim 256
+    _c("page1_d192_v128_prefill", [(300, 300), (40, 700), (1, 1)], page_size=1, head_dim=192, head_dim_v=128,
+       heads=(4, 4), softmax_scale=0.07),
+    _c("page1_d256_extend_softcap", [(90, 600), (7, 7)], page_size=1, head_dim=256, heads=(4, 2), softcap=30.0),
+    _c("page2_d192_decode_packed", [(1, 900), (1, 5), (1, 77)], page_size=2, head_dim=192, heads=(8, 2),
+       pad_rows=1),
 ]
 
 INTERPRET = dict(interpret=plgpu.InterpretGPUParams())
@@ -201,7 +207,10 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert kernel_policy.select_kernel("auto", sinks16, from_torch=True) == "triton"  # packed rows with sinks
     assert kernel_policy.select_kernel("mosaic", sinks16, from_torch=True) == "mosaic"
     assert kernel_policy.select_kernel("auto", dataclasses.replace(torch_extend, head_dim=96, head_dim_v=96),
-                                       from_torch=True) == "triton"  # gathered rows: head dims 64 and 128
+                                       from_torch=True) == "triton"  # gathered rows: multiples of 64 only
+    for d, dv in ((192, 128), (256, 256)):  # MLA's chunked-prefix MHA, Gemma
+        assert kernel_policy.select_kernel("auto", dataclasses.replace(torch_extend, head_dim=d, head_dim_v=dv),
+                                           from_torch=True) == "mosaic"
     assert impl([(1, 300)] * 4, num_splits=1) == "triton"
     q, k, v, md, _ = build_inputs(Case(name="t0", seq_lens=((1, 300),), heads=(32, 8), head_dim=64, dtype="bfloat16",
                                        page_size=16))

@@ -14,10 +14,12 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import numpy as np
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, nvvm
+from jaxlib.mlir.dialects import arith, llvm, memref, nvvm, vector
 
 from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
@@ -109,7 +111,7 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
             for c, (cols, dst_part) in enumerate(parts):
                 rows = src_ref.at[page, src, kv_head]
                 copy = functools.partial(plgpu.copy_gmem_to_smem, rows if cols is None else rows.at[:, cols],
-                                         dst_part(slot, dst), bar.at[slot])
+                                         dst_part(slot).at[dst], bar.at[slot])
                 if warp is None:
                     copy()
                 else:
@@ -149,18 +151,19 @@ def _producer_warp(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, 
 
 
 def _ring_parts(st, ring):
-    """(source columns, destination) of each TMA copy that fills a ring slot's rows from a page's: one
-    copy of the whole rows, or a latent cache's three column parts (``mosaic_kernel.latent_parts``:
-    ``ring`` is then the (value halves, rope) pair of rings)."""
+    """(source columns, a slot's destination) of each part of a ring slot's rows: the whole rows (columns
+    None), or a latent cache's three column parts (``mosaic_kernel.latent_parts``: ``ring`` is then the
+    (value halves, rope) pair of rings). The TMA producer copies a page's rows into each part, the row
+    gather a block's."""
     if not st.latent:
-        return [(None, lambda slot, dst: ring.at[slot, dst])]
+        return [(None, lambda slot: ring.at[slot])]
     from jax_attn.kernels.mosaic_kernel import latent_parts
 
     halves, rope = ring
     parts = latent_parts(st)
-    return ([(pl.ds(c0, w), functools.partial(lambda i, slot, dst: halves.at[slot, i, dst], i))
+    return ([(pl.ds(c0, w), functools.partial(lambda i, slot: halves.at[slot, i], i))
              for i, (c0, w) in enumerate(parts[:-1])]
-            + [(pl.ds(*parts[-1]), lambda slot, dst: rope.at[slot, dst])])
+            + [(pl.ds(*parts[-1]), lambda slot: rope.at[slot])])
 
 
 def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
@@ -169,20 +172,26 @@ def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref
     8-row swizzle tiles, so the warpgroup's threads copy the key and value rows themselves, 16 bytes
     per ``cp.async``, straight into the swizzled tiles wgmma reads (``_gather_block``).
 
-    Each block's keys and its values are one ``cp.async`` group each. A block is announced on
-    ``k_bar`` / ``v_bar`` (one warpgroup arrival) once its group has landed and been fenced for the
-    async proxy. The order follows when each step becomes possible, so no announcement waits on a
-    release it does not need: iteration ``s`` announces K(s), refills K(s - 1)'s slot with
-    K(s + stages - 1) once both warpgroups' Q @ K^T of it is done, announces V(s), then refills
-    V(s - 1)'s slot. (Announcing K(s + 1) after the release of K(s) instead stalled the warpgroup
-    that runs ahead: 0.8x FA3 at page 1 on an H200.) Groups past the last block are committed
-    empty, so ``2 * stages - 3`` groups stay in flight at every announcement (a static
+    Each block's keys and its values are one ``cp.async`` group each (a latent cache's values are its
+    key rows: one group per block). A block is announced on ``k_bar`` / ``v_bar`` (one warpgroup
+    arrival) once its group has landed and been fenced for the async proxy. The order follows when
+    each step becomes possible, so no announcement waits on a release it does not need: iteration
+    ``s`` announces K(s), refills K(s - 1)'s slot with K(s + stages - 1) once both warpgroups' Q @ K^T
+    of it is done, announces V(s), then refills V(s - 1)'s slot. (Announcing K(s + 1) after the
+    release of K(s) instead stalled the warpgroup that runs ahead: 0.8x FA3 at page 1 on an H200.)
+    The block's row slots are read from the page table once, for its keys and values, at the top of
+    the iteration (``_gather_slots``): the read is in flight while the iteration waits, not between a
+    slot's release and its refill. Groups past the last block are committed empty, so
+    ``rings * (stages - 1) - 1`` groups stay in flight at every announcement (a static
     ``cp.async.wait_group``)."""
-    pending = 2 * st.stages - 3
+    rings = [(k_ref, k_smem, k_bar, k_used)]
+    if not st.latent:  # (a latent cache's values are its key rows, and ``v_bar`` is the leader's hand-off)
+        rings.append((v_ref, v_smem, v_bar, v_used))
+    pending = len(rings) * (st.stages - 1) - 1
 
-    def issue(blk_step, slot, src_ref, dst_smem):  # a group: block ``cta_lo + blk_step`` (empty past nblk)
-        pl.when(blk_step < nblk)(lambda: _gather_block(st, pt_ref, src_ref, dst_smem.at[slot], seq, kv_head,
-                                                       cta_lo + blk_step, k_len))
+    def issue(blk_step, slots, slot, src_ref, ring):  # a group: block ``cta_lo + blk_step`` (empty past nblk)
+        dsts = [(part(slot), 0 if cols is None else cols.start) for cols, part in _ring_parts(st, ring)]
+        pl.when(blk_step < nblk)(lambda: _gather_block(st, src_ref, dsts, kv_head, slots))
         _cp_async_commit()
 
     def announce(bar):
@@ -190,27 +199,27 @@ def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref
         plgpu.commit_smem()  # fence the rows for wgmma (the async proxy); a warpgroup barrier
         plgpu.barrier_arrive(bar)
 
+    firsts = [_gather_slots(st, pt_ref, k_ref.shape[0], seq, cta_lo + i, k_len) for i in range(st.stages - 1)]
     for i in range(st.stages - 1):
-        issue(i, i, k_ref, k_smem)
-        issue(i, i, v_ref, v_smem)
+        for src_ref, ring, _, _ in rings:
+            issue(i, firsts[i], i, src_ref, ring)
 
     @pl.loop(0, nblk)
     def _step(step):
         slot = lax.rem(step, st.stages)
         ahead = step + st.stages - 1  # refills the slot of block step - 1
         ahead_slot = lax.rem(ahead, st.stages)
-        announce(k_bar.at[slot])
-        pl.when(step > 0)(lambda: plgpu.barrier_wait(k_used.at[ahead_slot]))
-        issue(ahead, ahead_slot, k_ref, k_smem)
-        announce(v_bar.at[slot])
-        pl.when(step > 0)(lambda: plgpu.barrier_wait(v_used.at[ahead_slot]))
-        issue(ahead, ahead_slot, v_ref, v_smem)
+        slots = _gather_slots(st, pt_ref, k_ref.shape[0], seq, cta_lo + ahead, k_len)
+        for src_ref, ring, bar, used in rings:
+            announce(bar.at[slot])
+            pl.when(step > 0)(functools.partial(plgpu.barrier_wait, used.at[ahead_slot]))
+            issue(ahead, slots, ahead_slot, src_ref, ring)
 
     @pl.when(nblk > 0)
     def _drain():  # the last block's releases (the loop waited for the others')
         last = lax.rem(nblk - 1, st.stages)
-        plgpu.barrier_wait(k_used.at[last])
-        plgpu.barrier_wait(v_used.at[last])
+        for _, _, _, used in rings:
+            plgpu.barrier_wait(used.at[last])
 
     _cp_async_wait(0)
 
@@ -231,78 +240,135 @@ def _cp_async_wait(pending: int):
     wait()
 
 
-def _gather_block(st, pt_ref, src_ref, dst, seq, kv_head, blk, k_len):
-    """``cp.async`` copies of key block ``blk``'s rows of ``src_ref`` (the paged pool, ``[pages,
-    page_size, Hkv, D]``) into ``dst``, one ring slot in wgmma's 128-byte swizzled tiles of 8 x 64
-    elements (``mosaic_smem.tiled``; head dims that are multiples of 64).
+GATHER_PARTS = (256, 128, 64)  # columns one gather pass copies of a row (a warp's 32 lanes: whole rows)
 
-    Warp ``w`` copies rows ``[w * bk / 4, (w + 1) * bk / 4)``; each lane reads one of those rows'
-    slot from the page table (clamped to the sequence's pages and to the pool, as the TMA producer
-    clamps), and the warp passes the slots round by shuffles. A row's 16-byte chunks go to
-    consecutive lanes, so each copy instruction reads whole rows (coalesced)."""
-    width = dst.shape[-1]
+
+def gather_spans(width: int) -> list[tuple[int, int]]:
+    """(first column, columns) of the passes that gather rows of ``width`` columns (a multiple of 64):
+    the widest ``GATHER_PARTS`` first, e.g. 192 as 128 + 64."""
+    spans, c0 = [], 0
+    for w in GATHER_PARTS:
+        while width - c0 >= w:
+            spans.append((c0, w))
+            c0 += w
+    if c0 != width:
+        raise ValueError(f"rows of {width} columns: the row gather takes multiples of 64")
+    return spans
+
+
+_SLOTS_SHAPE = (WARPS_PER_WG * 32,)
+_SLOTS = plgpu.Layout.WG_STRIDED(_SLOTS_SHAPE, vec_size=1)  # one i32 per producer thread
+
+
+def _gather_slots(st, pt_ref, num_pages: int, seq, blk, k_len):
+    """The pool slots of key block ``blk``'s rows, one per producer thread (``_SLOTS``): warp ``w``'s
+    lane ``l`` holds row ``w * bk / 4 + l % (bk / 4)``'s, read from the page table (clamped to the
+    sequence's pages and to the pool, as the TMA producer clamps)."""
     splat = plgpu.Layout.WG_SPLAT(shape=())
-    tiled = tiled_layout(width, dst.dtype)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiled), splat, splat, splat,
-                                  splat))
-    def gather(ctx, pt, src, smem, seq_a, head_a, blk_a, k_len_a):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), splat, splat, splat),
+                       return_type=plgpu.ShapeDtypeStruct(_SLOTS_SHAPE, jnp.int32, layout=_SLOTS))
+    def slots(ctx, pt, seq_a, blk_a, k_len_a):
+        i32 = ir.IntegerType.get_signless(32)
+
+        def c(v):
+            return mgpu_utils.c(v, i32)
+
+        def clamp(x, lo: int, hi: int):
+            return arith.minsi(arith.maxsi(x, c(lo)), c(hi))
+
+        seq_v, blk_v, k_len_v = (a.registers.item() for a in (seq_a, blk_a, k_len_a))
+        width_pt = ir.MemRefType(pt.type).shape[1]
+        bk, ps = st.block_kv, st.page_size
+        rows_per_warp = bk // WARPS_PER_WG
+        tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+        lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
+        row = arith.addi(arith.muli(warp, c(rows_per_warp)), arith.remui(lane, c(rows_per_warp)))
+        key = arith.addi(arith.muli(blk_v, c(bk)), row)
+        last_page = arith.minsi(arith.maxsi(arith.subi(arith.divsi(arith.addi(k_len_v, c(ps - 1)), c(ps)), c(1)),
+                                            c(0)), c(width_pt - 1))
+        col = arith.minsi(arith.divsi(key, c(ps)), last_page)
+        index = ir.IndexType.get()
+        page_id = clamp(memref.load(pt, [arith.index_cast(index, seq_v), arith.index_cast(index, col)]), 0,
+                        num_pages - 1)
+        slot = arith.addi(arith.muli(page_id, c(ps)), arith.remsi(key, c(ps))) if ps > 1 else page_id
+        reg = vector.broadcast(ir.VectorType.get((1,), i32), slot)
+        return mgpu.FragmentedArray(_registers=np.array([reg], dtype=object), _layout=_SLOTS.to_mgpu(),
+                                    _is_signed=True)
+
+    return slots(pt_ref, seq, blk, k_len)
+
+
+def _gather_block(st, src_ref, dsts, kv_head, slots):
+    """``cp.async`` copies of a key block's rows of ``src_ref`` (the paged pool, ``[pages, page_size, Hkv,
+    D]``; the rows' slots from ``_gather_slots``) into ring slots in wgmma's 128-byte swizzled tiles of 8 x
+    64 elements (``mosaic_smem.tiled``; widths that are multiples of 64). ``dsts``: (slot ``[block_kv, W]``,
+    first source column) pairs, each taking ``W`` columns of every row (a latent cache's three parts, or
+    whole rows).
+
+    Warp ``w`` copies rows ``[w * bk / 4, (w + 1) * bk / 4)``; the warp passes its lanes' slots round by
+    shuffles. A row's columns go in passes of 64, 128 or 256 (``gather_spans``), its 16-byte chunks to
+    consecutive lanes, so each copy instruction reads whole rows or whole row parts (coalesced)."""
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+    dst_types = tuple(plgpu.RefType(tiled_layout(d.shape[-1], d.dtype)) for d, _ in dsts)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), *dst_types, splat, _SLOTS))
+    def gather(ctx, src, *rest):
+        smems, (head_a, slots_a) = rest[:len(dsts)], rest[len(dsts):]
         i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
 
         def c(v, ty=i32):
             return mgpu_utils.c(v, ty)
 
-        seq_v, head_v, blk_v, k_len_v = (a.registers.item() for a in (seq_a, head_a, blk_a, k_len_a))
-        pages, _, hkv, _ = ir.MemRefType(src.type).shape
-        width_pt = ir.MemRefType(pt.type).shape[1]
+        head_v = head_a.registers.item()
+        slot = vector.extract(slots_a.registers.item(), dynamic_position=[], static_position=[0])
+        _, _, hkv, src_width = ir.MemRefType(src.type).shape
         itemsize = jnp.dtype(st.dtype).itemsize
-        bk, ps = st.block_kv, st.page_size
-        rows_per_warp = bk // WARPS_PER_WG
-        lanes_per_row = width * itemsize // 16
-        rows_per_pass = 32 // lanes_per_row
         tid = arith.remui(mgpu_utils.thread_idx(), c(128))
         lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
-
-        def clamp(x, lo: int, hi):
-            return arith.minsi(arith.maxsi(x, c(lo)), c(hi) if isinstance(hi, int) else hi)
-
-        # This lane's row: its slot, read from the page table.
-        row = arith.addi(arith.muli(warp, c(rows_per_warp)), arith.remui(lane, c(rows_per_warp)))
-        key = arith.addi(arith.muli(blk_v, c(bk)), row)
-        last_page = clamp(arith.subi(arith.divsi(arith.addi(k_len_v, c(ps - 1)), c(ps)), c(1)), 0, width_pt - 1)
-        col = arith.minsi(arith.divsi(key, c(ps)), last_page)
-        index = ir.IndexType.get()
-        page_id = clamp(memref.load(pt, [arith.index_cast(index, seq_v), arith.index_cast(index, col)]), 0, pages - 1)
-        slot = arith.addi(arith.muli(page_id, c(ps)), arith.remsi(key, c(ps))) if ps > 1 else page_id
-
-        # Pass i copies row j = i * rows_per_pass + q of the warp's run, chunk ``chunk`` of it. As
-        # rows_per_pass divides 8, the row's place in its 8-row tile is (i * rows_per_pass) % 8 + q
-        # (an OR: q < rows_per_pass), so the swizzled offset is a per-thread base plus a constant,
-        # the XOR of the chunk with the row picked from one table per distinct (i * rows_per_pass) % 8.
-        chunk = arith.remui(lane, c(lanes_per_row))  # this lane's 16 bytes of a row
-        q = arith.divui(lane, c(lanes_per_row))
-        tiles_per_row = width // (128 // itemsize)
-        x = arith.xori(arith.remui(chunk, c(8)), q)
-        base = arith.addi(arith.muli(arith.addi(arith.muli(warp, c(rows_per_warp // 8 * tiles_per_row)),
-                                                arith.divui(chunk, c(8))), c(1024)), arith.muli(q, c(128)))
-        swizzled = {k: arith.addi(base, arith.muli(arith.xori(x, c(k)), c(16)))
-                    for k in sorted({(i * rows_per_pass) % 8 for i in range(rows_per_warp // rows_per_pass)})}
-        row_bytes = width * itemsize
+        src_row_bytes = src_width * itemsize
         src_ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mgpu_utils.memref_ptr(src))
-        src_ptr = mgpu_utils.getelementptr(
-            src_ptr, [arith.extui(i64, arith.addi(arith.muli(head_v, c(row_bytes)), arith.muli(chunk, c(16))))], i8)
-        dst_ptr = mgpu_utils.memref_ptr(smem)
-        for i in range(rows_per_warp // rows_per_pass):
-            first = i * rows_per_pass
-            slot_j = nvvm.shfl_sync(c(0xFFFFFFFF), slot, arith.addi(q, c(first)), c(0x1F), nvvm.ShflKind.idx)
-            static = (first // 8) * tiles_per_row * 1024 + (first % 8) * 128
-            src_off = arith.muli(arith.extui(i64, slot_j), c(hkv * row_bytes, i64))
-            dst_at = arith.addi(swizzled[first % 8], c(static))
-            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [dst_at], i8),
-                                        mgpu_utils.getelementptr(src_ptr, [src_off], i8), 16,
-                                        nvvm.LoadCacheModifierKind.CG)
+        src_ptr = mgpu_utils.getelementptr(src_ptr, [arith.extui(i64, arith.muli(head_v, c(src_row_bytes)))], i8)
+        for smem, (dst, src_col0) in zip(smems, dsts):
+            tiles_per_row = dst.shape[-1] * itemsize // 128
+            for part_col0, part_width in gather_spans(dst.shape[-1]):
+                _gather_pass(c, lane, warp, slot, src_ptr, mgpu_utils.memref_ptr(smem),
+                             rows_per_warp=st.block_kv // WARPS_PER_WG, chunks=part_width * itemsize // 16,
+                             tiles_per_row=tiles_per_row, first_tile=part_col0 * itemsize // 128,
+                             src_offset=(src_col0 + part_col0) * itemsize, src_slot_bytes=hkv * src_row_bytes)
 
-    gather(pt_ref, src_ref, dst, seq, kv_head, blk, k_len)
+    gather(src_ref, *(d for d, _ in dsts), kv_head, slots)
+
+
+def _gather_pass(c, lane, warp, slot, src_ptr, dst_ptr, *, rows_per_warp, chunks, tiles_per_row, first_tile,
+                 src_offset, src_slot_bytes):
+    """One pass of ``_gather_block``: ``chunks`` 16-byte chunks of each of the warp's rows, from byte
+    ``src_offset`` of the row, into tile columns ``first_tile...`` of the destination's ``tiles_per_row``.
+
+    Pass i copies row j = i * rows_per_pass + q of the warp's run, chunk ``chunk`` of the part. As
+    rows_per_pass divides 8, the row's place in its 8-row tile is (i * rows_per_pass) % 8 + q (an OR:
+    q < rows_per_pass), so the swizzled offset is a per-thread base plus a constant, the XOR of the
+    chunk with the row picked from one table per distinct (i * rows_per_pass) % 8."""
+    i64, i8 = ir.IntegerType.get_signless(64), ir.IntegerType.get_signless(8)
+    rows_per_pass = 32 // chunks
+    chunk = arith.remui(lane, c(chunks))  # this lane's 16 bytes of the part
+    q = arith.divui(lane, c(chunks))
+    x = arith.xori(arith.remui(chunk, c(8)), q)
+    tile = arith.addi(arith.muli(warp, c(rows_per_warp // 8 * tiles_per_row)), arith.divui(chunk, c(8)))
+    base = arith.addi(arith.muli(arith.addi(tile, c(first_tile)), c(1024)), arith.muli(q, c(128)))
+    swizzled = {k: arith.addi(base, arith.muli(arith.xori(x, c(k)), c(16)))
+                for k in sorted({(i * rows_per_pass) % 8 for i in range(rows_per_warp // rows_per_pass)})}
+    src_ptr = mgpu_utils.getelementptr(src_ptr, [arith.extui(i64, arith.addi(arith.muli(chunk, c(16)),
+                                                                             c(src_offset)))], i8)
+    for i in range(rows_per_warp // rows_per_pass):
+        first = i * rows_per_pass
+        slot_j = nvvm.shfl_sync(c(0xFFFFFFFF), slot, arith.addi(q, c(first)), c(0x1F), nvvm.ShflKind.idx)
+        static = (first // 8) * tiles_per_row * 1024 + (first % 8) * 128
+        src_off = arith.muli(arith.extui(i64, slot_j), c(src_slot_bytes, i64))
+        dst_at = arith.addi(swizzled[first % 8], c(static))
+        nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [dst_at], i8),
+                                    mgpu_utils.getelementptr(src_ptr, [src_off], i8), 16,
+                                    nvvm.LoadCacheModifierKind.CG)
 
 
 def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head, wg):

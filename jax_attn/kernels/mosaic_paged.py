@@ -165,13 +165,19 @@ def unsupported(dtype, k_dtype, v_dtype, head_dim: int, head_dim_v: int, page_si
                 f"{DEFAULT_MOSAIC_CONFIG.block_q // packed_group} rows would start TMA copies off 128-byte "
                 "boundaries; impl='triton' (or 'auto') runs them")
     if page_size in (1, 2, 4):
-        if head_dim % 64 or head_dim_v % 64 or max(head_dim, head_dim_v) > 128:
+        if head_dim % 64 or head_dim_v % 64:
             return (f"page_size={page_size} at head dims {head_dim}/{head_dim_v}: the Mosaic kernel gathers rows of "
-                    "pages smaller than 8 for head dims 64 and 128 only")
-    elif page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
-        return (f"page_size={page_size}: the Mosaic kernel takes 1, 2, 4 and multiples of 8 dividing or divided "
-                "by 64")
-    return None
+                    "pages smaller than 8 for head dims that are multiples of 64 only (64, 128, 192, 256)")
+    return page_size_unsupported(page_size)
+
+
+def page_size_unsupported(page_size: int) -> str | None:
+    """The kernel's page sizes: 1, 2, 4 (rows gathered with ``cp.async``) and multiples of 8 dividing or
+    divided by 64 (TMA copies); ``None`` when ``page_size`` is one, else the reason."""
+    if page_size in (1, 2, 4) or (page_size % 8 == 0 and (page_size % 64 == 0 or 64 % page_size == 0)):
+        return None
+    return (f"page_size={page_size}: the Mosaic kernel takes 1, 2, 4 and multiples of 8 dividing or divided "
+            "by 64")
 
 
 MAX_HEAD_DIM = 256  # the widest K and V rows the kernel takes
@@ -191,9 +197,8 @@ def latent_unsupported(dtype, kv_dtype, head_dim: int, latent: int | None, page_
     if num_kv_heads != 1 or num_q_heads % 8:
         return (f"{num_q_heads}/{num_kv_heads} heads over a latent cache: the Mosaic kernel takes one latent head "
                 "and query heads in multiples of 8")
-    if page_size % 8 or not (page_size % 64 == 0 or 64 % page_size == 0):
-        return (f"page_size={page_size} with a latent cache: the Mosaic kernel takes multiples of 8 dividing or "
-                "divided by 64")
+    if page_size_unsupported(page_size):
+        return page_size_unsupported(page_size)
     if has_sinks:
         return "sinks with a latent cache are not in the Mosaic kernel"
     return None
