@@ -168,18 +168,25 @@ def packed_sinks_wanted(call: Call) -> bool:
 VARLEN_PAGE = 64  # the page size varlen keys are copied into for the Mosaic kernel (``varlen_repaged``)
 
 
-def varlen_repaged(impl: str, call: Call) -> bool:
+def varlen_repaged(impl: str, call: Call, max_kv_len: int) -> bool:
     """Whether a varlen call (``attention.varlen_attention``: keys in contiguous ragged runs; ``call`` its
-    view as pages of one row) copies its keys into pages of ``VARLEN_PAGE`` rows first, to run on the Mosaic
-    kernel's TMA copies: where this policy picks Mosaic for the call at that page size, for long query runs
-    only (prefill, a prefix chunk: there the copy, one read and one write of K/V, is small next to the
-    attention, which reads K/V once per block of query rows). Rows of one-row pages are gathered at head dims
-    that are multiples of 64 only, and slower: on an H200 (B4 S4096 causal, 16 heads, bf16,
-    ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-28) 435 TFLOP/s at 192/128 and 492 at 128/128."""
+    view as pages of one row, ``max_kv_len`` its bound on keys per sequence) copies its keys into pages of
+    ``VARLEN_PAGE`` rows first (``attention.varlen_pages``: one read and one write of K/V), to run on the Mosaic
+    kernel's TMA copies. Only where this policy picks Mosaic for the call at that page size, for long query
+    runs (prefill), and then where the rows of one-row pages cannot be gathered (head dims that are not
+    multiples of 64) or the query runs are at least half as long as the key runs: the copy is then small next
+    to the attention. On an H200 (B4, 16 heads, bf16, ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-28),
+    copied against gathered, TFLOP/s: causal S4096 at 192/128 466 against 437, at 128/128 500 against 493; a
+    prefix chunk of 1024 queries on 4096 keys at 192/128 407 against 417 (gathered)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+    from jax_attn.kernels.mosaic_paged import unsupported
 
-    return (call.max_q_len > config.pack_max_q_len
-            and select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) == "mosaic")
+    if call.max_q_len <= config.pack_max_q_len:
+        return False
+    if select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) != "mosaic":
+        return False
+    gathered = unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v, 1) is None
+    return not gathered or 2 * call.max_q_len >= max_kv_len
 
 
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:

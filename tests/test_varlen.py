@@ -39,13 +39,14 @@ class VarlenCase:
 
 CPU_CASES = [
     # MLA's chunked-prefix extend part (causal, bottom-right), sequences ending inside pages
-    VarlenCase("extend_192_128", (70, 5, 30), (70, 40, 150)),
+    VarlenCase("extend_192_128", (70, 5, 30), (70, 40, 75)),
     # a prefix chunk: non-causal with LSE, one sequence without keys (zeros, LSE -inf)
-    VarlenCase("prefix_chunk_lse", (9, 4, 20), (130, 0, 61), causal=False, return_lse=True),
+    VarlenCase("prefix_chunk_lse", (40, 4, 70), (130, 0, 61), causal=False, return_lse=True),
 ]
 GPU_CASES = CPU_CASES + [
     VarlenCase("long_192_128", (700, 1, 1300), (700, 2000, 1300), heads=(8, 8)),
     VarlenCase("d96_window", (300, 40), (300, 900), head_dim=96, head_dim_v=96, heads=(8, 8), window=(127, 0)),
+    # (queries under half the keys: the rows of one-row pages gathered, not copied)
     VarlenCase("d128_gqa_lse", (64, 256), (1000, 256), head_dim=128, head_dim_v=128, heads=(8, 2), causal=False,
                return_lse=True),
 ]
@@ -103,7 +104,7 @@ def test_varlen_repaged_interpret(case, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
-def test_varlen_repaged_gpu(case):
+def test_varlen_gpu(case):
     if not ON_GPU:
         pytest.skip("needs a Hopper GPU")
     _check(case, "mosaic")
@@ -113,7 +114,8 @@ def test_varlen_repaged_gpu(case):
 def test_varlen_repaged_policy(monkeypatch):
     """On Hopper ``auto`` copies the keys of prefill-like varlen calls into pages for the Mosaic kernel,
     whatever head dim that kernel takes at pages of 64 (96: rows of one-row pages cannot be gathered at
-    that width); not decode-like calls, not fp8, not ``impl='triton'``."""
+    that width), where the queries are at least half as long as the keys or the rows cannot be gathered;
+    not decode-like calls, not fp8, not ``impl='triton'``."""
     monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
 
     def call(d, dv, dtype=jnp.bfloat16, q_len=300):
@@ -124,8 +126,10 @@ def test_varlen_repaged_policy(monkeypatch):
         return call_of(q, jnp.zeros((2 * q_len, 1, 8, d), dtype), jnp.zeros((2 * q_len, 1, 8, dv), dtype), md)
 
     for d, dv in ((192, 128), (96, 96), (128, 128)):
-        assert kernel_policy.varlen_repaged("auto", call(d, dv))
-    assert not kernel_policy.varlen_repaged("auto", call(128, 128, q_len=1))  # decode-like: the copy would cost
-    assert not kernel_policy.varlen_repaged("auto", call(128, 128, jnp.float8_e4m3fn))
-    assert not kernel_policy.varlen_repaged("triton", call(128, 128))
-    assert kernel_policy.varlen_repaged("mosaic", call(128, 128))
+        assert kernel_policy.varlen_repaged("auto", call(d, dv), 300)  # causal prefill: queries as long as keys
+    assert kernel_policy.varlen_repaged("auto", call(96, 96), 4096)  # one-row pages cannot be gathered at 96
+    assert not kernel_policy.varlen_repaged("auto", call(192, 128), 4096)  # a prefix chunk: the rows gathered
+    assert not kernel_policy.varlen_repaged("auto", call(128, 128, q_len=1), 1)  # decode-like: the copy would cost
+    assert not kernel_policy.varlen_repaged("auto", call(128, 128, jnp.float8_e4m3fn), 300)
+    assert not kernel_policy.varlen_repaged("triton", call(128, 128), 300)
+    assert kernel_policy.varlen_repaged("mosaic", call(128, 128), 300)
