@@ -5,8 +5,7 @@
                   tokens and for MLA latent caches (``mosaic_wanted``) when it covers the call (bf16/f16,
                   head dims that are multiples of 16 up to 192 and 256, latent caches of 512 + 64 and
                   alike, page size a multiple of 8, or 1, 2, 4 for prefill/extend at head dims that
-                  are multiples of 64 and for latent caches of 64 query heads or more
-                  (``gathered_rows_wanted``), no fp8 descale, no sinks
+                  are multiples of 64 and for latent caches (``gathered_rows_wanted``), no fp8 descale, no sinks
                   on packed decode rows (``packed_sinks_wanted``: the kernel takes them, slower),
                   not deterministic mode), else the Triton-lowered
                   kernel (interpret mode on CPU): every other head dim goes there;
@@ -104,18 +103,16 @@ def gathered_rows_wanted(call: Call) -> bool:
     """False for the calls the Mosaic kernel is slower on because of their page size: at pages of 1, 2 or 4
     rows its producer gathers rows with ``cp.async`` (``KernelStatics.gathers_rows``), and only long query
     runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200
-    (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28), against FA3: prefill B4 S4096
-    Mosaic 0.86x, Triton 0.65x; extend 1024 on 4096 0.85x against 0.66x; decode 64 x 4096 0.81x against
-    1.06x; verify 32 x 4 on 2048 0.85x against 1.04x (Triton keeps decode and verify).
-    An MLA latent cache's decode and verify go there too when a token's query heads fill a row block
-    (``block_q``): there the kernel is bound by its tensor cores, not by the gather. On an H200 (page 1,
-    B64 ctx 4096, ``benchmarks/bench_mla.py``, 2026-11-28), against SGLang's Triton MLA: 128 heads decode
-    Mosaic 4.05x, Triton 1.65x (383 against 156 TFLOP/s; MTP verify q 2: 385 against 195); 16 heads decode
-    (memory-bound) Mosaic 0.96x, Triton 0.99x."""
+    (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28, twenty-ninth session), against FA3:
+    prefill B4 S4096 Mosaic 0.89x, Triton 0.64x; extend 1024 on 4096 0.89x against 0.66x; decode 64 x 4096
+    0.83x against 1.06x; verify 32 x 4 on 2048 0.92x against 1.06x (Triton keeps decode and verify).
+    An MLA latent cache's decode and verify go there too. On an H200 (page 1, B64 ctx 4096,
+    ``benchmarks/bench_mla.py``, 2026-11-28, twenty-ninth session), against SGLang's Triton MLA: 128 heads
+    decode Mosaic 4.40x, Triton 1.65x (415 against 156 TFLOP/s; MTP verify q 2: 404 against 195); 16 heads
+    decode (memory-bound) Mosaic 1.01x (2.60 TB/s), Triton 0.99x (2.53)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    return (call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len
-            or (call.latent and call.num_q_heads >= config.block_q))
+    return call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len or call.latent
 
 
 def mosaic_covers(call: Call) -> bool:

@@ -106,8 +106,8 @@ def test_latent_rules():
         attention(q[:, :12], k, None, md, impl="mosaic", latent_dim=512)
 
 
-@pytest.mark.parametrize("page,heads,want", [(64, 16, "mosaic"), (16, 128, "mosaic"), (1, 16, "triton"),
-                                             (1, 128, "mosaic"), (64, 12, "triton")])
+@pytest.mark.parametrize("page,heads,want", [(64, 16, "mosaic"), (16, 128, "mosaic"), (1, 16, "mosaic"),
+                                             (1, 128, "mosaic"), (2, 12, "triton"), (64, 12, "triton")])
 def test_policy_latent(page, heads, want, monkeypatch):
     """``auto`` on Hopper runs every latent-cache call the Mosaic kernel takes there (decode of any batch
     included), the rest on Triton; the torch bridge's launch path runs it unsplit, so only where its tiles fill
@@ -185,8 +185,7 @@ def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
     if device == "cuda" and not ON_GPU:
         pytest.skip("needs a Hopper GPU")
     monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small batch, launched
-    # (at page 1 the Mosaic kernel gathers rows, which ``auto`` runs from 64 query heads: DeepSeek at TP1)
-    latent, rope, hq, max_ctx = (128, 64, 8, 96) if device == "cpu" else (512, 64, 16 if page > 1 else 128, 1024)
+    latent, rope, hq, max_ctx = (128, 64, 8, 96) if device == "cpu" else (512, 64, 16, 1024)
     d = latent + rope
     rng = np.random.default_rng(5)
     table, num_slots = shuffled_table(6, max_ctx, page, seed=4)
@@ -259,7 +258,7 @@ def test_latent_decode_bucket_in_a_torch_cuda_graph(page, monkeypatch, engine_gr
         pytest.skip("needs a Hopper GPU")
     monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small bucket, launched
     latent, rope, max_ctx, bs = 512, 64, 2048, 4
-    hq = 16 if page > 1 else 128  # (at page 1 ``auto`` launches the latent kernel from 64 query heads)
+    hq = 16 if page > 1 else 128  # DeepSeek at TP8 and at TP1
     d = latent + rope
     rng = np.random.default_rng(11)
     table, num_slots = shuffled_table(8, max_ctx, page, seed=6)
