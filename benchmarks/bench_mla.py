@@ -138,6 +138,10 @@ class PrefixPoint:
     def flops(self) -> int:
         return 2 * self.heads * self.pairs() * (self.head_dim + self.head_dim_v)
 
+    def bytes(self) -> int:
+        """q, k, v and out (bf16)."""
+        return 2 * self.heads * self.batch * ((self.q_len + self.kv_len) * (self.head_dim + self.head_dim_v))
+
 
 PREFIX_POINTS = [PrefixPoint(4, 4096, 4096, True, 192, 128), PrefixPoint(4, 4096, 4096, True, 128, 128),
                  PrefixPoint(4, 1024, 4096, False, 192, 128)]
@@ -158,8 +162,8 @@ def prefix_problem(pt: PrefixPoint, seed: int = 0):
 
 
 def run_prefix_point(pt: PrefixPoint, impls: list[str], reps: int) -> list[Result]:
-    """Our kernels on one chunked-prefix call: checked (the first sequence against float32, the kernels
-    against each other over the whole batch), then timed."""
+    """Our kernels on one chunked-prefix call (``run_peer``: checked against a float32 evaluation of the first
+    sequence, then timed), and the kernels against each other over the whole batch."""
     import jax.numpy as jnp
 
     from jax_attn.attention import attention, varlen_attention, varlen_metadata
@@ -173,41 +177,25 @@ def run_prefix_point(pt: PrefixPoint, impls: list[str], reps: int) -> list[Resul
         md = varlen_metadata(cu_q, cu_k, num_tokens=q.shape[0], num_keys=k.shape[0], **sizes)
         return attention(q, k[:, None], v[:, None], md, impl="mosaic", **kw)
 
-    fns = {impl: jax.jit(rows if impl == "mosaic-rows" else functools.partial(varlen_attention, impl=impl, **sizes,
-                                                                                **kw)) for impl in impls}
+    def out_of(res):  # the attention output (without the LSE) as a torch tensor
+        return torch.from_dlpack(res[0] if isinstance(res, tuple) else res)
+
     # float32 reference of the first sequence (bottom-right causal)
     q0, k0, v0 = (x[:n].astype(jnp.float32) for x, n in ((q, pt.q_len), (k, pt.kv_len), (v, pt.kv_len)))
     s = jnp.einsum("qhd,khd->hqk", q0, k0) * SCALE
     if pt.causal:
         s = jnp.where(jnp.arange(pt.kv_len)[None, :] <= jnp.arange(pt.q_len)[:, None] + pt.kv_len - pt.q_len,
                       s, -jnp.inf)
-    ref0 = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v0)
-    results, outs = [], {}
-    for impl, fn in fns.items():
-        res = Result(pt.name, f"ours_{impl}")
-        try:
-            out = fn(q, k, v, cu_q, cu_k)
-            out = out[0] if isinstance(out, tuple) else out
-            outs[impl] = out
-            res.max_err = float(jnp.max(jnp.abs(out[:pt.q_len].astype(jnp.float32) - ref0)))
-            if not res.max_err <= TOLERANCE:
-                res.status = "FAIL"
-            call = functools.partial(fn, q, k, v, cu_q, cu_k)
-            wall = common.time_jax(call, reps=reps)
-            dev = common.time_device(call, jax.block_until_ready, calls=max(reps, 10))
-            res.wall_us, res.time_us = wall.time_us, (dev.time_us if dev else wall.time_us)
-            res.tflops = pt.flops() / (res.time_us * 1e-6) / 1e12
-            res.note = f"{dev.note}, spread {dev.spread:.0%}" if dev else "no CUPTI trace: time = wall"
-        except Exception as e:  # one kernel failing must not stop the other
-            res.status, res.note = "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            traceback.print_exc(limit=3)
-        print(f"  {res.peer:<14} {res.status:<6} {common.fmt(res.time_us, '9.1f')} us  "
-              f"{common.fmt(res.tflops, '6.3g')} TFLOP/s  max err {common.fmt(res.max_err, '.1e')}  {res.note}",
-              flush=True)
-        results.append(res)
+    ref0 = torch.from_dlpack(jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v0))
+    results, calls = [], {}
+    for impl in impls:
+        fn = jax.jit(rows if impl == "mosaic-rows" else functools.partial(varlen_attention, impl=impl, **sizes, **kw))
+        calls[impl] = functools.partial(fn, q, k, v, cu_q, cu_k)
+        results.append(run_peer(f"ours_{impl}", lambda impl=impl: peers.PeerRun(f"ours_{impl}", calls[impl], out_of,
+                                                                                "jax"), pt, ref0, reps))
+    outs = [out_of(calls[r.peer[len("ours_"):]]()).float() for r in results if r.status != "error"]
     if len(outs) > 1:
-        first = list(outs.values())[0].astype(jnp.float32)
-        diff = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - first))) for o in list(outs.values())[1:])
+        diff = max(float((o - outs[0]).abs().max()) for o in outs[1:])
         print(f"  kernels agree to {diff:.1e} over the batch", flush=True)
         if not diff <= TOLERANCE:
             for r in results:
@@ -322,7 +310,7 @@ def sglang_mla(p: peers.Problem, pt: Point, max_kv_splits: int) -> peers.PeerRun
     return peers.PeerRun("sglang_triton", call, lambda o: o.clone(), "torch", note)
 
 
-def measure(run: peers.PeerRun, ref: torch.Tensor, pt: Point, res: Result, reps: int) -> None:
+def measure(run: peers.PeerRun, ref: torch.Tensor, pt: Point | PrefixPoint, res: Result, reps: int) -> None:
     """Checks ``run`` against ``ref`` (its first rows), then times it; fills ``res``."""
     out = run.to_tokens(run.call())[: ref.shape[0]].float()
     res.max_err = float((out - ref).abs().max()) if bool(torch.isfinite(out).all()) else float("inf")
@@ -342,7 +330,7 @@ def measure(run: peers.PeerRun, ref: torch.Tensor, pt: Point, res: Result, reps:
     res.note = "; ".join(x for x in (run.note, timing, f"wall: {wall.note}") if x)
 
 
-def run_peer(name: str, build, pt: Point, ref: torch.Tensor, reps: int) -> Result:
+def run_peer(name: str, build, pt: Point | PrefixPoint, ref: torch.Tensor, reps: int) -> Result:
     res = Result(pt.name, name.split("/")[0])  # the built run's name once it exists
     try:
         run = build()
