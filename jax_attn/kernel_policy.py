@@ -176,14 +176,12 @@ def varlen_repaged(impl: str, call: Call, max_kv_len: int) -> bool:
     copied against gathered, TFLOP/s: causal S4096 at 192/128 466 against 437, at 128/128 500 against 493; a
     prefix chunk of 1024 queries on 4096 keys at 192/128 407 against 417 (gathered)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
-    from jax_attn.kernels.mosaic_paged import unsupported
 
     if call.max_q_len <= config.pack_max_q_len:
         return False
     if select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) != "mosaic":
         return False
-    gathered = unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v, 1) is None
-    return not gathered or 2 * call.max_q_len >= max_kv_len
+    return not mosaic_covers(call) or 2 * call.max_q_len >= max_kv_len  # (``call``: pages of one row, gathered)
 
 
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:

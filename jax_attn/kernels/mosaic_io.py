@@ -285,8 +285,7 @@ def _gather_slots(st, pt_ref, num_pages: int, seq, blk, k_len):
         lane, warp = arith.remui(tid, c(32)), arith.divui(tid, c(32))
         row = arith.addi(arith.muli(warp, c(rows_per_warp)), arith.remui(lane, c(rows_per_warp)))
         key = arith.addi(arith.muli(blk_v, c(bk)), row)
-        last_page = arith.minsi(arith.maxsi(arith.subi(arith.divsi(arith.addi(k_len_v, c(ps - 1)), c(ps)), c(1)),
-                                            c(0)), c(width_pt - 1))
+        last_page = clamp(arith.subi(arith.divsi(arith.addi(k_len_v, c(ps - 1)), c(ps)), c(1)), 0, width_pt - 1)
         col = arith.minsi(arith.divsi(key, c(ps)), last_page)
         index = ir.IndexType.get()
         page_id = clamp(memref.load(pt, [arith.index_cast(index, seq_v), arith.index_cast(index, col)]), 0,

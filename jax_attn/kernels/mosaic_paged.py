@@ -197,8 +197,8 @@ def latent_unsupported(dtype, kv_dtype, head_dim: int, latent: int | None, page_
     if num_kv_heads != 1 or num_q_heads % 8:
         return (f"{num_q_heads}/{num_kv_heads} heads over a latent cache: the Mosaic kernel takes one latent head "
                 "and query heads in multiples of 8")
-    if page_size_unsupported(page_size):
-        return page_size_unsupported(page_size)
+    if (reason := page_size_unsupported(page_size)) is not None:
+        return reason
     if has_sinks:
         return "sinks with a latent cache are not in the Mosaic kernel"
     return None
