@@ -328,7 +328,15 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
     # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
-    for name, path in (("bridge", None), ("bridge via JAX", False), ("bridge, planner per hook", None)):
+    split = False  # whether the default launch path split the keys (then its unsplit launch is timed too)
+    for name, path in (("bridge", None), ("bridge via JAX", False), ("bridge, planner per hook", None),
+                       ("bridge, unsplit launch", "unsplit")):
+        if path == "unsplit":  # the launch path as it was before split-KV: one CTA per (sequence, kv head)
+            if not split:
+                continue
+            from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG
+            from torch_bridge.mosaic_path import MosaicPath
+            path = MosaicPath(config=dataclasses.replace(DEFAULT_MOSAIC_CONFIG, max_splits=1))
         backend = FlashAttentionBackend(runner, mosaic_path=path)
         if path is None and backend.mosaic_path is None:
             continue  # no launch path on this device
@@ -349,7 +357,11 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
         if name != "bridge, planner per hook":
             results[f"{name} attention x layers"] = wall(
                 lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
-        if path is None and DEVICE == "cuda":
+        if name == "bridge":
+            split = any(getattr(t, "num_splits", 1) > 1 for t in backend.step.tables.values())
+            print(f"bridge launch tables: {sorted((k, getattr(t, 'num_splits', 1)) for k, t in backend.step.tables.items())}"
+                  " (table key, kv splits)")
+        if path is not False and DEVICE == "cuda":
             graphs[f"{name} step, CUDA graph"] = graph_step(
                 lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay)
     results.update(interleaved(steps, iters))
@@ -359,10 +371,10 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
           f"graph steps {max(iters, 50)} per round)")
     for name, s in sorted(results.items()):
         print(f"{name:36s} {1e3 * s:8.3f}")
-    for name in ("bridge", "bridge via JAX"):
+    for name in ("bridge", "bridge via JAX", "bridge, unsplit launch"):
         if f"{name} step" in results:
             print(f"{'ratio step (' + name + '/native)':36s} {results[name + ' step'] / results['native step']:8.3f}")
-    for name in ("bridge", "bridge, planner per hook"):
+    for name in ("bridge", "bridge, planner per hook", "bridge, unsplit launch"):
         if f"{name} step, CUDA graph" in results and "native step, CUDA graph" in results:
             print(f"{'ratio graph step (' + name + '/native)':36s} "
                   f"{results[name + ' step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")

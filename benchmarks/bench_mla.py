@@ -49,7 +49,8 @@ Commands (GPU machine, repository root; SGLang from ``bash benchmarks/fetch_peer
 
 Flags: ``--smoke`` toy points (CPU: the SGLang peer and CUPTI are skipped, one line says so);
 ``--reps N`` timed repetitions (30; smoke 2); ``--page-size`` only points of this page size;
-``--impl`` auto, triton, mosaic or a comma-separated list (ours: one row each, named by the kernel run);
+``--impl`` auto, triton, mosaic, bridge or a comma-separated list (ours: one row each, named by the kernel
+run; ``bridge``: the torch bridge's layer call on its launch path, decode points, GPU);
 ``--check-seqs N`` sequences compared with the float32 reference (2).
 """
 
@@ -280,6 +281,41 @@ def ours(p: peers.Problem, pt: Point, impl: str) -> peers.PeerRun:
     return peers.PeerRun(f"ours_{kernel}", lambda: fn(q, k, md), to_tokens, "jax", note)
 
 
+def bridge(p: peers.Problem, pt: Point) -> peers.PeerRun:
+    """The torch bridge's MLA layer on its launch path: ``FlashAttentionBackend`` over an SGLang-style
+    ``MLATokenToKVPool`` holding the same latent cache, one decode step planned, one forward to bind the layer;
+    then the bound layer call (the kernel and, with split-KV, its merge, launched from torch; no KV write)."""
+    from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
+                              ModelRunner, RadixAttention, ReqToTokenPool)
+
+    if pt.q_len != 1:
+        raise peers.Unavailable("decode only (a verify step needs the engine's spec info)")
+    if not p.q.is_cuda:
+        raise peers.Unavailable("the launch path needs a CUDA device")
+    b, dev = p.batch, p.q.device
+    buf = p.k_cache.view(-1, 1, p.head_dim)  # [slots, 1, D]: the cache's own memory
+    pool = MLATokenToKVPool([buf], pt.latent, pt.rope)
+    table = torch.zeros(b + 1, pt.ctx, dtype=torch.int32, device=dev)  # row 0 reserved
+    table[1:] = p.slots
+    runner = ModelRunner(ReqToTokenPool(table), pool, ModelConfig(pt.ctx, attention_arch="MLA"),
+                         page_size=pt.page_size, device=str(dev))
+    backend = FlashAttentionBackend(runner)
+    layer = RadixAttention(pt.heads, p.head_dim, SCALE, 1, 0, v_head_dim=pt.latent)
+    rows = torch.arange(1, b + 1, device=dev)
+    loc = p.slots[:, -1].long()
+    fb = ForwardBatch(ForwardMode.DECODE, b, rows, torch.full((b,), pt.ctx, device=dev), loc, token_to_kv_pool=pool)
+    backend.init_forward_metadata(fb)
+    q = p.q.reshape(b, -1)
+    backend.forward(q, buf[loc, 0].clone(), buf[loc, 0, :pt.latent].clone(), layer, fb)  # writes the same rows
+    hits = backend.runner.hits
+    if len(hits) != 1 or not hasattr(hits[0], "call"):
+        raise peers.Unavailable("the layer did not take the launch path")
+    call = hits[0].call
+    splits = getattr(call.tables, "num_splits", 1)
+    note = f"bridge {type(call).__module__.split('.')[-1]}, {splits} kv split(s)"
+    return peers.PeerRun("ours_bridge", lambda: call(q), lambda o: o.reshape(b, pt.heads, pt.latent), "torch", note)
+
+
 def sglang_mla(p: peers.Problem, pt: Point, max_kv_splits: int) -> peers.PeerRun:
     """SGLang's Triton decode kernel on the latent cache as its MLA backend calls it (Lk = D, Lv = L)."""
     if pt.q_len != 1:
@@ -353,7 +389,10 @@ def run_point(pt: Point, *, device: str, impls: list[str], reps: int, check_seqs
     print(f"{pt.name}:", flush=True)
     p = make_problem(pt, device)
     ref = reference(p, pt, check_seqs)
-    mine = [run_peer(f"ours/{impl}", lambda impl=impl: ours(p, pt, impl), pt, ref, reps) for impl in impls]
+    mine = [run_peer(f"ours/{impl}", lambda impl=impl: ours(p, pt, impl), pt, ref, reps) for impl in impls
+            if impl != "bridge"]
+    if "bridge" in impls:
+        mine.append(run_peer("ours/bridge", lambda: bridge(p, pt), pt, ref, reps))
     tries = []
     for s in SGLANG_SPLITS:
         tries.append(run_peer(f"sglang_triton/{s}", lambda s=s: sglang_mla(p, pt, s), pt, ref, reps))
@@ -383,7 +422,7 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="toy points; on the CPU ours runs interpreted, SGLang skipped")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per peer (default 30, smoke 2)")
     ap.add_argument("--page-size", type=int, default=0, help="only points of this page size (64 or 1)")
-    ap.add_argument("--impl", default="auto", help="our kernel choices, comma-separated: auto, triton, mosaic")
+    ap.add_argument("--impl", default="auto", help="our kernel choices, comma-separated: auto, triton, mosaic, bridge")
     ap.add_argument("--check-seqs", type=int, default=2, help="sequences compared with the float32 reference")
     ap.add_argument("--prefix-mha", action="store_true",
                     help="the chunked-prefix prefill's multi-head calls (192/128 against 128/128) instead")

@@ -17,10 +17,9 @@
   ``"reference"`` the plain-``jnp`` float32 reference.
 
 The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
-graph) the Mosaic kernel for every call it covers on Hopper (at pages of 1, 2, 4: prefill/extend only;
-MLA latent caches when its unsplit tiles fill the GPU, ``latent_launch_wanted``), else the Triton-lowered
-kernel for every
-call it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go
+graph) the Mosaic kernel for every call it covers on Hopper (at pages of 1, 2, 4: prefill/extend and MLA
+latent caches only), split-KV where its unsplit tiles cannot fill the GPU as in the JAX API, else the
+Triton-lowered kernel for every call it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go
 through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
 ``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
@@ -136,22 +135,6 @@ def triton_launchable(call: Call) -> bool:
     return unsupported(call.dtype, call.head_dim, call.head_dim_v, latent=call.latent) is None
 
 
-def latent_launch_wanted(call: Call) -> bool:
-    """False for MLA latent-cache calls the torch launch path would run on too few CTAs: it launches the
-    Mosaic kernel unsplit (one CTA per 64 rows of a sequence), so it goes there when those tiles fill at
-    least 90% of the GPU (decode: 16 heads from about 119 sequences on, 128 heads from 60); the JAX API
-    splits instead (``mosaic_wanted``). The H200 figures behind the Mosaic latent kernel were unsplit at 128
-    heads, B 64 (128 CTAs, 528 TFLOP/s against Triton's 154)."""
-    from jax_attn.kernels.mosaic_kernel import tile_rows
-    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
-
-    if not call.latent:
-        return True
-    seqs = call.num_tokens // max(call.max_q_len, 1)
-    tiles = max(-(-call.num_tokens * call.num_q_heads // tile_rows(config.block_q, latent=True)), seqs)
-    return 10 * tiles >= 9 * config.num_sms
-
-
 def packed_sinks_wanted(call: Call) -> bool:
     """False for decode and verify rows that pack a group's query heads and carry sinks (gpt-oss): the Mosaic
     kernel takes them (each row its query head's sink) but was slower than Triton on an H200 (64/8 heads,
@@ -190,8 +173,7 @@ def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bo
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call)
-                                     and latent_launch_wanted(call))
+        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call))
         if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"

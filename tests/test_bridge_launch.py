@@ -15,13 +15,12 @@ import pytest
 import torch
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn.kernels.mosaic_kernel import kernel_call
 from jax_attn.kv_cache import paged_view
 from jax_attn.reference import paged_attention_reference
 from tests.paging import shuffled_table
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool)
-from torch_bridge.mosaic_path import MosaicPath
+from torch_bridge.mosaic_path import MosaicPath, kernel_outputs
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
@@ -31,13 +30,14 @@ HQ, HKV, D, PAGE, MAX_CTX = 4, 2, 64, 16, 96
 
 class InterpretedKernel:
     """Stand-in for a launched kernel: the same call through the Mosaic GPU interpreter (with
-    ``return_lse`` statics, its output and per-tile LSE, as ``mosaic_path.kernel_outputs``)."""
+    ``return_lse`` statics, its output and per-tile LSE; the split kernel's partials and per-tile LSE:
+    ``mosaic_path.kernel_outputs``)."""
 
     calls = 0
 
     def __init__(self, st, num_tiles, example):
-        call = kernel_call(dataclasses.replace(st, interpret=True), num_tiles, plgpu.InterpretGPUParams())
-        self.fn = jax.jit((lambda *a: tuple(call(*a))) if st.return_lse else (lambda *a: (call(*a)[0],)))
+        call = kernel_outputs(dataclasses.replace(st, interpret=True), num_tiles, plgpu.InterpretGPUParams())
+        self.fn = jax.jit((lambda *a: call(*a)) if st.return_lse else (lambda *a: (call(*a),)))
         self.shapes = [tuple(t.shape) for t in example]
 
     def bind(self, *tensors, out):
@@ -134,7 +134,7 @@ def step(runner, table, backend, rows, kv_lens, q_lens, rng, *, replay_bs=None, 
     layer = RadixAttention(HQ, D, D**-0.5, HKV, 0) if layer is None else layer
     out = backend.forward(q, k, v, layer, fb, sinks=sinks)
     assert out.shape == (n, HQ * D) and out.dtype == torch.bfloat16
-    ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks,
+    ref = reference(runner, table, rows, kv_lens, q_lens, q, sinks, scale=layer.scaling,
                     kv_scales=(layer.k_scale_float, layer.v_scale_float))
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
     return backend
@@ -149,6 +149,34 @@ def test_launch_path_eager(q_lens):
     step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng)
     assert InterpretedKernel.calls == before + 1  # the layer ran on the launch path, not through JAX
     assert backend.step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["eager", "graph_bucket"])
+def test_launch_path_splits_few_long_decode_rows(replay):
+    """Decode of a few sequences whose (token, kv head) tiles cannot fill the GPU runs the split kernel and its
+    merge on the launch path (split-KV, as the JAX API plans it), eagerly and in a graph bucket (whose replay
+    hook then plans its split tables: the in-graph refresh covers one tile per sequence only). Against the
+    float32 reference over a NaN-poisoned pool. Catches a merge that drops a split, reads another row's LSE
+    (the index), or splits that overlap or skip keys, and a launch path that still runs the unsplit kernel."""
+    from jax_attn.kernels.mosaic_paged import MosaicConfig
+    from tests.test_triton_launch import InterpretedTriton
+
+    rng = np.random.default_rng(31)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton,
+                      config=MosaicConfig(min_kv_per_split=32))  # the 96-key bound: 3 splits
+    runner, table, backend = setup(9, path=path)
+    if replay:
+        backend.init_cuda_graph_state(4, 4)
+        z = torch.zeros(4, dtype=torch.long)
+        backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
+    layer = RadixAttention(HQ, D, 0.07, HKV, 0)
+    for kv_lens in ([40, 27, 90], [96, 1, 33]):
+        kernels, merges = InterpretedKernel.calls, InterpretedTriton.calls
+        step(runner, table, backend, [2, 5, 1], kv_lens, [1, 1, 1], rng, replay_bs=4 if replay else None,
+             layer=layer)
+        tables = backend.step.tables[(HQ, HKV)]
+        assert tables.num_splits == 3 and tables.layout is None  # the Mosaic kernel's split tables
+        assert InterpretedKernel.calls == kernels + 1 and InterpretedTriton.calls == merges + 1  # kernel, merge
 
 
 @pytest.mark.gpu

@@ -110,8 +110,8 @@ def test_latent_rules():
                                              (1, 128, "mosaic"), (2, 12, "triton"), (64, 12, "triton")])
 def test_policy_latent(page, heads, want, monkeypatch):
     """``auto`` on Hopper runs every latent-cache call the Mosaic kernel takes there (decode of any batch
-    included), the rest on Triton; the torch bridge's launch path runs it unsplit, so only where its tiles fill
-    the GPU (``latent_launch_wanted``); deterministic mode keeps Triton."""
+    included), the rest on Triton, and the torch bridge's launch path does the same (split-KV where the unsplit
+    tiles cannot fill the GPU); deterministic mode keeps Triton."""
     from jax_attn import kernel_policy
     from jax_attn.kernel_policy import select_kernel
 
@@ -122,9 +122,8 @@ def test_policy_latent(page, heads, want, monkeypatch):
     call = call_of(q, k, None, md, latent_dim=512)
     assert select_kernel("auto", call) == want
     assert select_kernel("auto", call, from_torch=True, hopper=True) == want  # unsplit tiles fill the GPU
-    few = call_of(q[:64], k, None, md, latent_dim=512)  # 64 sequences: 64 unsplit tiles at 16 heads
-    assert select_kernel("auto", few, from_torch=True, hopper=True) == ("mosaic" if want == "mosaic" and heads == 128
-                                                                        else "triton")
+    few = call_of(q[:64], k, None, md, latent_dim=512)  # 64 sequences: 64 unsplit tiles at 16 heads (split)
+    assert select_kernel("auto", few, from_torch=True, hopper=True) == want
     assert select_kernel("auto", call_of(q, k, None, md, latent_dim=512, num_splits=1)) == "triton"
 
 
@@ -166,12 +165,15 @@ def test_jax_backend_mla_on_mosaic(mode):
                    0.07, 3e-2, mode)
 
 
-@pytest.mark.parametrize("device,page", [("cpu", 16), pytest.param("cuda", 64, marks=gpu),
-                                         pytest.param("cuda", 1, marks=gpu)])
-def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
+@pytest.mark.parametrize("device,page,split", [("cpu", 16, False), ("cpu", 16, True),
+                                               pytest.param("cuda", 64, True, marks=gpu),
+                                               pytest.param("cuda", 1, True, marks=gpu)])
+def test_torch_bridge_mla_mosaic_launch(device, page, split, monkeypatch):
     """An MLA model through the bridge on the Mosaic launch path (the latent kernel launched from torch; on
     the CPU interpreted): two decode steps (the second reuses the bound launch), the write lands only at the
-    step's slots (NaN in every unused slot), the output equals the float32 reference per sequence."""
+    step's slots (NaN in every unused slot), the output equals the float32 reference per sequence. Three
+    sequences cannot fill the GPU: ``split`` runs the split kernel and its merge (on the GPU: 2 splits of
+    the 1024-key bound; on the CPU a config that cuts the 96-key bound into 3), else one tile per sequence."""
     import torch
 
     from jax_attn import kernel_policy
@@ -184,7 +186,6 @@ def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
 
     if device == "cuda" and not ON_GPU:
         pytest.skip("needs a Hopper GPU")
-    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small batch, launched
     latent, rope, hq, max_ctx = (128, 64, 8, 96) if device == "cpu" else (512, 64, 16, 1024)
     d = latent + rope
     rng = np.random.default_rng(5)
@@ -195,7 +196,14 @@ def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
     buf[0] = 0.0
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool,
                          ModelConfig(max_ctx, attention_arch="MLA"), page_size=page, device=device)
-    path = MosaicPath(make_kernel=InterpretedKernel, hopper=True, triton=False) if device == "cpu" else None
+    path = None
+    if device == "cpu":
+        from jax_attn.kernels.mosaic_paged import MosaicConfig
+        from tests.test_triton_launch import InterpretedTriton
+
+        config = MosaicConfig(min_kv_per_split=32 if split else 512)
+        path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton, hopper=True, triton=False,
+                          config=config)
     backend = FlashAttentionBackend(runner, mosaic_path=path)
     layer = RadixAttention(hq, d, 0.09, 1, 0, v_head_dim=latent)
     rows = np.array([3, 1, 5], np.int64)
@@ -218,6 +226,8 @@ def test_torch_bridge_mla_mosaic_launch(device, page, monkeypatch):
         want = _latent_decode_reference(buf, table, rows, committed + 1, q, page, max_ctx, latent, 0.09)
         compare_per_sequence(out.float().cpu().numpy().reshape(3, hq, latent), want, np.arange(4, dtype=np.int32),
                              tol=3e-2, what=f"step {step}")
+        assert backend.step.tables[(hq, 1, mosaic_path.LATENT_TABLES)].num_splits == (
+            (3 if device == "cpu" else 2) if split else 1)
     assert len(backend.runner.hits) == 1
     assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the Mosaic kernel's launch
     if device == "cpu":
@@ -256,7 +266,6 @@ def test_latent_decode_bucket_in_a_torch_cuda_graph(page, monkeypatch, engine_gr
 
     if not ON_GPU:
         pytest.skip("needs a Hopper GPU")
-    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)  # a small bucket, launched
     latent, rope, max_ctx, bs = 512, 64, 2048, 4
     hq = 16 if page > 1 else 128  # DeepSeek at TP8 and at TP1
     d = latent + rope
@@ -326,7 +335,6 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     from torch_bridge import FlashAttentionBackend, MLATokenToKVPool, ModelConfig, ModelRunner, ReqToTokenPool
     from torch_bridge.mosaic_path import LATENT_TABLES, MosaicPath
 
-    monkeypatch.setattr(kernel_policy, "latent_launch_wanted", lambda call: True)
     hq, page = 8, 16
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, 0)
     pool = MLATokenToKVPool.create(num_slots, 1, 128, 64, torch.bfloat16)

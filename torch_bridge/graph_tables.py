@@ -268,8 +268,9 @@ class TableRefresh:
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
         if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.tree] or (latent and self.tree)  # local / SWA tables
-                or tables.num_tiles != b or qpr * tables.pack > tile_rows(self.block_q, latent)):
-            return False  # (several tiles per sequence)
+                or tables.num_tiles != b or qpr * tables.pack > tile_rows(self.block_q, latent)
+                or tables.num_splits > 1):
+            return False  # (several tiles per sequence, split-KV)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=dev)

@@ -39,7 +39,9 @@ from jax_attn.kernel_policy import select_kernel
 from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.mosaic_kernel import KernelStatics, kernel_call, out_types
 from jax_attn.kernels.mosaic_paged import (DEFAULT_MOSAIC_CONFIG, TILE_INFO_WORDS, MosaicConfig, choose_pack,
-                                           kernel_statics, plan_mosaic_schedule)
+                                           kernel_statics, plan_mosaic_schedule, schedule_splits)
+from jax_attn.kernels.mosaic_split import kernel_call_split, merge_partials, split_out_types
+from jax_attn.kernels.schedule import num_splits_for
 from torch_bridge import triton_path
 from torch_bridge.checks import CheckedLayer, pool_launch_reason
 from torch_bridge.dlpack import capturing
@@ -71,13 +73,25 @@ def key_flags(key: TableKey) -> int:
     return key[2] if len(key) > 2 else 0
 
 
-def kernel_outputs(st: KernelStatics, num_tiles: int) -> Callable:
-    """The compiled kernel as a function of arrays returning its output and, with ``st.return_lse`` (a tree
-    step's prefix pass, ``LsePass``), its per-tile LSE (else scratch the compiled kernel owns)."""
-    call = kernel_call(st, num_tiles)
+def kernel_outputs(st: KernelStatics, num_tiles: int, interpret=None) -> Callable:
+    """The compiled kernel (``interpret``: interpreted, tests) as a function of arrays returning its output
+    and, with ``st.return_lse`` (a tree step's prefix pass, ``LsePass``), its per-tile LSE (else scratch the
+    compiled kernel owns); the split kernel (``st.split``) returns its partials and their per-tile LSE."""
+    if st.split:
+        split = kernel_call_split(st, num_tiles, interpret)
+        return lambda *args: tuple(split(*args))
+    call = kernel_call(st, num_tiles, interpret)
     if st.return_lse:
         return lambda *args: tuple(call(*args))
     return lambda *args: call(*args)[0]
+
+
+def table_splits(key: TableKey, deterministic: bool) -> Optional[int]:
+    """The ``num_splits`` the Mosaic tables of ``key`` are planned with: the split heuristic (split-KV where
+    the unsplit tiles cannot fill the GPU, ``mosaic_paged.plan_mosaic_schedule``), as the JAX API plans its
+    steps, but one split in deterministic mode and for a tree step's prefix pass (``LsePass`` merges one
+    partial per row)."""
+    return 1 if key_flags(key) & PREFIX_TABLES else num_splits_for(deterministic)
 
 
 def launcher_kernel(st: KernelStatics, num_tiles: int, example: Tuple[torch.Tensor, ...]):
@@ -95,6 +109,7 @@ class Tables:
     num_tiles: int  # N
     max_q_len: int  # static bound on queries per sequence (the plan's)
     layout: Optional[triton_path.Layout] = None  # Triton tables' static facts (None: the Mosaic kernel's)
+    num_splits: int = 1  # the Mosaic tables' kv splits S (> 1: the split kernel and its merge, ``SplitCall``)
 
 
 def _padded(n: int) -> int:
@@ -145,11 +160,13 @@ def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None, det
     md = table_plan(md, key)
     if key_flags(key) & TRITON_TABLES:
         parts = triton_path.table_parts(md, key[:2], deterministic)
-    else:  # a tree step's prefix pass returns its LSE for the merge: the tables carry where the kernel puts it
+    else:  # a tree step's prefix pass and split tables carry where the kernel puts each row's LSE for the merge
         lse = bool(key_flags(key) & PREFIX_TABLES)
         sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config, with_lse=lse,
-                                     latent=bool(key_flags(key) & LATENT_TABLES))
-        parts = [md.page_table, md.cu_seqlens_q, sched.tile_info] + ([sched.lse_index] if lse else [])
+                                     latent=bool(key_flags(key) & LATENT_TABLES),
+                                     num_splits=table_splits(key, deterministic))
+        parts = [md.page_table, md.cu_seqlens_q, sched.tile_info]
+        parts += [sched.lse_index] if sched.lse_index is not None else []
     flat = [jnp.pad(p.reshape(-1).astype(jnp.int32), (0, _padded(p.size) - p.size)) for p in parts]
     return jnp.concatenate(flat)
 
@@ -183,6 +200,7 @@ class MosaicPath:
         self._persistent: Dict[tuple, Tables] = {}  # insertion order = least recently planned first
         self._pinned: set = set()
         self._calls: Dict[tuple, Any] = {}
+        self._scratch: Dict[tuple, torch.Tensor] = {}
         self.recipes: Dict[Recipe, Recipe] = {}  # layers seen on the launch path (``prebuild``), first seen first
 
     @staticmethod
@@ -195,6 +213,18 @@ class MosaicPath:
         if capability < (8, 0):
             return None
         return MosaicPath(hopper=capability == (9, 0))
+
+    def scratch(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer that every layer call of this shape launched on the current stream shares (the split
+        kernel's partials and LSE: each layer's merge reads them right after its kernel wrote them, in stream
+        order, so layers in turn, captured or not, never see another's)."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (tuple(shape), dtype, device, stream)
+        buf = self._scratch.get(key)
+        if buf is None:
+            with torch.inference_mode(False):
+                buf = self._scratch[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
 
     def launches_trees(self, impl: str) -> bool:
         """Whether tree (topk > 1) steps' layers launch here under ``impl``: the Triton-lowered kernel runs
@@ -265,12 +295,17 @@ class MosaicPath:
             return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
                           md.max_q_len, lay)
         b, p = md.page_table.shape
-        pack = choose_pack(md, heads[0], heads[1], self.config, bool(key_flags(heads) & LATENT_TABLES))
-        lse = (md.num_tokens * heads[0],) if key_flags(heads) & PREFIX_TABLES else None  # ``LsePass``'s index
-        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1) - (_padded(lse[0]) if lse else 0)) \
+        latent = bool(key_flags(heads) & LATENT_TABLES)
+        pack = choose_pack(md, heads[0], heads[1], self.config, latent)
+        s = schedule_splits(md, num_q_heads=heads[0], num_kv_heads=heads[1], config=self.config, latent=latent,
+                            num_splits=table_splits(heads, self.deterministic))
+        rows = md.num_tokens * heads[0]
+        # the LSE index: ``LsePass``'s (one split), the merge's with splits
+        lse = (s, rows) if s > 1 else (rows,) if key_flags(heads) & PREFIX_TABLES else None
+        num_tiles = (flat.shape[0] - _padded(b * p) - _padded(b + 1) - (_padded(int(np.prod(lse))) if lse else 0)) \
             // TILE_INFO_WORDS
         shapes = ((b, p), (b + 1,), (num_tiles, TILE_INFO_WORDS)) + ((lse,) if lse else ())
-        return Tables(flat, self._cut(flat, shapes), pack, num_tiles, md.max_q_len)
+        return Tables(flat, self._cut(flat, shapes), pack, num_tiles, md.max_q_len, num_splits=s)
 
     @staticmethod
     def _cut(flat: torch.Tensor, shapes) -> Tuple[torch.Tensor, ...]:
@@ -354,7 +389,7 @@ class MosaicPath:
     @staticmethod
     def spec_key(spec) -> tuple:
         """What a ``LaunchSpec``'s kernel or a ``triton_path.Spec``'s kernels depend on (shared by layers alike)."""
-        if not isinstance(spec, LaunchSpec):  # triton_path.Spec, triton_path.MergeSpec
+        if not isinstance(spec, LaunchSpec):  # triton_path.Spec, triton_path.MergeSpec, SplitMergeSpec
             return spec.key()
         return (spec.statics, spec.num_tiles, tuple(tuple(a.shape) for a in spec.args), spec.device)
 
@@ -376,7 +411,7 @@ class MosaicPath:
         core (the CUDA plugin's compile and Triton's run mostly outside the GIL). Returns how many specs were
         built. A test's ``make_kernel`` / ``make_triton`` builds them one by one."""
         todo: Dict[tuple, Any] = {}
-        for spec in specs:
+        for spec in [m for s in specs for m in (s, getattr(s, "merge", None)) if m is not None]:
             ck = self.spec_key(spec)
             if ck not in self._kernels:
                 todo.setdefault(ck, spec)
@@ -427,19 +462,48 @@ class LaunchSpec:
     q_shape: Tuple[int, ...]  # the kernel's q: [R, Hq, D], or [R, Hkv, G, D] with packed rows (R: the key's tokens)
     out_shape: Tuple[int, ...]
     args: Tuple[torch.Tensor, ...]  # examples: q, k / v pages, the tables, sinks (the call's own sinks buffer)
-    out: torch.Tensor  # example output
-    lse: Optional[torch.Tensor] = None  # example per-tile LSE (``statics.return_lse``: a tree's prefix pass)
+    out: torch.Tensor  # example output (the split kernel: its float32 partials)
+    lse: Optional[torch.Tensor] = None  # example per-tile LSE (``statics.return_lse``: a tree's prefix pass, splits)
+    merge: Optional["SplitMergeSpec"] = None  # the split kernel's merge (``statics.split``)
 
     @property
     def device(self) -> torch.device:
         return self.args[0].device
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitMergeSpec:
+    """What the merge of the split kernel's partials compiles (``mosaic_split.merge_partials``: the
+    Triton-lowered ``merge_splits``; ``MosaicPath.prebuild`` builds it as ``triton_path.Kernels.tiles``)."""
+
+    out_dtype: torch.dtype
+    examples: list = dataclasses.field(compare=False)  # [[partials, per-tile LSE, LSE index i32[S, T * Hq]]]
+
+    @property
+    def device(self) -> torch.device:
+        return self.examples[0][0].device
+
+    @property
+    def out_shape(self) -> Tuple[int, ...]:
+        """The merged output's shape, ``[T, Hq, Dv]`` (a latent cache's: ``[T * Hq, 1, Dv]``)."""
+        shape = tuple(self.examples[0][0].shape)
+        return (shape[1], int(np.prod(shape[2:-1])), shape[-1])
+
+    def key(self) -> tuple:
+        return ("merge_splits",) + tuple(tuple(a.shape) for a in self.examples[0]) + (self.out_dtype, self.device)
+
+    def fns(self, interpret: bool) -> Tuple[Callable, ...]:
+        dtype = jax_dtype(self.out_dtype)
+        return (lambda part, lse, index: merge_partials(part, lse, index, out_dtype=dtype, interpret=interpret),)
+
+
 def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tables, dtype: torch.dtype,
                 device: torch.device, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool,
-                return_lse: bool = False) -> LaunchSpec:
+                return_lse: bool = False, scratch: Optional[Callable] = None) -> LaunchSpec:
     """The kernel statics and example arguments of ``lp`` launched over ``tables`` (a step of ``key``;
-    ``return_lse``: the kernel returns its per-tile LSE too)."""
+    ``return_lse``: the kernel returns its per-tile LSE too). Split tables (``Tables.num_splits > 1``): the
+    split kernel, whose partials and per-tile LSE come from ``scratch(shape, dtype, device)`` (default: new
+    tensors), and its merge."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
     dv, g, rows = lp.v_head_dim or d, tables.pack, key.num_tokens
     q_shape = (rows, hkv, g, d) if g > 1 else (rows, hq, d)
@@ -453,11 +517,16 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
         page_size=key.page_size, pack=g, dtype=jax_dtype(dtype),
         causal=lp.attends_causally, window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling,
         has_sinks=has_sinks, return_lse=return_lse, config=config, max_q_len=tables.max_q_len,
-        latent=dv if lp.mla else 0)
+        latent=dv if lp.mla else 0, num_splits=tables.num_splits)
     # (the tables' fourth part, a prefix pass's LSE index, is not a kernel argument)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
             v_buf.view(-1, key.page_size, hkv, d if lp.mla else dv), *tables.args[:3], sinks)
-    with torch.inference_mode(False):  # the pass's persistent results (``LsePass``): normal tensors
+    with torch.inference_mode(False):  # persistent results (``LsePass``, ``SplitCall``): normal tensors
+        if st.split:
+            make = scratch or (lambda shape, dt, dev: torch.empty(shape, dtype=dt, device=dev))
+            part, lse = (make(tuple(o.shape), torch.float32, device) for o in split_out_types(st, tables.num_tiles))
+            merge = SplitMergeSpec(dtype, [[part, lse, tables.args[3]]])
+            return LaunchSpec(st, tables.num_tiles, q_shape, merge.out_shape, args, part, lse, merge)
         lse = torch.empty(out_types(st, tables.num_tiles)[1].shape, dtype=torch.float32, device=device) \
             if return_lse else None
         return LaunchSpec(st, tables.num_tiles, q_shape, out_shape, args,
@@ -501,12 +570,20 @@ class LayerCall:
 
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
-        spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks)
+        spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks,
+                           scratch=path.scratch)
         self.tables, self.t, self.rows = tables, int(q.shape[0]), key.num_tokens
         self.q_shape, self.out_shape = spec.q_shape, spec.out_shape
         self.flat_out = (self.rows, lp.num_q_heads * (lp.v_head_dim or lp.head_dim))
         self.dtype, self.device, self.sinks = q.dtype, q.device, spec.args[-1]
-        self.launch = path.built(spec).bind(*spec.args, out=spec.out)
+        self.merge = None
+        if spec.merge is None:
+            self.launch = path.built(spec).bind(*spec.args, out=spec.out)
+        else:  # split-KV: the kernel writes the (shared) partials, the merge reads them into the output
+            self.launch = path.built(spec).bind(*spec.args, out=(spec.out, spec.lse))
+            lse = path.scratch((spec.out_shape[0], spec.out_shape[1]), torch.float32, q.device)  # not returned
+            self.merge = path.built(spec.merge).tiles.bind(*spec.merge.examples[0], out=(
+                torch.empty(spec.out_shape, dtype=q.dtype, device=q.device), lse))
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
@@ -519,8 +596,13 @@ class LayerCall:
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.launch.set_arg(0, q)
-        self.launch.set_out(0, out)
-        self.launch()
+        if self.merge is None:
+            self.launch.set_out(0, out)
+            self.launch()
+        else:
+            self.launch()
+            self.merge.set_out(0, out)
+            self.merge()
         out = out.view(self.flat_out)
         return out if self.t == self.rows else out[:self.t]
 

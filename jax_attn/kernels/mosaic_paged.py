@@ -242,11 +242,8 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
     t = md.num_tokens if num_tokens is None else num_tokens
     rows_per_tile = tile_rows(config.block_q, latent)
     num_heads = num_q_heads if pack == 1 else num_kv_heads
-    s = static_num_splits(num_splits=num_splits, num_tokens=t, max_q_len=md.max_q_len, pack=pack,
-                          num_heads=num_heads, max_kv_len=md.max_kv_len, block_rows=rows_per_tile,
-                          max_splits=config.max_splits, num_sms=config.num_sms, split_waves=config.split_waves,
-                          min_kv_per_split=config.min_kv_per_split,
-                          split_below_fill=config.latent_split_below_fill if latent else config.split_below_fill)
+    s = schedule_splits(md, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, config=config, num_tokens=t,
+                        num_splits=num_splits, latent=latent)
     sched = build_schedule(md.cache_seqlens, md.cu_seqlens_q * pack, num_tokens=t * pack,
                            max_q_len=md.max_q_len * pack, block_q=rows_per_tile, max_splits=s,
                            num_kv_heads=num_heads, force_splits=num_splits is not None, num_sms=config.num_sms,
@@ -259,6 +256,19 @@ def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_head
                                                                num_q_heads=num_q_heads, num_heads=num_heads,
                                                                block_q=config.block_q, latent=latent))
     return sched
+
+
+def schedule_splits(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int, config: MosaicConfig,
+                    num_tokens: int | None = None, num_splits: int | None = 1, latent: bool = False) -> int:
+    """The static bound S on kv splits of ``plan_mosaic_schedule``'s schedule for these arguments (host only:
+    reads the plan's static fields, so a plan of shapes will do). S > 1: the split kernel and its merge."""
+    pack = choose_pack(md, num_q_heads, num_kv_heads, config, latent)
+    return static_num_splits(
+        num_splits=num_splits, num_tokens=md.num_tokens if num_tokens is None else num_tokens,
+        max_q_len=md.max_q_len, pack=pack, num_heads=num_q_heads if pack == 1 else num_kv_heads,
+        max_kv_len=md.max_kv_len, block_rows=tile_rows(config.block_q, latent), max_splits=config.max_splits,
+        num_sms=config.num_sms, split_waves=config.split_waves, min_kv_per_split=config.min_kv_per_split,
+        split_below_fill=config.latent_split_below_fill if latent else config.split_below_fill)
 
 
 def tile_table(sched, cache_seqlens: jax.Array, cu_seqlens_q: jax.Array, *, rows_per_tile: int) -> jax.Array:

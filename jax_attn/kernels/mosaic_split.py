@@ -67,11 +67,13 @@ def kernel_call_split(st: KernelStatics, num_tiles: int, interpret=None):
     if not st.split or not st.return_lse:
         raise ValueError(f"{st.num_splits=} must be > 1 and {st.return_lse=} True for the split kernel")
     if interpret is None:  # compiled: built once per process, whatever the call sites (``kernel_cache``)
-        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=_out_type(st, num_tiles))
+        return mosaic_call(_pallas_kernel, st, num_tiles, out_shapes=split_out_types(st, num_tiles))
     return _pallas_kernel(st, num_tiles, interpret)
 
 
-def _out_type(st: KernelStatics, num_tiles: int):
+def split_out_types(st: KernelStatics, num_tiles: int):
+    """The split kernel's results: the partials ``f32[S, T, Hq, Dv]`` (packed rows: ``[S, T, Hkv, G, Dv]``) and
+    the per-tile LSE ``f32[N, H, rows_per_tile]``."""
     part_shape: tuple[int, ...] = (st.num_splits, st.num_rows, st.num_heads, st.head_dim_v)
     if st.token_major:
         part_shape = (st.num_splits, st.num_rows // st.pack, st.num_heads, st.pack, st.head_dim_v)
@@ -82,7 +84,7 @@ def _out_type(st: KernelStatics, num_tiles: int):
 def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
-        out_type=_out_type(st, num_tiles),
+        out_type=split_out_types(st, num_tiles),
         grid=(st.num_heads, num_tiles),
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
