@@ -359,8 +359,8 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
                 lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
         if name == "bridge":
             split = any(getattr(t, "num_splits", 1) > 1 for t in backend.step.tables.values())
-            print(f"bridge launch tables: {sorted((k, getattr(t, 'num_splits', 1)) for k, t in backend.step.tables.items())}"
-                  " (table key, kv splits)")
+            splits = sorted((k, getattr(t, "num_splits", 1)) for k, t in backend.step.tables.items())
+            print(f"bridge launch tables: {splits} (table key, kv splits)")
         if path is not False and DEVICE == "cuda":
             graphs[f"{name} step, CUDA graph"] = graph_step(
                 lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay)

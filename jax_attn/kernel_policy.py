@@ -19,8 +19,8 @@
 The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
 graph) the Mosaic kernel for every call it covers on Hopper (at pages of 1, 2, 4: prefill/extend and MLA
 latent caches only), split-KV where its unsplit tiles cannot fill the GPU as in the JAX API, else the
-Triton-lowered kernel for every call it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go
-through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
+Triton-lowered kernel for every call it covers (``triton_launchable``: fp8 pools and MLA latent caches
+included); the rest go through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
 ``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
 for the Triton-lowered one, which a call the Mosaic kernel does not cover goes to (its kernel raises

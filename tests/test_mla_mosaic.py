@@ -176,7 +176,6 @@ def test_torch_bridge_mla_mosaic_launch(device, page, split, monkeypatch):
     the 1024-key bound; on the CPU a config that cuts the 96-key bound into 3), else one tile per sequence."""
     import torch
 
-    from jax_attn import kernel_policy
     from tests.paging import shuffled_table
     from tests.test_bridge_launch import InterpretedKernel
     from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
@@ -258,7 +257,6 @@ def test_latent_decode_bucket_in_a_torch_cuda_graph(page, monkeypatch, engine_gr
     capture-time tables or lengths, and a refresh that differs from the eager planner."""
     import torch
 
-    from jax_attn import kernel_policy
     from tests.paging import shuffled_table
     from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MLATokenToKVPool, ModelConfig,
                               ModelRunner, RadixAttention, ReqToTokenPool)
@@ -327,7 +325,6 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     inputs the refresh writes the planner's tables bit for bit (``test_graph_tables.refresh_trials``)."""
     import torch
 
-    from jax_attn import kernel_policy
     from tests.paging import shuffled_table
     from tests.test_bridge_launch import InterpretedKernel
     from tests.test_graph_tables import MAX_CTX, MODES, REQS, refresh_trials
