@@ -22,6 +22,7 @@ import torch
 import jax.numpy as jnp
 
 from jax_attn.kernels.config import DEFAULT_CONFIG, choose_block_q, kv_heads_per_program
+from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG, MosaicConfig
 from jax_attn.kernels.schedule import build_schedule, static_num_splits
 from jax_attn.safety import INT32_MAX
 from tests.paging import shuffled_table
@@ -41,9 +42,10 @@ N_DRAFT = 3
 
 
 def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
-         topk: int = 0, window: Optional[int] = None):
+         topk: int = 0, window: Optional[int] = None, mosaic_config: Optional[MosaicConfig] = None):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
-    (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables)."""
+    (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables;
+    ``mosaic_config``: the CPU launch path's Mosaic config)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
     pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
     for buf in pool.k_buffer + pool.v_buffer:
@@ -56,7 +58,10 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
                          device=str(device))
     runner.sliding_window_size = window
     # on the CPU both kernels interpreted: the Mosaic kernel at pages of 8k, the Triton-lowered one at others
-    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
+    path = None
+    if device == "cpu":
+        path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton,
+                          config=mosaic_config or DEFAULT_MOSAIC_CONFIG)
     backend = FlashAttentionBackend(runner, mosaic_path=path, speculative_step_id=step_id,
                                     speculative_num_steps=num_steps, topk=topk)
     return runner, table, backend
@@ -119,6 +124,24 @@ def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     r = planner.refreshes[(mode, bs)]
     heads = (HQ, HKV) if page % 8 == 0 else (HQ, HKV, TRITON_TABLES)
     assert r.verified == {heads} and not r.recorded
+    refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
+
+
+@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "verify", 3), (64, "draft", 2)])
+def test_refresh_rewrites_the_mosaic_split_tables_bit_for_bit(page, name, bs):
+    """Few sequences (their tiles cannot fill the GPU) run the Mosaic split kernel: the refresh writes its split
+    schedule's tile table (kv splits per sequence by length, tiles longest first) and the merge's LSE index as
+    the planner does (a config that splits the 128-key bound into up to 8). Catches a split count, a tile order
+    or an LSE index that differs from the planner's for any input, bad ones included."""
+    mode, per_req, spec, step_id = MODES[name]
+    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0,
+                              mosaic_config=MosaicConfig(min_kv_per_split=16))
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    r = backend.planner.refreshes[(mode, bs)]
+    heads = (HQ, HKV)
+    assert r.verified == {heads} and r.step.tables[heads].num_splits > 1
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
 
 
@@ -197,13 +220,15 @@ def decode_step(runner, table, rng, rows, kv_lens, per_req: int = 1):
     return loc, q, k, v
 
 
-@pytest.mark.parametrize("name, page", [("decode", 16), ("verify", 16), ("decode", 1), ("verify", 1)])
-def test_recorded_bucket_replays_without_the_planner(name, page, monkeypatch):
-    """Page 1: the Triton-lowered kernel's tables, recomputed in the graph too."""
+@pytest.mark.parametrize("name, page, split", [("decode", 16, False), ("verify", 16, False), ("decode", 1, False),
+                                              ("verify", 1, False), ("decode", 16, True), ("verify", 8, True)])
+def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypatch):
+    """Page 1: the Triton-lowered kernel's tables, recomputed in the graph too; ``split``: the Mosaic split
+    kernel's (a config that splits the 128-key bound), its merge reading the refreshed LSE index."""
     mode, per_req, spec, _ = MODES[name]
     offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
     rng = np.random.default_rng(5)
-    runner, table, backend = make(page, seed=3)
+    runner, table, backend = make(page, seed=3, mosaic_config=MosaicConfig(min_kv_per_split=16) if split else None)
     planner = backend.planner
     bs = 4
     backend.init_cuda_graph_state(bs, bs * per_req)
@@ -222,6 +247,7 @@ def test_recorded_bucket_replays_without_the_planner(name, page, monkeypatch):
         backend.forward(q, k, v, lay, fb)
     r = planner.refreshes[(mode, bs)]
     assert r.recorded
+    assert split == (r.step.tables.get((HQ, HKV)) is not None and r.step.tables[(HQ, HKV)].num_splits > 1)
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))

@@ -318,11 +318,13 @@ def test_latent_decode_bucket_in_a_torch_cuda_graph(page, monkeypatch, engine_gr
         torch.testing.assert_close(out, eager, rtol=0, atol=0)  # replay == eager, bit for bit
 
 
-@pytest.mark.parametrize("name, bs", [("decode", 4), ("verify", 3)])
-def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeypatch):
-    """A captured MLA bucket on the Mosaic launch path (the latent kernel's tiles, one per sequence) refreshes
-    its tables inside the graph: the capture checks the refresh against the planner, and over valid and bad
-    inputs the refresh writes the planner's tables bit for bit (``test_graph_tables.refresh_trials``)."""
+@pytest.mark.parametrize("name, bs, split", [("decode", 4, False), ("verify", 3, False), ("decode", 4, True),
+                                            ("verify", 3, True)])
+def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, split, monkeypatch):
+    """A captured MLA bucket on the Mosaic launch path (the latent kernel's tiles: one per sequence, or with
+    ``split`` its split schedule and the merge's LSE index) refreshes its tables inside the graph: the capture
+    checks the refresh against the planner, and over valid and bad inputs the refresh writes the planner's
+    tables bit for bit (``test_graph_tables.refresh_trials``)."""
     import torch
 
     from tests.paging import shuffled_table
@@ -330,6 +332,7 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     from tests.test_graph_tables import MAX_CTX, MODES, REQS, refresh_trials
     from tests.test_triton_launch import InterpretedTriton
     from torch_bridge import FlashAttentionBackend, MLATokenToKVPool, ModelConfig, ModelRunner, ReqToTokenPool
+    from jax_attn.kernels.mosaic_paged import MosaicConfig
     from torch_bridge.mosaic_path import LATENT_TABLES, MosaicPath
 
     hq, page = 8, 16
@@ -339,8 +342,9 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     config.hf_text_config = types.SimpleNamespace(num_attention_heads=hq)
     config.get_num_kv_heads = lambda tp: 1
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).clone()), pool, config, page_size=page)
+    config = MosaicConfig(min_kv_per_split=16 if split else 512)  # (split: the 128-key bound in up to 8 splits)
     backend = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
-                                                                   make_triton=InterpretedTriton))
+                                                                   make_triton=InterpretedTriton, config=config))
     mode, per_req, spec, _ = MODES[name]
     backend.init_cuda_graph_state(8, 8 * per_req)
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
@@ -348,6 +352,7 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, monkeyp
     r = backend.planner.refreshes[(mode, bs)]
     heads = (hq, 1, LATENT_TABLES)
     assert heads in r.verified and not r.recorded
+    assert (r.step.tables[heads].num_splits > 1) == split
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
 
 

@@ -70,7 +70,8 @@ from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
 from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES,
                                       TableKey, Tables, key_flags)
-from torch_bridge.table_rules import expand_parts, guarded, lse_pattern, swa_parts, tree_mask, triton_schedule
+from torch_bridge.table_rules import (expand_parts, guarded, lse_pattern, mosaic_split_tables, swa_parts, tree_mask,
+                                      triton_schedule)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -139,7 +140,7 @@ class TableRefresh:
                  capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
-        self.rows_per_tile, self.block_q = tile_rows(config.block_q, latent=False), config.block_q
+        self.rows_per_tile, self.block_q, self.config = tile_rows(config.block_q, latent=False), config.block_q, config
         self.rows, self.lens = rows, lens  # the graph reads these tensors
         self.n = min(int(rows.shape[0]), b)
         self.tree = tree_verify(key)
@@ -168,6 +169,7 @@ class TableRefresh:
             self.load_mask(mask)
         self.num_pages = key.num_slots // page if key.num_slots else 0
         self.lse: Dict[TableKey, Tuple[torch.Tensor, int]] = {}  # Mosaic prefix tables -> (lse_pattern, tile stride)
+        self.split_lse: Dict[TableKey, torch.Tensor] = {}  # Mosaic split tables -> one sequence's lse_pattern
         self.serial = 0  # bumped by each replay hook: the next eager layer refreshes
         self.done: Optional[tuple] = None  # (serial, capturing, forward when capturing) of the last refresh
         self.recorded = False  # a capture's first layer ran the refresh: the graph recomputes the tables
@@ -228,6 +230,25 @@ class TableRefresh:
         pattern, stride = self.lse[heads]
         return torch.where(pattern >= 0, parts.rank[:, None] * stride + pattern, -1)
 
+    def _split(self, heads: TableKey, tables: Tables, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``)."""
+        latent = bool(key_flags(heads) & LATENT_TABLES)
+        pattern = self.split_lse.get(heads)
+        if pattern is None:
+            with torch.inference_mode(False):
+                pattern = self.split_lse[heads] = torch.from_numpy(lse_pattern(
+                    self.key.q_len_per_req, heads[0], self._row_heads(heads, tables), tables.pack, self.block_q,
+                    latent)).to(parts.table.device)
+        return mosaic_split_tables(
+            parts.lens, batch=self.key.batch_size, num_tiles=tables.num_tiles, max_splits=tables.num_splits,
+            q_len=self.key.q_len_per_req, pack=tables.pack, heads=self._row_heads(heads, tables),
+            rows_per_tile=tile_rows(self.block_q, latent), config=self.config, pattern=pattern)
+
+    @staticmethod
+    def _row_heads(heads: TableKey, tables: Tables) -> int:
+        """The heads of the Mosaic kernel's row view (its CTAs per tile)."""
+        return heads[0] if tables.pack == 1 else heads[1]
+
     def _triton(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
         """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (fixed)."""
         lens, table, per = self._pass(heads, parts)
@@ -244,8 +265,12 @@ class TableRefresh:
                 if src is not None:
                     dst.copy_(src)
             return
-        seq, k_len, q_start = self._mosaic(parts)
         tables.args[0].copy_(parts.table)
+        if tables.num_splits > 1:
+            for dst, src in zip(tables.args[2:], self._split(heads, tables, parts)):
+                dst.copy_(src)
+            return
+        seq, k_len, q_start = self._mosaic(parts)
         info = tables.args[2]
         info[:, SEQ].copy_(seq)
         info[:, K_LEN].copy_(k_len)
@@ -268,10 +293,15 @@ class TableRefresh:
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
         if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.tree] or (latent and self.tree)  # local / SWA tables
-                or tables.num_tiles != b or qpr * tables.pack > tile_rows(self.block_q, latent)
-                or tables.num_splits > 1):
-            return False  # (several tiles per sequence, split-KV)
+                or qpr * tables.pack > tile_rows(self.block_q, latent)):
+            return False  # (several row blocks per sequence)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
+        if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index
+            want = [parts.table, cu, *self._split(heads, tables, parts)]
+            return len(tables.args) == len(want) and all(
+                g.shape == w.shape and torch.equal(g, w) for g, w in zip(tables.args, want))
+        if tables.num_tiles != b:
+            return False
         table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=dev)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):

@@ -11,7 +11,7 @@ import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
 from jax_attn.kernels.config import cdiv, kv_heads_per_program
-from jax_attn.kernels.mosaic_io import COMPUTE_WGS
+from jax_attn.kernels.mosaic_kernel import TILE_INFO_WORDS, tile_rows
 
 
 def wrap32(x: torch.Tensor) -> torch.Tensor:  # i64 -> i64
@@ -67,14 +67,15 @@ def guarded(table: torch.Tensor, lens: torch.Tensor, num_slots: int) -> Tuple[to
     return table, lens.clamp(0, table.shape[1]).to(torch.int32)
 
 
-def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int) -> np.ndarray:  # i64[n * hq]
-    """``jax_attn.kernels.mosaic_split.lse_index`` of a sequence of ``n`` tokens that is tile 0's alone (one tile
-    per sequence, ``heads`` head rows per tile): where the kernel puts each (token, query head) row's LSE in the
-    tile's output ``[heads, rows_per_tile]``, -1 where it puts none. Tile ``t``'s rows are ``t * heads *
-    rows_per_tile`` further on."""
-    rows = COMPUTE_WGS * block_q
+def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int, latent: bool = False) -> np.ndarray:
+    """``jax_attn.kernels.mosaic_split.lse_index`` (i64[n * hq]) of a sequence of ``n`` tokens that is tile 0's
+    alone (one tile per sequence, ``heads`` head rows per tile): where the kernel puts each (token, query head)
+    row's LSE in the tile's output ``[heads, rows_per_tile]``, -1 where it puts none. Tile ``t``'s rows are
+    ``t * heads * rows_per_tile`` further on. ``latent``: a latent cache's tiles (one block of rows in q's
+    order)."""
+    rows = tile_rows(block_q, latent)
     pos = np.arange(rows)
-    if pack > 1:  # storage position -> row of the row view (token-major within each warpgroup's rows)
+    if pack > 1 and not latent:  # storage position -> row of the row view (token-major in each warpgroup's rows)
         tpb = block_q // pack
         pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
     h = np.arange(heads)[:, None]
@@ -85,21 +86,22 @@ def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int) -> np.ndar
     return index
 
 
-def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
-    """``jax_attn.kernels.schedule.plan_schedule``'s tables for a uniform bucket (every sequence
-    ``q_len_per_req`` queries) of layout ``lay`` (``triton_path.Layout``) over ``lens``: tile sequence, query
-    block and split, then kv splits per sequence (the planner's default config, its rules in int32)."""
-    b, n, s, bq = lay.batch, lay.num_tiles, lay.max_splits, lay.block_q
+def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, block_q: int,
+                      programs: int, num_sms: int, split_waves: int, min_kv_per_split: int) -> dict:
+    """``jax_attn.kernels.schedule.build_schedule`` of a uniform bucket (every sequence ``q_len`` queries, or
+    rows of the row view; ``programs`` CTAs per tile for the split heuristic), its rules in int32: each tile's
+    sequence, query block and split before the sort (``seq``, ``q_block``, ``split``, ``valid``), the sort
+    (``order``: tiles longest first, stable), kv splits per sequence (``splits``) and each sequence's first
+    tile (``starts``)."""
+    b, n, s = batch, num_tiles, max_splits
     dev, i32 = lens.device, torch.int32
-    qb = cdiv(q_len_per_req, bq)
+    qb = cdiv(q_len, block_q)
     if s == 1:
         splits = torch.ones(b, dtype=i32, device=dev)
     else:
-        cfg = TRITON_CONFIG
-        pack = kv_heads_per_program(cfg, hkv, decode=lay.max_q_len <= 1, split=True)
-        base = max(b * qb * (hkv // pack), 1)
-        want = 1 if base >= cfg.num_sms else cdiv(cfg.num_sms * cfg.split_waves, base)
-        by_len = torch.div(lens + (cfg.min_kv_per_split - 1), cfg.min_kv_per_split, rounding_mode="floor")
+        base = max(b * qb * programs, 1)
+        want = 1 if base >= num_sms else cdiv(num_sms * split_waves, base)
+        by_len = torch.div(lens + (min_kv_per_split - 1), min_kv_per_split, rounding_mode="floor")
         splits = by_len.clamp(max=want).clamp(1, s).to(i32)
     counts = splits * qb
     ends = torch.cumsum(counts, 0).to(i32)
@@ -113,8 +115,50 @@ def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> Li
     q_block = (qb - 1) - torch.div(local, ns, rounding_mode="floor")
     split = torch.remainder(local, ns)
     k_len = lens[seq_c]
-    cost = torch.div(torch.minimum(k_len, k_len - q_len_per_req + (q_block + 1) * bq), ns, rounding_mode="floor")
+    cost = torch.div(torch.minimum(k_len, k_len - q_len + (q_block + 1) * block_q), ns, rounding_mode="floor")
     cost = torch.where(valid, cost.clamp(min=0), -1)
     order = torch.argsort(-cost, stable=True)
-    neg = torch.full_like(tile, -1)
-    return [torch.where(valid, x.to(i32), neg)[order] for x in (seq_c, q_block, split)] + [splits]
+    return dict(seq=seq_c, q_block=q_block, split=split, valid=valid, order=order, splits=splits, starts=starts)
+
+
+def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
+    """``jax_attn.kernels.schedule.plan_schedule``'s tables for a uniform bucket (every sequence
+    ``q_len_per_req`` queries) of layout ``lay`` (``triton_path.Layout``) over ``lens``: tile sequence, query
+    block and split, then kv splits per sequence (the planner's default config, its rules in int32)."""
+    cfg = TRITON_CONFIG
+    programs = hkv // kv_heads_per_program(cfg, hkv, decode=lay.max_q_len <= 1, split=True)
+    t = _uniform_schedule(lens, batch=lay.batch, num_tiles=lay.num_tiles, max_splits=lay.max_splits,
+                          q_len=q_len_per_req, block_q=lay.block_q, programs=programs, num_sms=cfg.num_sms,
+                          split_waves=cfg.split_waves, min_kv_per_split=cfg.min_kv_per_split)
+    neg = torch.full_like(t["seq"], -1)
+    return [torch.where(t["valid"], t[x].to(torch.int32), neg)[t["order"]] for x in ("seq", "q_block", "split")] + [
+        t["splits"]]
+
+
+def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, pack: int,
+                        heads: int, rows_per_tile: int, config, pattern: torch.Tensor
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``jax_attn.kernels.mosaic_paged.plan_mosaic_schedule``'s split schedule (``num_splits=None``) of a uniform
+    bucket whose sequences fit one row block (``q_len * pack <= rows_per_tile``): its tile table
+    ``i32[N, TILE_INFO_WORDS]`` (``tile_table``) and ``mosaic_split.lse_index`` ``i32[S, B * q_len * Hq]``.
+    ``heads``: the row view's heads; ``pattern``: ``lse_pattern`` of one sequence; ``config``: the
+    ``MosaicConfig``."""
+    t = _uniform_schedule(lens, batch=batch, num_tiles=num_tiles, max_splits=max_splits, q_len=q_len * pack,
+                          block_q=rows_per_tile, programs=heads, num_sms=config.num_sms,
+                          split_waves=config.split_waves, min_kv_per_split=config.min_kv_per_split)
+    order, splits = t["order"], t["splits"]
+    seq, q_block, split = (torch.where(t["valid"], t[x].to(torch.int64), -1)[order]
+                           for x in ("seq", "q_block", "split"))
+    seq0 = seq.clamp(min=0)
+    cols = [seq, q_block * rows_per_tile, split, lens[seq0], seq0 * q_len, torch.full_like(seq, q_len),
+            splits[seq0].to(torch.int64)]
+    cols += [torch.zeros_like(seq)] * (TILE_INFO_WORDS - len(cols))
+    info = torch.stack(cols, 1).to(torch.int32)
+    n = order.shape[0]
+    place = torch.empty_like(order).scatter_(0, order, torch.arange(n, dtype=order.dtype, device=order.device))
+    s = torch.arange(max_splits, dtype=torch.int64, device=lens.device)[:, None]  # [S, 1]
+    at = place[(t["starts"].to(torch.int64)[None, :] + s).clamp(max=n - 1)]  # [S, B]: each split's tile, sorted
+    stride = heads * rows_per_tile  # a tile's LSE rows
+    index = torch.where((s < splits[None, :])[:, :, None] & (pattern >= 0)[None, None, :],
+                        at[:, :, None] * stride + pattern[None, None, :], -1)
+    return info, index.reshape(max_splits, -1).to(torch.int32)
