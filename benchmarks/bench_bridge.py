@@ -12,7 +12,9 @@ decode: decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/
   replayed per step) vs the same model with SDPA on a contiguous KV cache, each eager and captured
   whole in a ``torch.cuda.graph`` (the bridge's launch path is capturable); also every bridge layer
   through a JAX executable, and attention alone (the per-layer calls of one step). Every row is
-  measured in this process; ratios are bridge / native (lower is better).
+  measured in this process; ratios are bridge / native (lower is better). Where the launch path splits
+  the keys (few long sequences), its unsplit launch is timed too; the host time of each captured
+  bucket's replay hook is printed.
 verify: a ``--layers``-layer target-verify step, batch ``--verify-batch``, 8 draft tokens per request at
   context ``--ctx``: an EAGLE tree of topk 4 (prefix pass, expand pass and merge per layer) against chain
   verify (topk 1) of the same tokens, eager and in a CUDA graph, and the host time of one layer call and
@@ -305,6 +307,44 @@ def interleaved(steps: dict, iters: int, rounds: int = 5) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch: int, ctx: int, iters: int, steps: dict,
+                   results: dict, graphs: dict, hooks: dict) -> bool:
+    """One bridge variant of ``bench_decode`` (``path``: its launch path; None the default, False none): its eager
+    step, attention alone and, on a GPU, its CUDA-graph step and replay hook host time into the dicts. Returns
+    whether its launch tables split the keys."""
+    split = False
+    backend = FlashAttentionBackend(runner, mosaic_path=path)
+    if path is None and backend.mosaic_path is None:
+        return False  # no launch path on this device
+    if name == "bridge, planner per hook":  # the launch tables from the planner at each replay hook
+        if DEVICE != "cuda":
+            return False
+        backend.planner.make_refresh = lambda *a: None
+    static = StaticBatch(runner, backend, batch, ctx)
+    capture(backend, batch, static)
+    if path is not False and DEVICE == "cuda":  # captured right after the capture hook, in SGLang's order (a
+        # replay hook in between would plan a step of its own, and the graph would not record the table refresh)
+        graphs[f"{name} step, CUDA graph"] = graph_step(
+            lambda: model.forward(tokens, static.fb.positions, lt.bridge_attend(model, static.fb)), static.replay)
+        hooks[f"{name}: replay hook"] = host(static.replay, 300)
+
+    def step(static=static):
+        fb = static.replay()
+        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+    if name != "bridge, planner per hook":
+        steps[f"{name} step"] = step
+    fb = static.replay()
+    q, k, v = (x.reshape(batch, -1) for x in qkv)
+    if name != "bridge, planner per hook":
+        results[f"{name} attention x layers"] = wall(
+            lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
+    if name == "bridge":
+        split = any(getattr(t, "num_splits", 1) > 1 for t in backend.step.tables.values())
+        splits = sorted((k, getattr(t, "num_splits", 1)) for k, t in backend.step.tables.items())
+        print(f"bridge launch tables: {splits} (table key, kv splits)")
+    return split
+
+
 def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     model = lt.TorchLlama(cfg, 0, DEVICE)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEVICE)
@@ -328,7 +368,9 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
     # Bridge: paged pool, plan replayed per step; the default backend (launch path on Hopper at page
     # sizes the Mosaic kernel takes) and, for comparison, every layer through a JAX executable.
     runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
+    name_heads(runner, cfg)  # as SGLang's model config does: the launch tables come with every plan
     split = False  # whether the default launch path split the keys (then its unsplit launch is timed too)
+    hooks = {}  # host time of each captured bucket's replay hook
     for name, path in (("bridge", None), ("bridge via JAX", False), ("bridge, planner per hook", None),
                        ("bridge, unsplit launch", "unsplit")):
         if path == "unsplit":  # the launch path as it was before split-KV: one CTA per (sequence, kv head)
@@ -337,33 +379,15 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
             from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG
             from torch_bridge.mosaic_path import MosaicPath
             path = MosaicPath(config=dataclasses.replace(DEFAULT_MOSAIC_CONFIG, max_splits=1))
-        backend = FlashAttentionBackend(runner, mosaic_path=path)
-        if path is None and backend.mosaic_path is None:
-            continue  # no launch path on this device
-        if name == "bridge, planner per hook":  # the launch tables from the planner at each replay hook
-            if DEVICE != "cuda":
-                continue
-            backend.planner.make_refresh = lambda *a: None
-        static = StaticBatch(runner, backend, batch, ctx)
-        capture(backend, batch, static)
-
-        def step(static=static):
-            fb = static.replay()
-            return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
-        if name != "bridge, planner per hook":
-            steps[f"{name} step"] = step
-        fb = static.replay()
-        q, k, v = (x.reshape(batch, -1) for x in qkv)
-        if name != "bridge, planner per hook":
-            results[f"{name} attention x layers"] = wall(
-                lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
-        if name == "bridge":
-            split = any(getattr(t, "num_splits", 1) > 1 for t in backend.step.tables.values())
-            splits = sorted((k, getattr(t, "num_splits", 1)) for k, t in backend.step.tables.items())
-            print(f"bridge launch tables: {splits} (table key, kv splits)")
-        if path is not False and DEVICE == "cuda":
-            graphs[f"{name} step, CUDA graph"] = graph_step(
-                lambda: model.forward(tokens, fb.positions, lt.bridge_attend(model, fb)), static.replay)
+        try:
+            split = bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch, ctx, iters, steps, results,
+                                   graphs, hooks) or split
+        except Exception as e:  # one variant failing must not hide the others' rows
+            for d in (steps, results, graphs, hooks):
+                for key in (f"{name} step", f"{name} attention x layers", f"{name} step, CUDA graph",
+                            f"{name}: replay hook"):
+                    d.pop(key, None)
+            print(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
     results.update(interleaved(steps, iters))
     results.update(interleaved(graphs, max(iters, 50)))
     print(f"\n## decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} "
@@ -378,6 +402,8 @@ def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
         if f"{name} step, CUDA graph" in results and "native step, CUDA graph" in results:
             print(f"{'ratio graph step (' + name + '/native)':36s} "
                   f"{results[name + ' step, CUDA graph'] / results['native step, CUDA graph']:8.3f}")
+    for name, s in hooks.items():
+        print(f"{name + ' (us)':36s} {1e6 * s:8.1f}")
 
 
 # ---- --parts verify: tree (topk > 1) against chain target verify ------------------------------------

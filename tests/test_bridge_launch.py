@@ -151,13 +151,12 @@ def test_launch_path_eager(q_lens):
     assert backend.step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["eager", "graph_bucket"])
-def test_launch_path_splits_few_long_decode_rows(replay):
+def test_launch_path_splits_few_long_decode_rows():
     """Decode of a few sequences whose (token, kv head) tiles cannot fill the GPU runs the split kernel and its
-    merge on the launch path (split-KV, as the JAX API plans it), eagerly and in a graph bucket (whose replay
-    hook then plans its split tables: the in-graph refresh covers one tile per sequence only). Against the
-    float32 reference over a NaN-poisoned pool. Catches a merge that drops a split, reads another row's LSE
-    (the index), or splits that overlap or skip keys, and a launch path that still runs the unsplit kernel."""
+    merge on the launch path (split-KV, as the JAX API plans it): an eager step, then a graph bucket's step
+    planned by its replay hook. Against the float32 reference over a NaN-poisoned pool. Catches a merge that
+    drops a split, reads another row's LSE (the index), or splits that overlap or skip keys, and a launch path
+    that still runs the unsplit kernel."""
     from jax_attn.kernels.mosaic_paged import MosaicConfig
     from tests.test_triton_launch import InterpretedTriton
 
@@ -165,12 +164,12 @@ def test_launch_path_splits_few_long_decode_rows(replay):
     path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton,
                       config=MosaicConfig(min_kv_per_split=32))  # the 96-key bound: 3 splits
     runner, table, backend = setup(9, path=path)
-    if replay:
-        backend.init_cuda_graph_state(4, 4)
-        z = torch.zeros(4, dtype=torch.long)
-        backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
     layer = RadixAttention(HQ, D, 0.07, HKV, 0)
-    for kv_lens in ([40, 27, 90], [96, 1, 33]):
+    for replay, kv_lens in ((False, [40, 27, 90]), (True, [96, 1, 33])):
+        if replay:
+            backend.init_cuda_graph_state(4, 4)
+            z = torch.zeros(4, dtype=torch.long)
+            backend.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
         kernels, merges = InterpretedKernel.calls, InterpretedTriton.calls
         step(runner, table, backend, [2, 5, 1], kv_lens, [1, 1, 1], rng, replay_bs=4 if replay else None,
              layer=layer)

@@ -17,6 +17,14 @@ from jax_attn.spec import swa_plan_of
 from torch_bridge.mosaic_path import TableKey, Tables
 
 
+ALIGN_WORDS = 64  # each leaf and table of a plan's words starts 256 bytes in: a jitted layer call hands its static
+# slices to kernels as views of the buffer, and the Mosaic GPU kernels take only 256-byte aligned operands
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_WORDS) * ALIGN_WORDS
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanLayout:
     """Where a plan's int32 arrays (md.local's and md.swa_page_table too) and launch tables sit in its one
@@ -37,14 +45,17 @@ class PlanLayout:
             raise TypeError("a plan packed into one int32 buffer must hold int32 arrays only")
         shapes = tuple(tuple(x.shape) for x in leaves)
         sized = tuple((heads, int(flat.shape[0])) for heads, flat in tables)
-        ends = np.cumsum([0] + [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized])
-        return PlanLayout(treedef, shapes, sized, tuple(zip(ends[:-1].tolist(), ends[1:].tolist())), getattr(
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes] + [n for _, n in sized]
+        starts = np.cumsum([0] + [_aligned(n) for n in sizes[:-1]])
+        return PlanLayout(treedef, shapes, sized, tuple((int(a), int(a) + n) for a, n in zip(starts, sizes)), getattr(
             plan, "local", None) is not None, getattr(swa_plan_of(plan), "swa_page_table", None) is not None)
 
     @staticmethod
     def pack(plan, tables=()) -> jax.Array:
-        """i32[N]: the plan's leaves then the flat tables (traced inside the planner call)."""
+        """i32[N]: the plan's leaves then the flat tables, each from a 256-byte boundary (traced inside the
+        planner call)."""
         parts = [x.reshape(-1).astype(jnp.int32) for x in jax.tree_util.tree_leaves(plan)] + list(tables)
+        parts = [jnp.pad(p, (0, _aligned(p.shape[0]) - p.shape[0])) for p in parts[:-1]] + parts[-1:]
         return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
 
     def unpack(self, words):
