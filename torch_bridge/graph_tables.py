@@ -31,6 +31,11 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
 * tile table ``[B, 8]``: one tile per sequence, longest first (ties by batch index), with its
   sequence, ``min(clip(length, 0, capacity), P * page)`` keys and query offset; the other columns are
   the same for every step of the bucket and stay as the planner wrote them at capture;
+* with split-KV (few sequences: ``mosaic_path.Tables.num_splits > 1``) the split schedule's whole tile table
+  ``[N, 8]`` instead (kv splits per sequence ``min(want, ceil(length / min_kv_per_split))`` clipped to
+  ``[1, S]``, a sequence's splits in order, then sorted by keys per split, longest first, stable) and the
+  merge's LSE index ``[S, T * Hq]`` (each split's tile's place in that order times the tile's LSE rows, plus
+  a fixed pattern per sequence; -1 past a sequence's splits), ``table_rules.mosaic_split_tables``;
 * ``cu_seqlens_q`` does not change within a bucket.
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
