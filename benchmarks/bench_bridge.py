@@ -131,6 +131,7 @@ class StaticBatch:
 
     def __init__(self, runner, backend, batch: int, ctx: int):
         self.backend, self.batch = backend, batch
+        self.graphs = graph_hooks(backend)  # (asked once: the timed hook is the backend's alone)
         self.rows = torch.arange(1, batch + 1, device=DEVICE)
         self.lens = torch.full((batch,), ctx, device=DEVICE)
         loc = runner.req_to_token_pool.req_to_token[self.rows, ctx - 1].long()
@@ -140,7 +141,7 @@ class StaticBatch:
     def replay(self):
         """SGLang's replay hook call (positional, as cuda_graph_runner makes it); an eager plan for a backend
         that refuses CUDA graphs (``graph_hooks``)."""
-        if not graph_hooks(self.backend):
+        if not self.graphs:
             self.backend.init_forward_metadata(self.fb)
             return self.fb
         self.backend.init_forward_metadata_replay_cuda_graph(self.batch, self.rows, self.lens, None, None,

@@ -18,9 +18,10 @@
 
 The torch bridge asks ``select_kernel(..., from_torch=True)``: torch launches (and captures in a CUDA
 graph) the Mosaic kernel for every call it covers on Hopper (at pages of 1, 2, 4: prefill/extend and MLA
-latent caches only), split-KV where its unsplit tiles cannot fill the GPU as in the JAX API, else the
-Triton-lowered kernel for every call it covers (``triton_launchable``: fp8 pools and MLA latent caches
-included); the rest go through a compiled JAX executable, which applies this policy again with ``from_torch=False``.
+latent caches only; decode and verify rows only where the query-head group packs into its rows), split-KV
+where its unsplit tiles cannot fill the GPU as in the JAX API, else the Triton-lowered kernel for every call
+it covers (``triton_launchable``: fp8 pools and MLA latent caches included); the rest go through a compiled
+JAX executable, which applies this policy again with ``from_torch=False``.
 One capability check per kernel family, kept beside its kernel: ``mosaic_paged.unsupported`` (and
 ``supports``) for the Mosaic kernel (``mosaic_covers`` asks it here), ``triton_paged.unsupported``
 for the Triton-lowered one, which a call the Mosaic kernel does not cover goes to (its kernel raises
@@ -79,23 +80,33 @@ def mosaic_wanted(call: Call) -> bool:
     On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
     Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
     256 x 1024: decode buckets of many tokens stay on Triton. Decode whose query-head group the
-    kernel cannot pack into its rows (``block_q % G``, e.g. Llama 4's 40 / 8 heads) stays on Triton
-    too: one query head per row block reads each key block G times (H100, 64 x 32768 at 40 / 8 heads:
-    0.92 TB/s against Triton's 2.96). Deterministic mode keeps one kernel for every batch (bitwise
-    batch invariance). MLA latent caches go to Mosaic whatever the batch (H200, page 64, B64 ctx 4096,
-    ``benchmarks/bench_mla.py``, 2026-11-28: decode at 16 heads 3.41 TB/s against Triton's 2.60, at 128
-    heads 528 TFLOP/s against 153, MTP verify q 2 at 128 heads 525 against 188).
+    kernel cannot pack into its rows stays on Triton too (``packed_rows_wanted``). Deterministic mode keeps one
+    kernel for every batch (bitwise batch invariance). MLA latent caches go to Mosaic whatever the batch (H200,
+    page 64, B64 ctx 4096, ``benchmarks/bench_mla.py``, 2026-11-28: decode at 16 heads 3.41 TB/s against
+    Triton's 2.60, at 128 heads 528 TFLOP/s against 153, MTP verify q 2 at 128 heads 525 against 188).
     """
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    if call.deterministic or not on_hopper() or not (gathered_rows_wanted(call) and packed_sinks_wanted(call)):
+    if call.deterministic or not on_hopper() or not (gathered_rows_wanted(call) and packed_sinks_wanted(call)
+                                                     and packed_rows_wanted(call)):
         return False
     if call.max_q_len > config.pack_max_q_len or call.latent:
         return True
-    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
-    if group > 1 and config.block_q % group:
-        return False  # unpacked decode rows
     return 0 < call.num_tokens * call.num_kv_heads <= config.num_sms
+
+
+def packed_rows_wanted(call: Call) -> bool:
+    """False for decode and verify rows (short query runs) whose query-head group the Mosaic kernel cannot pack
+    into its rows (``block_q % G``: Llama 4's 40 / 8 heads, Qwen2.5-7B's 28 / 4): one query head per row
+    block reads each key block G times (H100, page 16, decode 64 x 4096, issue #35's table: 40 / 8 heads
+    0.92 TB/s against Triton's 2.98, 28 / 4 heads 0.68 against 2.88). Prefill rows (one head each) and latent
+    caches pass."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
+
+    if call.latent or call.max_q_len > config.pack_max_q_len:
+        return True
+    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
+    return not (group > 1 and config.block_q % group)
 
 
 def gathered_rows_wanted(call: Call) -> bool:
@@ -173,7 +184,8 @@ def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bo
     executable)."""
     impl = resolve_impl(impl)
     if from_torch:
-        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call))
+        speed = impl == "mosaic" or (gathered_rows_wanted(call) and packed_sinks_wanted(call)
+                                     and packed_rows_wanted(call))
         if impl in ("auto", "mosaic") and hopper and speed and mosaic_covers(call):
             return "mosaic"
         return "triton" if impl in ("auto", "triton") and triton_launchable(call) else "jax"

@@ -203,6 +203,11 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert kernel_policy.select_kernel("auto", torch_extend, from_torch=True) == "mosaic"  # the bridge alike
     assert kernel_policy.select_kernel("auto", torch_decode, from_torch=True) == "triton"
     assert kernel_policy.select_kernel("mosaic", torch_decode, from_torch=True) == "mosaic"  # asked for
+    for heads, want in (((40, 8), "triton"), ((28, 4), "triton"), ((32, 8), "mosaic")):  # Llama 4, Qwen2.5-7B
+        grouped = dataclasses.replace(torch_decode, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1])
+        assert kernel_policy.select_kernel("auto", grouped, from_torch=True) == want  # the bridge: as the JAX API
+        assert kernel_policy.select_kernel("auto", dataclasses.replace(grouped, max_q_len=40), from_torch=True) == (
+            "mosaic")  # prefill rows are one head each
     sinks16 = dataclasses.replace(torch_decode, page_size=16, has_sinks=True)
     assert kernel_policy.select_kernel("auto", sinks16, from_torch=True) == "triton"  # packed rows with sinks
     assert kernel_policy.select_kernel("mosaic", sinks16, from_torch=True) == "mosaic"

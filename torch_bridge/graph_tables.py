@@ -371,7 +371,8 @@ class TableRefresh:
         if n > self.n:
             raise ValueError(f"{self.key.mode.name} bucket was captured with {self.n} requests; its replay got {n}")
         for src, dst, fill in ((rows, self.rows, 0), (lens, self.lens, jbatch.SEQ_LEN_FILL_VALUE)):
-            if src.data_ptr() == dst.data_ptr() and src.shape == dst.shape and src.stride() == dst.stride():
+            if src is dst or (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
+                              and src.stride() == dst.stride()):
                 continue
             m = min(n, dst.shape[0])
             dst[:m].copy_(src[:m])
