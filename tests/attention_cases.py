@@ -100,6 +100,10 @@ GPU_CASES = [
        dtype="bfloat16"),
     _c("decode_gqa7", [(1, n) for n in (900, 2500)], heads=(28, 4), head_dim=128, dtype="bfloat16",
        softmax_scale=0.15),
+    _c("decode_gqa5_split", [(1, n) for n in (9000, 33)], heads=(40, 8), head_dim=128, dtype="bfloat16",
+       pad_rows=3),  # Llama 4: 12 tokens a row block; one long sequence splits
+    _c("verify_gqa7", [(4, n) for n in (100, 2000, 5)], heads=(28, 4), head_dim=128, dtype="bfloat16",
+       window=(700, 0)),
     _c("decode_mha_d64", [(1, n) for n in (900, 2500)], heads=(16, 16), head_dim=64, dtype="bfloat16"),
     _c("decode_d256", [(1, n) for n in (900, 2500)], heads=(16, 4), head_dim=256, dtype="bfloat16"),
     _c("prefill_only", [(1000, 1000), (513, 513), (2048, 2048)], heads=(32, 8), head_dim=128, dtype="bfloat16"),

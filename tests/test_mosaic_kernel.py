@@ -59,6 +59,12 @@ MOSAIC_CPU_CASES = [
     # producer's cp.async copies); shuffled slots, NaN in every unused one.
     _c("page4_prefill_ragged", [(70, 70), (5, 5), (30, 140)], page_size=4, heads=(2, 1), softmax_scale=0.07),
     _c("page2_verify_softcap", [(4, 40), (4, 9)], page_size=2, heads=(8, 2), softcap=6.0),
+    # Groups that do not divide the 64-row block (Llama 4's 5, Qwen2.5's 7): 12 / 9 tokens a block, the last
+    # 4 / 1 rows hold no query; padding tokens zeroed in whole tokens (300 after the sequences); split-KV's LSE
+    # index skips the empty rows; sinks per row
+    _c("decode_packed_g5_long_pad", [(1, 17), (1, 130), (1, 3)], heads=(10, 2), pad_tokens=300, softmax_scale=0.09),
+    _c("verify_packed_g7_split2_sinks_window", [(4, 90), (3, 9)], heads=(7, 1), num_splits=2, sinks=True,
+       window=(50, 0), softcap=8.0),
 ]
 # Head dim 256 on the GPU: the split kernel's float32 output in the rings, packed decode, D != Dv, Gemma's
 # window and softcap.
@@ -90,6 +96,17 @@ INTERPRET = dict(interpret=plgpu.InterpretGPUParams())
 def test_mosaic_interpret(case):
     config = MosaicConfig(block_kv=64 if case.page_size != 64 else 128)
     check_attention(functools.partial(paged_attention_mosaic, config=config, **INTERPRET), case)
+
+
+def test_pack_for_groups_that_do_not_divide_the_block():
+    """Packed rows for every group up to 64 whose sequences' queries fit one 64-row block (a group dividing 64
+    as long as ``pack_max_q_len`` allows). Catches a rule that packs a query run spilling into the next block,
+    whose rows the kernel would map to the wrong tokens."""
+    from jax_attn.kernels.mosaic_paged import pack_for
+
+    assert [pack_for(g, 1) for g in (1, 3, 4, 5, 7, 8, 16, 64, 65)] == [1, 3, 4, 5, 7, 8, 16, 64, 1]
+    assert (pack_for(5, 12), pack_for(5, 13), pack_for(7, 9), pack_for(7, 10)) == (5, 1, 7, 1)
+    assert (pack_for(16, 16), pack_for(4, 17)) == (16, 1)  # (pack_max_q_len 16)
 
 
 @pytest.mark.parametrize("name,config", [
@@ -186,7 +203,8 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(1, 300)] * 16) == "mosaic"  # 16 tokens x 8 kv heads = 128 programs: one wave
     assert impl([(1, 300)] * 17) == "triton"  # 136 programs
     assert impl([(1, 300)] * 16, heads=(32, 4)) == "mosaic"
-    assert impl([(1, 300)] * 4, heads=(40, 8)) == "triton"  # group 5: decode rows the kernel cannot pack
+    assert impl([(1, 300)] * 4, heads=(40, 8)) == "mosaic"  # group 5: 12 tokens a row block, 4 rows unused
+    assert impl([(13, 300)] * 2, heads=(40, 8)) == "triton"  # 13 queries a sequence: more than a block holds
     assert impl([(40, 60)], heads=(40, 8)) == "mosaic"  # prefill rows are one head each anyway
     assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"  # covered, but slower there
     assert choose_impl("mosaic", *build_inputs(Case(name="s", seq_lens=((1, 30),), heads=(8, 2), dtype="bfloat16"))[:4],
@@ -203,8 +221,11 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert kernel_policy.select_kernel("auto", torch_extend, from_torch=True) == "mosaic"  # the bridge alike
     assert kernel_policy.select_kernel("auto", torch_decode, from_torch=True) == "triton"
     assert kernel_policy.select_kernel("mosaic", torch_decode, from_torch=True) == "mosaic"  # asked for
-    for heads, want in (((40, 8), "triton"), ((28, 4), "triton"), ((32, 8), "mosaic")):  # Llama 4, Qwen2.5-7B
-        grouped = dataclasses.replace(torch_decode, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1])
+    # Llama 4 (group 5: 12 tokens a row block), Qwen2.5-7B (group 7: 9); verify runs longer than that do not pack
+    for heads, q_len, want in (((40, 8), 1, "mosaic"), ((28, 4), 8, "mosaic"), ((40, 8), 13, "triton"),
+                               ((28, 4), 10, "triton"), ((32, 8), 16, "mosaic")):
+        grouped = dataclasses.replace(torch_decode, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1],
+                                      max_q_len=q_len)
         assert kernel_policy.select_kernel("auto", grouped, from_torch=True) == want  # the bridge: as the JAX API
         assert kernel_policy.select_kernel("auto", dataclasses.replace(grouped, max_q_len=40), from_torch=True) == (
             "mosaic")  # prefill rows are one head each

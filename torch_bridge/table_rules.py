@@ -76,8 +76,10 @@ def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int, latent: bo
     rows = tile_rows(block_q, latent)
     pos = np.arange(rows)
     if pack > 1 and not latent:  # storage position -> row of the row view (token-major in each warpgroup's rows)
-        tpb = block_q // pack
-        pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
+        tpb = block_q // pack  # (positions from pack * tpb on hold no row)
+        in_block = pos % block_q
+        pos = np.where(in_block < pack * tpb, (pos // block_q) * block_q + (in_block % tpb) * pack + in_block // tpb,
+                       1 << 30)
     h = np.arange(heads)[:, None]
     out_row = (pos // pack)[None, :] * hq + h * pack + (pos % pack)[None, :]  # [heads, rows]
     ok = np.broadcast_to(pos < n * pack, out_row.shape)

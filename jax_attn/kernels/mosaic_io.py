@@ -38,18 +38,21 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
     for c in range(o_smem.shape[0]):  # its column chunks
         o_smem.at[c][...] = plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
-    rows_per_block = st.rows_per_tile
-    first = cu_ref[cu_ref.shape[0] - 1] * st.pack + pad_tile * (PAD_BLOCKS * rows_per_block)
+    # In units of whole tokens with packed rows (a row block holds ``tokens_per_block`` of them), else rows.
+    unit, per_block = st.padding_units
+    units_per_tile = st.rows_per_tile // st.block_q * per_block
+    first = cu_ref[cu_ref.shape[0] - 1] * (st.pack // unit) + pad_tile * (PAD_BLOCKS * units_per_tile)
     halves = COMPUTE_WGS // st.active_wgs
     # (A latent cache's warpgroups zero their value halves of the same rows.)
-    own_rows, col0 = (0, wg * st.value_cols) if st.latent else (wg * halves * st.block_q, 0)
+    own, col0 = (0, wg * st.value_cols) if st.latent else (wg * halves * per_block, 0)
 
     # A loop, not unrolled: each store_rows call site is a few dozen TMA copies to lower and compile.
     @pl.loop(0, PAD_BLOCKS * halves)
     def _block(i):
-        start = first + (i // halves) * rows_per_block + own_rows + (i % halves) * st.block_q
-        n = jnp.clip(st.num_rows - start, 0, st.block_q)
-        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start, n, head, st.token_major, col0))
+        start = first + (i // halves) * units_per_tile + own + (i % halves) * per_block
+        n = jnp.clip(st.num_rows // unit - start, 0, per_block)
+        pl.when(n > 0)(functools.partial(store_rows, st, o_smem, out_ref, start * unit, n * unit, head,
+                                         st.token_major, col0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_read_wait)
 
 
@@ -403,7 +406,7 @@ def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head, wg):
             plgpu.copy_gmem_to_smem(src if chunks == 1 else src.at[:, pl.ds(c * w, w)], dst, q_bar)
 
     if st.token_major:  # one copy per query head of the group
-        tpb = bq // st.pack
+        tpb = st.tokens_per_block
         for j in range(st.pack):
             stage(q_ref.at[pl.ds(row0 // st.pack, tpb), head, j], pl.ds(j * tpb, tpb))
         plgpu.barrier_wait(q_bar)
@@ -451,7 +454,7 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False, co
     bytes (head dims 80, 96, 112, ...), copies start on multiples of ``aligned_rows`` rows only, and
     the last ``n % aligned_rows`` rows go as one copy of that many rows."""
     g = st.pack if token_major else 1
-    tpb = st.block_q // g  # rows (tokens) per query head in the buffer
+    tpb = st.block_q // g  # rows (tokens) per query head in the buffer (``tokens_per_block``)
     row0, n = (row0 // g, n // g) if token_major else (row0, n)
     step = aligned_rows(o_smem.shape[-1] * o_smem.dtype.itemsize)
     off: Any = 0  # a Python int while static: a numpy scalar here would make the slice size dynamic
@@ -467,7 +470,7 @@ def store_rows(st, o_smem, out_ref, row0, n, head, token_major: bool = False, co
                 whole = chunks == 1 and w == dst.shape[-1]
                 plgpu.copy_smem_to_gmem(src, dst if whole else dst.at[:, pl.ds(col0 + c * w, w)])
 
-    size = tpb
+    size = 1 << (tpb.bit_length() - 1)  # n <= tpb < 2 * size: n's binary digits from size down
     while size >= step:
         take = (n & size) != 0
         pl.when(take)(functools.partial(copy, off, size))
@@ -484,11 +487,11 @@ def aligned_rows(row_bytes: int) -> int:
 
 def _row_sinks(st, sinks_ref, head):
     """The sink logit of each row: the CTA's query head's (``sinks_ref`` is ``f32[Hq]``), or with packed rows
-    (``token_major``: row ``j * (block_q // G) + t`` is query head ``j`` of kv head ``head``'s group) a
+    (``token_major``: row ``j * tokens_per_block + t`` is query head ``j`` of kv head ``head``'s group) a
     ``[block_q]`` vector of the group's ``G`` sinks."""
     if st.pack == 1:
         return sinks_ref[head]
-    tpb = st.block_q // st.pack
+    tpb = st.tokens_per_block
     row = plgpu.broadcasted_iota(jnp.int32, (st.block_q,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
     first = head * st.pack
     vec = plgpu.layout_cast(jnp.full((st.block_q,), sinks_ref[first], jnp.float32), plgpu.Layout.WGMMA.reduce(1))

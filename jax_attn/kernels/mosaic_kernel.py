@@ -129,10 +129,22 @@ class KernelStatics:
     def token_major(self) -> bool:
         """Packed rows read q and write the output (the split kernel: its partials) in the
         token-major ``[T, Hkv, G, D]`` layout, a free view of ``[T, Hq, D]``. A warpgroup's
-        ``block_q`` rows are then ``block_q // G`` tokens, stored head by head: row
-        ``j * (block_q // G) + t`` is query head ``j`` of the group for token ``t`` of the block.
+        ``block_q`` rows are then ``tokens_per_block`` tokens, stored head by head: row
+        ``j * tokens_per_block + t`` is query head ``j`` of the group for token ``t`` of the block
+        (rows from ``G * tokens_per_block`` on hold no query: a group that does not divide ``block_q``).
         A latent cache (one kv head) keeps q's own order instead: row ``t * Hq + j``, rows contiguous in memory."""
         return self.pack > 1 and not self.latent
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Query tokens in a warpgroup's ``block_q`` rows with packed rows (``token_major``)."""
+        return self.block_q // self.pack
+
+    @property
+    def padding_units(self) -> tuple[int, int]:
+        """(rows per unit, units per row block) of the padding CTAs' zeroing (``mosaic_io.padding_rows``): whole
+        tokens of packed rows (``token_major``), else rows."""
+        return (self.pack, self.tokens_per_block) if self.token_major else (1, self.block_q)
 
     @property
     def ring_staging(self) -> bool:
@@ -312,7 +324,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         row = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=row_layout)
         if st.token_major:
-            qpos = p_first + row % (bq // st.pack)
+            qpos = p_first + row % st.tokens_per_block
         elif st.pack > 1:
             qpos = p_first + (r0 % st.pack + row) // st.pack
         else:
@@ -625,7 +637,8 @@ def out_types(st: KernelStatics, num_tiles: int):
 
 
 def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
-    pad_tiles = cdiv(st.num_rows, st.rows_per_tile * PAD_BLOCKS)
+    unit, per_block = st.padding_units
+    pad_tiles = cdiv(st.num_rows // unit, st.rows_per_tile // st.block_q * per_block * PAD_BLOCKS)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
         out_type=out_types(st, num_tiles),

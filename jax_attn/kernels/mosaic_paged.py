@@ -220,9 +220,13 @@ def choose_pack(md: AttentionMetadata, num_q_heads: int, num_kv_heads: int, conf
 
 
 def pack_for(group: int, max_q_len: int, config: MosaicConfig = DEFAULT_MOSAIC_CONFIG) -> int:
-    """Rows per query token: the kv head's ``group`` query heads packed for short query runs (a group
-    dividing ``block_q``, so a row block is whole tokens), else 1."""
-    return group if (group > 1 and config.block_q % group == 0 and max_q_len <= config.pack_max_q_len) else 1
+    """Rows per query token: the kv head's ``group`` query heads packed for short query runs, else 1. A row
+    block holds ``block_q // group`` whole tokens (``KernelStatics.tokens_per_block``): a group dividing
+    ``block_q`` fills it, another one (Llama 4's 5, Qwen2.5's 7) leaves its last ``block_q % group`` rows
+    without a query and is packed only when every sequence's queries fit one block."""
+    if group <= 1 or max_q_len > config.pack_max_q_len:
+        return 1
+    return group if config.block_q % group == 0 or max_q_len <= config.block_q // group else 1
 
 
 def plan_mosaic_schedule(md: AttentionMetadata, *, num_q_heads: int, num_kv_heads: int,

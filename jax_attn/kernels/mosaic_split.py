@@ -118,8 +118,10 @@ def lse_index(
     n = sched.tile_seq.shape[0]
     pos = np.arange(rows_per_tile)
     if pack > 1 and not latent:  # storage position -> row of the row view within the tile
-        tpb = block_q // pack
-        pos = (pos // block_q) * block_q + (pos % block_q % tpb) * pack + (pos % block_q) // tpb
+        tpb = block_q // pack  # (positions from pack * tpb on hold no row: past every row of the tile)
+        in_block = pos % block_q
+        pos = np.where(in_block < pack * tpb, (pos // block_q) * block_q + (in_block % tpb) * pack + in_block // tpb,
+                       1 << 30)
     seq = jnp.maximum(sched.tile_seq, 0)
     seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * pack
     r = sched.tile_q_block[:, None] * rows_per_tile + jnp.asarray(pos, jnp.int32)[None]  # [N, rows]
