@@ -96,19 +96,19 @@ def mosaic_wanted(call: Call) -> bool:
 
 
 def packed_rows_wanted(call: Call) -> bool:
-    """False for decode and verify rows (short query runs) whose query-head group the Mosaic kernel does not
-    pack into its rows (``mosaic_paged.pack_for``: a group that does not divide ``block_q`` with more queries
-    per sequence than a row block holds): one query head per row block reads each key block G times (H100,
-    page 16, decode 64 x 4096, issue #35's table, before such groups were packed: 40 / 8 heads 0.92 TB/s
-    against Triton's 2.98, 28 / 4 heads 0.68 against 2.88). Prefill rows (one head each) and latent caches
-    pass."""
+    """False for decode and verify rows (short query runs) whose query-head group does not divide the Mosaic
+    kernel's 64-row block (Llama 4's 40 / 8 heads, Qwen2.5-7B's 28 / 4). Unpacked, one query head per row
+    block reads each key block G times (H100, page 16, decode 64 x 4096, issue #35's table: 40 / 8 heads
+    0.92 TB/s against Triton's 2.98, 28 / 4 heads 0.68 against 2.88). Since 2026-11-29 the kernel packs such
+    groups when every sequence's queries fit one block (``mosaic_paged.pack_for``, ``impl="mosaic"``; right on
+    an H200, not timed yet), so ``auto`` keeps Triton for them until a measured table says otherwise. Prefill
+    rows (one head each) and latent caches pass."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
-    from jax_attn.kernels.mosaic_paged import pack_for
 
     if call.latent or call.max_q_len > config.pack_max_q_len:
         return True
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
-    return group <= 1 or pack_for(group, call.max_q_len, config) == group
+    return not (group > 1 and config.block_q % group)
 
 
 def gathered_rows_wanted(call: Call) -> bool:
