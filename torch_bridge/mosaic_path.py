@@ -109,7 +109,7 @@ class Tables:
     num_tiles: int  # N
     max_q_len: int  # static bound on queries per sequence (the plan's)
     layout: Optional[triton_path.Layout] = None  # Triton tables' static facts (None: the Mosaic kernel's)
-    num_splits: int = 1  # the Mosaic tables' kv splits S (> 1: the split kernel and its merge, ``SplitCall``)
+    num_splits: int = 1  # the Mosaic tables' kv splits S (> 1: the split kernel and its merge, ``LayerCall``)
 
 
 def _padded(n: int) -> int:
@@ -521,7 +521,7 @@ def launch_spec(config: MosaicConfig, lp: LayerParams, key: PlanKey, tables: Tab
     # (the tables' fourth part, a prefix pass's LSE index, is not a kernel argument)
     args = (torch.empty(q_shape, dtype=dtype, device=device), k_buf.view(-1, key.page_size, hkv, d),
             v_buf.view(-1, key.page_size, hkv, d if lp.mla else dv), *tables.args[:3], sinks)
-    with torch.inference_mode(False):  # persistent results (``LsePass``, ``SplitCall``): normal tensors
+    with torch.inference_mode(False):  # persistent results (``LsePass``, split partials): normal tensors
         if st.split:
             make = scratch or (lambda shape, dt, dev: torch.empty(shape, dtype=dt, device=dev))
             part, lse = (make(tuple(o.shape), torch.float32, device) for o in split_out_types(st, tables.num_tiles))
