@@ -389,10 +389,8 @@ def run_point(pt: Point, *, device: str, impls: list[str], reps: int, check_seqs
     print(f"{pt.name}:", flush=True)
     p = make_problem(pt, device)
     ref = reference(p, pt, check_seqs)
-    mine = [run_peer(f"ours/{impl}", lambda impl=impl: ours(p, pt, impl), pt, ref, reps) for impl in impls
-            if impl != "bridge"]
-    if "bridge" in impls:
-        mine.append(run_peer("ours/bridge", lambda: bridge(p, pt), pt, ref, reps))
+    mine = [run_peer(f"ours/{impl}", lambda impl=impl: bridge(p, pt) if impl == "bridge" else ours(p, pt, impl), pt,
+                     ref, reps) for impl in impls]
     tries = []
     for s in SGLANG_SPLITS:
         tries.append(run_peer(f"sglang_triton/{s}", lambda s=s: sglang_mla(p, pt, s), pt, ref, reps))

@@ -237,16 +237,16 @@ class TableRefresh:
 
     def _split(self, heads: TableKey, tables: Tables, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor]:
         """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``)."""
-        latent = bool(key_flags(heads) & LATENT_TABLES)
+        latent, row_heads = bool(key_flags(heads) & LATENT_TABLES), self._row_heads(heads, tables)
         pattern = self.split_lse.get(heads)
         if pattern is None:
             with torch.inference_mode(False):
                 pattern = self.split_lse[heads] = torch.from_numpy(lse_pattern(
-                    self.key.q_len_per_req, heads[0], self._row_heads(heads, tables), tables.pack, self.block_q,
-                    latent)).to(parts.table.device)
+                    self.key.q_len_per_req, heads[0], row_heads, tables.pack, self.block_q, latent)
+                ).to(parts.table.device)
         return mosaic_split_tables(
             parts.lens, batch=self.key.batch_size, num_tiles=tables.num_tiles, max_splits=tables.num_splits,
-            q_len=self.key.q_len_per_req, pack=tables.pack, heads=self._row_heads(heads, tables),
+            q_len=self.key.q_len_per_req, pack=tables.pack, heads=row_heads,
             rows_per_tile=tile_rows(self.block_q, latent), config=self.config, pattern=pattern)
 
     @staticmethod
@@ -313,10 +313,9 @@ class TableRefresh:
             info[:, TILE_INFO_COLUMNS.index(name)] = col  # first_row and split stay 0: one tile per sequence
         want = [table, cu, info]
         if flags & PREFIX_TABLES:  # ``LsePass``'s index
-            hq, hkv = heads[:2]
-            h = hq if tables.pack == 1 else hkv
+            h = self._row_heads(heads, tables)
             with torch.inference_mode(False):
-                pattern = torch.from_numpy(lse_pattern(qpr, hq, h, tables.pack, self.block_q)).to(dev)
+                pattern = torch.from_numpy(lse_pattern(qpr, heads[0], h, tables.pack, self.block_q)).to(dev)
             self.lse[heads] = pattern, h * self.rows_per_tile
             want.append(self._lse(heads, parts).to(torch.int32).reshape(-1))
         got = tables.args

@@ -576,11 +576,10 @@ class LayerCall:
         self.q_shape, self.out_shape = spec.q_shape, spec.out_shape
         self.flat_out = (self.rows, lp.num_q_heads * (lp.v_head_dim or lp.head_dim))
         self.dtype, self.device, self.sinks = q.dtype, q.device, spec.args[-1]
+        # split-KV: the kernel writes the (shared) partials, the merge reads them into the output
+        self.launch = path.built(spec).bind(*spec.args, out=spec.out if spec.merge is None else (spec.out, spec.lse))
         self.merge = None
-        if spec.merge is None:
-            self.launch = path.built(spec).bind(*spec.args, out=spec.out)
-        else:  # split-KV: the kernel writes the (shared) partials, the merge reads them into the output
-            self.launch = path.built(spec).bind(*spec.args, out=(spec.out, spec.lse))
+        if spec.merge is not None:
             lse = path.scratch((spec.out_shape[0], spec.out_shape[1]), torch.float32, q.device)  # not returned
             self.merge = path.built(spec.merge).tiles.bind(*spec.merge.examples[0], out=(
                 torch.empty(spec.out_shape, dtype=q.dtype, device=q.device), lse))

@@ -12,6 +12,7 @@ import torch
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
 from jax_attn.kernels.config import cdiv, kv_heads_per_program
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_WORDS, tile_rows
+from jax_attn.kernels.mosaic_split import stored_rows
 
 
 def wrap32(x: torch.Tensor) -> torch.Tensor:  # i64 -> i64
@@ -74,12 +75,7 @@ def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int, latent: bo
     ``t * heads * rows_per_tile`` further on. ``latent``: a latent cache's tiles (one block of rows in q's
     order)."""
     rows = tile_rows(block_q, latent)
-    pos = np.arange(rows)
-    if pack > 1 and not latent:  # storage position -> row of the row view (token-major in each warpgroup's rows)
-        tpb = block_q // pack  # (positions from pack * tpb on hold no row)
-        in_block = pos % block_q
-        pos = np.where(in_block < pack * tpb, (pos // block_q) * block_q + (in_block % tpb) * pack + in_block // tpb,
-                       1 << 30)
+    pos = stored_rows(block_q, pack, latent)  # storage position -> row of the row view
     h = np.arange(heads)[:, None]
     out_row = (pos // pack)[None, :] * hq + h * pack + (pos % pack)[None, :]  # [heads, rows]
     ok = np.broadcast_to(pos < n * pack, out_row.shape)

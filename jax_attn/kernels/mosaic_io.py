@@ -39,8 +39,7 @@ def padding_rows(st, pad_tile, wg, head, cu_ref, out_ref, o_smem2):
         o_smem.at[c][...] = plgpu.layout_cast(jnp.zeros(o_smem.shape[1:], o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     # In units of whole tokens with packed rows (a row block holds ``tokens_per_block`` of them), else rows.
-    unit, per_block = st.padding_units
-    units_per_tile = st.rows_per_tile // st.block_q * per_block
+    unit, per_block, units_per_tile = st.padding_units
     first = cu_ref[cu_ref.shape[0] - 1] * (st.pack // unit) + pad_tile * (PAD_BLOCKS * units_per_tile)
     halves = COMPUTE_WGS // st.active_wgs
     # (A latent cache's warpgroups zero their value halves of the same rows.)

@@ -141,10 +141,11 @@ class KernelStatics:
         return self.block_q // self.pack
 
     @property
-    def padding_units(self) -> tuple[int, int]:
-        """(rows per unit, units per row block) of the padding CTAs' zeroing (``mosaic_io.padding_rows``): whole
-        tokens of packed rows (``token_major``), else rows."""
-        return (self.pack, self.tokens_per_block) if self.token_major else (1, self.block_q)
+    def padding_units(self) -> tuple[int, int, int]:
+        """(rows per unit, units per row block, units per tile) of the padding CTAs' zeroing
+        (``mosaic_io.padding_rows``): whole tokens of packed rows (``token_major``), else rows."""
+        unit, per_block = (self.pack, self.tokens_per_block) if self.token_major else (1, self.block_q)
+        return unit, per_block, self.rows_per_tile // self.block_q * per_block
 
     @property
     def ring_staging(self) -> bool:
@@ -637,8 +638,8 @@ def out_types(st: KernelStatics, num_tiles: int):
 
 
 def _pallas_kernel(st: KernelStatics, num_tiles: int, interpret=None):
-    unit, per_block = st.padding_units
-    pad_tiles = cdiv(st.num_rows // unit, st.rows_per_tile // st.block_q * per_block * PAD_BLOCKS)
+    unit, _, units_per_tile = st.padding_units
+    pad_tiles = cdiv(st.num_rows // unit, units_per_tile * PAD_BLOCKS)
     return plgpu.kernel(
         functools.partial(kernel_entry, st, num_tiles),
         out_type=out_types(st, num_tiles),

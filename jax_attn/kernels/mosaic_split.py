@@ -116,12 +116,7 @@ def lse_index(
     """
     pack, rows_per_tile = sched.pack, tile_rows(block_q, latent)
     n = sched.tile_seq.shape[0]
-    pos = np.arange(rows_per_tile)
-    if pack > 1 and not latent:  # storage position -> row of the row view within the tile
-        tpb = block_q // pack  # (positions from pack * tpb on hold no row: past every row of the tile)
-        in_block = pos % block_q
-        pos = np.where(in_block < pack * tpb, (pos // block_q) * block_q + (in_block % tpb) * pack + in_block // tpb,
-                       1 << 30)
+    pos = stored_rows(block_q, pack, latent)
     seq = jnp.maximum(sched.tile_seq, 0)
     seq_rows = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]) * pack
     r = sched.tile_q_block[:, None] * rows_per_tile + jnp.asarray(pos, jnp.int32)[None]  # [N, rows]
@@ -135,6 +130,20 @@ def lse_index(
     src = jnp.arange(n * num_heads * rows_per_tile, dtype=jnp.int32)
     index = jnp.full((total,), -1, jnp.int32).at[dest.reshape(-1)].set(src, mode="drop")
     return index.reshape(sched.max_splits, num_tokens * num_q_heads)
+
+
+def stored_rows(block_q: int, pack: int, latent: bool = False) -> np.ndarray:
+    """``i64[rows_per_tile]``: the row of the row view (within its tile) whose LSE the kernel stores at each
+    position of a tile's LSE output. Packed rows (``KernelStatics.token_major``) are stored token-major within
+    each warpgroup's ``block_q`` rows; positions from ``pack * tokens_per_block`` on hold no row and get
+    ``1 << 30`` (past every row). Other rows (a latent cache's included) are stored in their own order."""
+    pos = np.arange(tile_rows(block_q, latent))
+    if pack == 1 or latent:
+        return pos
+    tpb = block_q // pack
+    in_block = pos % block_q
+    return np.where(in_block < pack * tpb, (pos // block_q) * block_q + (in_block % tpb) * pack + in_block // tpb,
+                    1 << 30)
 
 
 def merge_partials(
