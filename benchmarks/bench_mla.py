@@ -30,9 +30,10 @@ Every row prints both TB/s and TFLOP/s; each of our rows carries ``ours/peer`` =
 ``jax_attn.attention.varlen_attention`` (contiguous ragged K/V, as ``flash_attn_varlen_func``), B=4, Hq=Hkv=16
 (DeepSeek at TP8), bf16: the extend part (causal, S=4096 each) at q/k head dim 192 and v 128, against the same
 call at 128/128 (the issue's anchor), and one prefix chunk (1024 queries on 4096 keys, non-causal, LSE). TFLOP/s
-of ``2 * Hq * pairs * (Dqk + Dv)`` (pairs: visible query-key pairs). Rows: ``ours_triton``, ``ours_mosaic`` (the
-keys copied into pages of 64 rows, ``varlen_pages``, copy included) and ``ours_mosaic-rows`` (the Mosaic kernel
-on pages of one row, its rows gathered). Each kernel's output is compared with the first kernel's, the first
+of ``2 * Hq * pairs * (Dqk + Dv)`` (pairs: visible query-key pairs). Rows: ``ours_triton``, ``ours_mosaic`` (what
+``varlen_attention(impl="mosaic")`` runs: ``kernel_policy.varlen_repaged`` copies the keys into pages of 64 rows,
+copy included, only at head dims whose rows cannot be gathered) and ``ours_mosaic-rows`` (the Mosaic kernel on
+pages of one row, its rows gathered). Each kernel's output is compared with the first kernel's, the first
 sequence with a float32 reference.
 
 Correctness, before timing: each peer's output on the first ``--check-seqs`` sequences is compared with
@@ -178,8 +179,8 @@ def run_prefix_point(pt: PrefixPoint, impls: list[str], reps: int) -> list[Resul
         md = varlen_metadata(cu_q, cu_k, num_tokens=q.shape[0], num_keys=k.shape[0], **sizes)
         return attention(q, k[:, None], v[:, None], md, impl="mosaic", **kw)
 
-    def out_of(res):  # the attention output (without the LSE) as a torch tensor
-        return torch.from_dlpack(res[0] if isinstance(res, tuple) else res)
+    def out_of(res):  # the attention output (without the LSE) as a torch tensor, once JAX has written it
+        return torch.from_dlpack(jax.block_until_ready(res[0] if isinstance(res, tuple) else res))
 
     # float32 reference of the first sequence (bottom-right causal)
     q0, k0, v0 = (x[:n].astype(jnp.float32) for x, n in ((q, pt.q_len), (k, pt.kv_len), (v, pt.kv_len)))
@@ -194,11 +195,13 @@ def run_prefix_point(pt: PrefixPoint, impls: list[str], reps: int) -> list[Resul
         calls[impl] = functools.partial(fn, q, k, v, cu_q, cu_k)
         results.append(run_peer(f"ours_{impl}", lambda impl=impl: peers.PeerRun(f"ours_{impl}", calls[impl], out_of,
                                                                                 "jax"), pt, ref0, reps))
-    outs = [out_of(calls[r.peer[len("ours_"):]]()).float() for r in results if r.status != "error"]
+    ran = [r for r in results if r.status != "error"]
+    outs = [out_of(calls[r.peer[len("ours_"):]]()).float() for r in ran]
     if len(outs) > 1:
-        diff = max(float((o - outs[0]).abs().max()) for o in outs[1:])
-        print(f"  kernels agree to {diff:.1e} over the batch", flush=True)
-        if not diff <= TOLERANCE:
+        diffs = {r.peer: float((o - outs[0]).abs().max()) for r, o in zip(ran[1:], outs[1:])}
+        print(f"  over the batch, max |out - {ran[0].peer}'s| (output max {float(outs[0].abs().max()):.2f}): "
+              + ", ".join(f"{peer} {d:.1e}" for peer, d in diffs.items()), flush=True)
+        if not max(diffs.values()) <= TOLERANCE:
             for r in results:
                 r.status = "FAIL"
     return results

@@ -115,13 +115,13 @@ def gathered_rows_wanted(call: Call) -> bool:
     """False for the calls the Mosaic kernel is slower on because of their page size: at pages of 1, 2 or 4
     rows its producer gathers rows with ``cp.async`` (``KernelStatics.gathers_rows``), and only long query
     runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200
-    (page 1, 32/8 heads, d 128, benchmarks/RESULTS.md, 2026-11-28, twenty-ninth session), against FA3:
-    prefill B4 S4096 Mosaic 0.89x, Triton 0.64x; extend 1024 on 4096 0.89x against 0.66x; decode 64 x 4096
-    0.83x against 1.06x; verify 32 x 4 on 2048 0.92x against 1.06x (Triton keeps decode and verify).
+    (page 1, 32/8 heads, d 128, ``benchmarks/bench_small_pages.py``, 2026-11-29, thirty-first session), against
+    FA3: prefill B4 S4096 Mosaic 0.95x, Triton 0.64x; extend 1024 on 4096 0.97x against 0.65x; decode 64 x 4096
+    0.94x against 1.06x; verify 32 x 4 on 2048 1.02x against 1.06x (Triton keeps decode and verify).
     An MLA latent cache's decode and verify go there too. On an H200 (page 1, B64 ctx 4096,
-    ``benchmarks/bench_mla.py``, 2026-11-28, twenty-ninth session), against SGLang's Triton MLA: 128 heads
-    decode Mosaic 4.40x, Triton 1.65x (415 against 156 TFLOP/s; MTP verify q 2: 404 against 195); 16 heads
-    decode (memory-bound) Mosaic 1.01x (2.60 TB/s), Triton 0.99x (2.53)."""
+    ``benchmarks/bench_mla.py``, 2026-11-29), against SGLang's Triton MLA: 128 heads decode Mosaic 5.30x
+    (500 TFLOP/s; MTP verify q 2: 507), Triton 1.65x (2026-11-28: 156 TFLOP/s; verify 195); 16 heads decode
+    (memory-bound) Mosaic 1.30x (3.39 TB/s), Triton 0.99x (2.53)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
     return call.page_size % 8 == 0 or call.max_q_len > config.pack_max_q_len or call.latent
@@ -166,18 +166,20 @@ def varlen_repaged(impl: str, call: Call, max_kv_len: int) -> bool:
     view as pages of one row, ``max_kv_len`` its bound on keys per sequence) copies its keys into pages of
     ``VARLEN_PAGE`` rows first (``attention.varlen_pages``: one read and one write of K/V), to run on the Mosaic
     kernel's TMA copies. Only where this policy picks Mosaic for the call at that page size, for long query
-    runs (prefill), and then where the rows of one-row pages cannot be gathered (head dims that are not
-    multiples of 64) or the query runs are at least half as long as the key runs: the copy is then small next
-    to the attention. On an H200 (B4, 16 heads, bf16, ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-28),
-    copied against gathered, TFLOP/s: causal S4096 at 192/128 466 against 437, at 128/128 500 against 493; a
-    prefix chunk of 1024 queries on 4096 keys at 192/128 407 against 417 (gathered)."""
+    runs (prefill), and where the rows of one-row pages cannot be gathered (head dims that are not multiples of
+    64, e.g. 96). Elsewhere the gathered rows are faster than the copy: on an H200 (B4, 16 heads, bf16,
+    ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-29, thirty-first session), gathered against copied,
+    TFLOP/s: causal S4096 at 192/128 499 against 460, at 128/128 534 against 500; a prefix chunk of 1024 queries
+    on 4096 keys at 192/128 514 against 513. (``max_kv_len`` is kept for the call sites: the rule no longer
+    weighs the copy against the attention.)"""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
+    del max_kv_len
     if call.max_q_len <= config.pack_max_q_len:
         return False
     if select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) != "mosaic":
         return False
-    return not mosaic_covers(call) or 2 * call.max_q_len >= max_kv_len  # (``call``: pages of one row, gathered)
+    return not mosaic_covers(call)  # (``call``: pages of one row, gathered)
 
 
 def select_kernel(impl: str, call: Call, *, from_torch: bool = False, hopper: bool = True) -> str:

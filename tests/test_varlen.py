@@ -1,6 +1,7 @@
 """``varlen_attention`` (FA3's ``flash_attn_varlen_func``: keys in contiguous ragged runs) on the Mosaic kernel:
-its keys copied into pages of 64 rows first (``attention.varlen_pages``), where the kernel's TMA copies read them,
-instead of pages of one row.
+its keys as pages of one row (the kernel gathers the rows), or, at head dims whose rows it cannot gather (not
+multiples of 64, e.g. 96), copied into pages of 64 rows first (``attention.varlen_pages``), where the kernel's
+TMA copies read them.
 
 Bugs these catch: a sequence's keys copied to the wrong pages or from the wrong rows (another sequence's
 keys), a sequence's last page not padded or its rows past the end unmasked, an empty sequence (zeros, LSE
@@ -37,16 +38,20 @@ class VarlenCase:
     return_lse: bool = False
 
 
+# Head dim 96: rows the kernel cannot gather, so the keys are copied into pages (``varlen_pages``).
 CPU_CASES = [
-    # MLA's chunked-prefix extend part (causal, bottom-right), sequences ending inside pages
-    VarlenCase("extend_192_128", (70, 5, 30), (70, 40, 75)),
+    # an extend (causal, bottom-right), sequences ending inside pages
+    VarlenCase("extend_96", (70, 5, 30), (70, 40, 75), head_dim=96, head_dim_v=96),
     # a prefix chunk: non-causal with LSE, one sequence without keys (zeros, LSE -inf)
-    VarlenCase("prefix_chunk_lse", (40, 4, 70), (130, 0, 61), causal=False, return_lse=True),
+    VarlenCase("prefix_chunk_lse_96", (40, 4, 70), (130, 0, 61), head_dim=96, head_dim_v=96, causal=False,
+               return_lse=True),
 ]
 GPU_CASES = CPU_CASES + [
+    # MLA's chunked-prefix calls at 192 / 128: the rows of one-row pages gathered
+    VarlenCase("extend_192_128", (70, 5, 30), (70, 40, 75)),
+    VarlenCase("prefix_chunk_lse", (40, 4, 70), (130, 0, 61), causal=False, return_lse=True),
     VarlenCase("long_192_128", (700, 1, 1300), (700, 2000, 1300), heads=(8, 8)),
     VarlenCase("d96_window", (300, 40), (300, 900), head_dim=96, head_dim_v=96, heads=(8, 8), window=(127, 0)),
-    # (queries under half the keys: the rows of one-row pages gathered, not copied)
     VarlenCase("d128_gqa_lse", (64, 256), (1000, 256), head_dim=128, head_dim_v=128, heads=(8, 2), causal=False,
                return_lse=True),
 ]
@@ -112,10 +117,9 @@ def test_varlen_gpu(case):
 
 
 def test_varlen_repaged_policy(monkeypatch):
-    """On Hopper ``auto`` copies the keys of prefill-like varlen calls into pages for the Mosaic kernel,
-    whatever head dim that kernel takes at pages of 64 (96: rows of one-row pages cannot be gathered at
-    that width), where the queries are at least half as long as the keys or the rows cannot be gathered;
-    not decode-like calls, not fp8, not ``impl='triton'``."""
+    """On Hopper ``auto`` copies the keys of prefill-like varlen calls into pages for the Mosaic kernel where
+    the rows of one-row pages cannot be gathered (96: not a multiple of 64), and gathers them elsewhere (192 /
+    128, 128 / 128: faster than the copy); not decode-like calls, not fp8, not ``impl='triton'``."""
     monkeypatch.setattr(kernel_policy, "on_hopper", lambda: True)
 
     def call(d, dv, dtype=jnp.bfloat16, q_len=300):
@@ -125,11 +129,12 @@ def test_varlen_repaged_policy(monkeypatch):
         q = jnp.zeros((2 * q_len, 8, d), jnp.bfloat16)
         return call_of(q, jnp.zeros((2 * q_len, 1, 8, d), dtype), jnp.zeros((2 * q_len, 1, 8, dv), dtype), md)
 
-    for d, dv in ((192, 128), (96, 96), (128, 128)):
-        assert kernel_policy.varlen_repaged("auto", call(d, dv), 300)  # causal prefill: queries as long as keys
-    assert kernel_policy.varlen_repaged("auto", call(96, 96), 4096)  # one-row pages cannot be gathered at 96
-    assert not kernel_policy.varlen_repaged("auto", call(192, 128), 4096)  # a prefix chunk: the rows gathered
+    for d, dv in ((192, 128), (128, 128)):
+        assert not kernel_policy.varlen_repaged("auto", call(d, dv), 300)  # the rows gathered
+    assert kernel_policy.varlen_repaged("auto", call(96, 96), 300)  # one-row pages cannot be gathered at 96
+    assert kernel_policy.varlen_repaged("auto", call(96, 96), 4096)
     assert not kernel_policy.varlen_repaged("auto", call(128, 128, q_len=1), 1)  # decode-like: the copy would cost
     assert not kernel_policy.varlen_repaged("auto", call(128, 128, jnp.float8_e4m3fn), 300)
     assert not kernel_policy.varlen_repaged("triton", call(128, 128), 300)
-    assert kernel_policy.varlen_repaged("mosaic", call(128, 128), 300)
+    assert kernel_policy.varlen_repaged("mosaic", call(96, 96), 300)
+    assert not kernel_policy.varlen_repaged("mosaic", call(128, 128), 300)

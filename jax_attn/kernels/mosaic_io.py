@@ -11,8 +11,14 @@ import functools
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jax_core  # jax internals (pinned jax 0.11.2): ``cp_async_arrive``'s primitive
+from jax._src.pallas.mosaic_gpu import core as gpu_core
+from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
+from jax._src.state import primitives as state_primitives
 from jax.experimental import pallas as pl
 import numpy as np
 from jax.experimental.mosaic import gpu as mgpu
@@ -174,48 +180,41 @@ def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref
     8-row swizzle tiles, so the warpgroup's threads copy the key and value rows themselves, 16 bytes
     per ``cp.async``, straight into the swizzled tiles wgmma reads (``_gather_block``).
 
-    Each block's keys and its values are one ``cp.async`` group each (a latent cache's values are its
-    key rows: one group per block). A block is announced on ``k_bar`` / ``v_bar`` (one warpgroup
-    arrival) once its group has landed and been fenced for the async proxy. The order follows when
-    each step becomes possible, so no announcement waits on a release it does not need: iteration
-    ``s`` announces K(s), refills K(s - 1)'s slot with K(s + stages - 1) once both warpgroups' Q @ K^T
-    of it is done, announces V(s), then refills V(s - 1)'s slot. (Announcing K(s + 1) after the
-    release of K(s) instead stalled the warpgroup that runs ahead: 0.8x FA3 at page 1 on an H200.)
-    The block's row slots are read from the page table once, for its keys and values, at the top of
-    the iteration (``_gather_slots``): the read is in flight while the iteration waits, not between a
-    slot's release and its refill. Groups past the last block are committed empty, so
-    ``rings * (stages - 1) - 1`` groups stay in flight at every announcement (a static
-    ``cp.async.wait_group``)."""
+    After a block's key copies (and after its value copies) each producer thread arrives on the slot's
+    ``k_bar`` / ``v_bar`` with ``cp_async_arrive``: the arrival happens when that thread's copies have
+    landed, so a block is announced as soon as its rows are in shared memory, as a TMA copy announces
+    itself, whatever the producer is waiting for meanwhile (the consumers fence the rows for wgmma:
+    ``mosaic_kernel.wait_ring``). The producer itself waits only for slot releases: iteration ``s``
+    refills K(s - 1)'s slot with K(s + stages - 1) once both warpgroups' Q @ K^T of it is done, then
+    V(s - 1)'s slot. (Before, the producer announced each block itself after ``cp.async.wait_group``, so
+    an announcement waited behind the releases the producer was blocked on: 0.89x FA3 at page 1 on an
+    H200.) The block's row slots are read from the page table once, for its keys and values, at the top
+    of the iteration (``_gather_slots``): the read is in flight while the iteration waits."""
     rings = [(k_ref, k_smem, k_bar, k_used)]
     if not st.latent:  # (a latent cache's values are its key rows, and ``v_bar`` is the leader's hand-off)
         rings.append((v_ref, v_smem, v_bar, v_used))
-    pending = len(rings) * (st.stages - 1) - 1
 
-    def issue(blk_step, slots, slot, src_ref, ring):  # a group: block ``cta_lo + blk_step`` (empty past nblk)
+    def issue(blk_step, slots, slot, src_ref, ring, bar):  # block ``cta_lo + blk_step`` (nothing past nblk)
         dsts = [(part(slot), 0 if cols is None else cols.start) for cols, part in _ring_parts(st, ring)]
-        pl.when(blk_step < nblk)(lambda: _gather_block(st, src_ref, dsts, kv_head, slots))
-        _cp_async_commit()
 
-    def announce(bar):
-        _cp_async_wait(pending)
-        plgpu.commit_smem()  # fence the rows for wgmma (the async proxy); a warpgroup barrier
-        plgpu.barrier_arrive(bar)
+        @pl.when(blk_step < nblk)
+        def _copy():
+            _gather_block(st, src_ref, dsts, kv_head, slots)
+            cp_async_arrive(bar.at[slot])
 
     firsts = [_gather_slots(st, pt_ref, k_ref.shape[0], seq, cta_lo + i, k_len) for i in range(st.stages - 1)]
     for i in range(st.stages - 1):
-        for src_ref, ring, _, _ in rings:
-            issue(i, firsts[i], i, src_ref, ring)
+        for src_ref, ring, bar, _ in rings:
+            issue(i, firsts[i], i, src_ref, ring, bar)
 
     @pl.loop(0, nblk)
     def _step(step):
-        slot = lax.rem(step, st.stages)
         ahead = step + st.stages - 1  # refills the slot of block step - 1
         ahead_slot = lax.rem(ahead, st.stages)
         slots = _gather_slots(st, pt_ref, k_ref.shape[0], seq, cta_lo + ahead, k_len)
         for src_ref, ring, bar, used in rings:
-            announce(bar.at[slot])
             pl.when(step > 0)(functools.partial(plgpu.barrier_wait, used.at[ahead_slot]))
-            issue(ahead, slots, ahead_slot, src_ref, ring)
+            issue(ahead, slots, ahead_slot, src_ref, ring, bar)
 
     @pl.when(nblk > 0)
     def _drain():  # the last block's releases (the loop waited for the others')
@@ -226,20 +225,52 @@ def _producer_gather(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref
     _cp_async_wait(0)
 
 
-def _cp_async_commit():
-    @plgpu.inline_mgpu()
-    def commit(ctx):
-        nvvm.cp_async_commit_group()
-
-    commit()
-
-
 def _cp_async_wait(pending: int):
     @plgpu.inline_mgpu()
     def wait(ctx):
         nvvm.cp_async_wait_group(pending)
 
     wait()
+
+
+_cp_async_arrive_p = jax_core.Primitive("cp_async_barrier_arrive")
+_cp_async_arrive_p.multiple_results = True
+
+
+@_cp_async_arrive_p.def_effectful_abstract_eval
+def _cp_async_arrive_abstract_eval(barrier, *transforms, transforms_treedef):
+    del barrier, transforms, transforms_treedef
+    return (), {gpu_core._memory_effect}
+
+
+@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Lane)
+@mgpu_lowering.register_lowering_rule(_cp_async_arrive_p, mgpu.LoweringSemantics.Warpgroup)
+def _cp_async_arrive_lowering(ctx, barrier, *flat_transforms, transforms_treedef):
+    index = mgpu_primitives._get_barrier_base_index(ctx.avals_in[0], transforms_treedef.unflatten(flat_transforms))
+    if index is not None:
+        barrier = barrier[index]
+    mgpu_utils.inline_ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", barrier.get_ptr(),
+                          has_side_effects=True)
+    return ()
+
+
+def cp_async_arrive(barrier):
+    """Every thread of the warpgroup arrives on ``barrier`` once its earlier ``cp.async`` copies have landed
+    (``cp.async.mbarrier.arrive.noinc``: each thread's arrival is one of the 128 a warpgroup arrival
+    counts, so the barrier is declared with one arrival per warpgroup, as for ``plgpu.barrier_arrive``).
+    Pallas has no such primitive (jax 0.11.2)."""
+    ref, transforms = state_primitives.get_ref_and_transforms(barrier, None, "cp_async_arrive")
+    flat, treedef = jax.tree_util.tree_flatten(transforms)
+    _cp_async_arrive_p.bind(ref, *flat, transforms_treedef=treedef)
+
+
+def fence_async_shared():
+    """Makes shared memory written through the generic proxy (``cp.async`` rows) visible to wgmma."""
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    fence()
 
 
 GATHER_PARTS = (256, 128, 64)  # columns one gather pass copies of a row (a warp's 32 lanes: whole rows)
@@ -346,15 +377,21 @@ def _gather_pass(c, lane, warp, slot, src_ptr, dst_ptr, *, rows_per_warp, chunks
     """One pass of ``_gather_block``: ``chunks`` 16-byte chunks of each of the warp's rows, from byte
     ``src_offset`` of the row, into tile columns ``first_tile...`` of the destination's ``tiles_per_row``.
 
-    Pass i copies row j = i * rows_per_pass + q of the warp's run, chunk ``chunk`` of the part. As
-    rows_per_pass divides 8, the row's place in its 8-row tile is (i * rows_per_pass) % 8 + q (an OR:
-    q < rows_per_pass), so the swizzled offset is a per-thread base plus a constant, the XOR of the
+    A lane copies ``per_lane`` chunks of a row: chunk ``chunk`` and, when the part spans pairs of 128-byte
+    tiles, chunk ``chunk + 8`` (the same place in the next tile, so the same swizzle: destination + 1024,
+    source + 128 bytes) from one row address. Pass i copies row j = i * rows_per_pass + q of the warp's
+    run. As rows_per_pass divides 8, the row's place in its 8-row tile is (i * rows_per_pass) % 8 + q (an
+    OR: q < rows_per_pass), so the swizzled offset is a per-thread base plus a constant, the XOR of the
     chunk with the row picked from one table per distinct (i * rows_per_pass) % 8."""
     i64, i8 = ir.IntegerType.get_signless(64), ir.IntegerType.get_signless(8)
-    rows_per_pass = 32 // chunks
-    chunk = arith.remui(lane, c(chunks))  # this lane's 16 bytes of the part
-    q = arith.divui(lane, c(chunks))
-    x = arith.xori(arith.remui(chunk, c(8)), q)
+    per_lane = 2 if chunks % 16 == 0 else 1
+    lanes_per_row = chunks // per_lane
+    rows_per_pass = 32 // lanes_per_row
+    lane_in_row = arith.remui(lane, c(lanes_per_row))
+    low = arith.remui(lane_in_row, c(8))  # the chunk's place in its 128-byte tile
+    chunk = arith.addi(low, arith.muli(arith.divui(lane_in_row, c(8)), c(8 * per_lane)))  # this lane's first
+    q = arith.divui(lane, c(lanes_per_row))
+    x = arith.xori(low, q)
     tile = arith.addi(arith.muli(warp, c(rows_per_warp // 8 * tiles_per_row)), arith.divui(chunk, c(8)))
     base = arith.addi(arith.muli(arith.addi(tile, c(first_tile)), c(1024)), arith.muli(q, c(128)))
     swizzled = {k: arith.addi(base, arith.muli(arith.xori(x, c(k)), c(16)))
@@ -365,11 +402,13 @@ def _gather_pass(c, lane, warp, slot, src_ptr, dst_ptr, *, rows_per_warp, chunks
         first = i * rows_per_pass
         slot_j = nvvm.shfl_sync(c(0xFFFFFFFF), slot, arith.addi(q, c(first)), c(0x1F), nvvm.ShflKind.idx)
         static = (first // 8) * tiles_per_row * 1024 + (first % 8) * 128
-        src_off = arith.muli(arith.extui(i64, slot_j), c(src_slot_bytes, i64))
+        src_row = mgpu_utils.getelementptr(src_ptr, [arith.muli(arith.extui(i64, slot_j), c(src_slot_bytes, i64))],
+                                           i8)
         dst_at = arith.addi(swizzled[first % 8], c(static))
-        nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [dst_at], i8),
-                                    mgpu_utils.getelementptr(src_ptr, [src_off], i8), 16,
-                                    nvvm.LoadCacheModifierKind.CG)
+        for p in range(per_lane):
+            nvvm.cp_async_shared_global(mgpu_utils.getelementptr(dst_ptr, [arith.addi(dst_at, c(p * 1024))], i8),
+                                        mgpu_utils.getelementptr(src_row, [c(p * 128, i64)], i8), 16,
+                                        nvvm.LoadCacheModifierKind.CG)
 
 
 def load_q(st, q_ref, q_smem, q_stage, q_bar, row0, head, wg):

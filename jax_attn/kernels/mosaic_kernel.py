@@ -46,8 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.kernel_cache import mosaic_call
-from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, load_q, memory_wg,
-                                        padding_rows, zero_tail_values)
+from jax_attn.kernels.mosaic_io import (COMPUTE_WGS, LOG2E, PAD_BLOCKS, epilogue, fence_async_shared, load_q,
+                                        memory_wg, padding_rows, zero_tail_values)
 from jax_attn.kernels.mosaic_smem import tiled as tiled_layout
 
 
@@ -165,6 +165,19 @@ class KernelStatics:
         return self.page_size < 8 and not self.interpret
 
     @property
+    def registers(self) -> tuple[int, int]:
+        """Registers per thread of each compute warpgroup and of the producer (``setmaxnreg``; their sum over
+        the 384 threads stays within the launch's 168 each). The row gather (``gathers_rows``) keeps each copy's
+        64-bit row address in registers until its ``cp.async`` has read it: at 40 the producer reused one pair
+        for every copy, and each waited for the one before (H200, page 1, 32/8 heads, d 128: prefill B4 S4096
+        1011 us at 232 / 40, 996 at 224 / 56; extend 1024 on 4096 540 against 532). Latent caches and values
+        wider than 128 columns keep 232 / 40: their compute warpgroups need the registers (MLA decode at page 1,
+        16 heads: 89.8 us at 232 / 40, 100.7 at 224 / 56)."""
+        if self.gathers_rows and not self.latent and self.value_cols <= 128:
+            return 224, 56
+        return 232, 40
+
+    @property
     def split(self) -> bool:
         return self.num_splits > 1
 
@@ -255,7 +268,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
         @pl.when(wg < st.active_wgs)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(st.registers[0], action="increase")
             rng = [jnp.where(wg == 0, a, b) for a, b in zip(ranges[0], ranges[1])]
             out = out_ref if split is None else out_ref.at[split]
             _compute_wg(st, wg, rng, cta_lo, nblk, k_len, q_start * st.pack, head, q_ref, out, lse_ref,
@@ -266,7 +279,7 @@ def _kernel(st: KernelStatics, num_tiles, refs, smem, bars, used, sched):
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(st.registers[1], action="decrease")
             if st.kv_staging:  # the rings hold the Q staging until both warpgroups have their Q
                 plgpu.barrier_wait(q_staged)
             memory_wg(st, seq, kv_head, cta_lo, nblk, k_len, k_ref, v_ref, pt_ref, k_smem, v_smem, k_bar, v_bar,
@@ -359,7 +372,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
     def wait_keys(blk):
         """Waits for key block ``blk`` (once per block: from the step itself, or with ``early_k_wait``
         from the step before it, while that step's P @ V is in flight)."""
-        pl.when(blk < cta_hi)(lambda: plgpu.barrier_wait(k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
+        pl.when(blk < cta_hi)(lambda: wait_ring(st, k_bar.at[lax.rem(blk - cta_lo, st.stages)]))
 
     def qk_operands(slot):
         """(Q, keys) pairs whose products sum to the scores: the whole rows, or a latent cache's column
@@ -379,7 +392,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         acc, m_i, l_i = carry
         slot = lax.rem(blk - cta_lo, st.stages)
         if not st.early_k_wait:
-            plgpu.barrier_wait(k_bar.at[slot])
+            wait_ring(st, k_bar.at[slot])
 
         def qk_fn(acc_ref):
             for a, b in qk_operands(slot):
@@ -407,7 +420,7 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
             plgpu.barrier_arrive(v_bar.at[slot])
         sched_arrive()
         if v_ready is not None:
-            plgpu.barrier_wait(v_ready.at[slot])
+            wait_ring(st, v_ready.at[slot])
         if masked:
             zero_tail_values(st, values(slot), blk, k_len)
         sched_wait()
@@ -471,6 +484,14 @@ def _compute_wg(st, wg, rng, cta_lo, nblk, k_len, seq_row0, head, q_ref, out_ref
         lead()
 
 
+def wait_ring(st: KernelStatics, bar):
+    """Waits for a ring slot before its rows are read: rows the producer gathered with ``cp.async``
+    (``gathers_rows``, written through the generic proxy) are then fenced for wgmma (the async proxy)."""
+    plgpu.barrier_wait(bar)
+    if st.gathers_rows:
+        fence_async_shared()
+
+
 def _follow(st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar, p_bar, k_used, handoff, p_smem, done,
             finish):
     """A latent cache's second warpgroup (see ``_compute_wg``): for each key block the leader computed, its
@@ -486,7 +507,7 @@ def _follow(st, acc, cta_lo, lo, hi, cta_hi, k_len, values, k_smem, k_bar, p_bar
 
     def step(blk, acc):
         slot = lax.rem(blk - cta_lo, st.stages)
-        plgpu.barrier_wait(k_bar.at[slot])
+        wait_ring(st, k_bar.at[slot])
         plgpu.barrier_wait(p_bar.at[slot])
         alpha = plgpu.load(handoff[0].at[slot], layout=row)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -541,7 +562,8 @@ def kernel_entry(st: KernelStatics, num_tiles: int, *refs):
         # P staging for the interpreter only (see ``_pv``): P @ V's operands share V's swizzle.
         plgpu.SMEM((wgs, bq, st.block_kv), st.dtype, transforms=tiled_v) if st.interpret else None,
     )
-    # Arrivals on a ring slot: TMA copies (a latent cache's: three column parts per page) or the gatherers.
+    # Arrivals on a ring slot: TMA copies (a latent cache's: three column parts per page), or the gathering
+    # warpgroup (each of its threads once its ``cp.async`` copies have landed: ``mosaic_io.cp_async_arrive``).
     ppb = 1 if st.gathers_rows else st.pages_per_block * (LATENT_PARTS if st.latent else 1)
     q_chunks = chunked(st.head_dim)[0]
     q_copies = LATENT_PARTS if st.latent else (st.pack if st.token_major else 1) * q_chunks  # per head and chunk
