@@ -77,7 +77,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int, 
     chunked-prefix prefill runs its 192 / 128 multi-head chunks through it."""
     md = varlen_metadata(cu_seqlens_q, cu_seqlens_k, num_tokens=q.shape[0], num_keys=k.shape[0],
                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    if varlen_repaged(impl, call_of(q, k[:, None], v[:, None], md, **kw), max_seqlen_k):
+    if varlen_repaged(impl, call_of(q, k[:, None], v[:, None], md, **kw)):
         return attention(q, *varlen_pages(k, v, md, VARLEN_PAGE), impl=impl, **kw)
     return attention(q, k[:, None], v[:, None], md, impl=impl, **kw)
 

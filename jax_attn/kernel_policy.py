@@ -161,20 +161,18 @@ def packed_sinks_wanted(call: Call) -> bool:
 VARLEN_PAGE = 64  # the page size varlen keys are copied into for the Mosaic kernel (``varlen_repaged``)
 
 
-def varlen_repaged(impl: str, call: Call, max_kv_len: int) -> bool:
+def varlen_repaged(impl: str, call: Call) -> bool:
     """Whether a varlen call (``attention.varlen_attention``: keys in contiguous ragged runs; ``call`` its
-    view as pages of one row, ``max_kv_len`` its bound on keys per sequence) copies its keys into pages of
+    view as pages of one row) copies its keys into pages of
     ``VARLEN_PAGE`` rows first (``attention.varlen_pages``: one read and one write of K/V), to run on the Mosaic
     kernel's TMA copies. Only where this policy picks Mosaic for the call at that page size, for long query
     runs (prefill), and where the rows of one-row pages cannot be gathered (head dims that are not multiples of
     64, e.g. 96). Elsewhere the gathered rows are faster than the copy: on an H200 (B4, 16 heads, bf16,
     ``benchmarks/bench_mla.py --prefix-mha``, 2026-11-29, thirty-first session), gathered against copied,
     TFLOP/s: causal S4096 at 192/128 499 against 460, at 128/128 534 against 500; a prefix chunk of 1024 queries
-    on 4096 keys at 192/128 514 against 513. (``max_kv_len`` is kept for the call sites: the rule no longer
-    weighs the copy against the attention.)"""
+    on 4096 keys at 192/128 514 against 513."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    del max_kv_len
     if call.max_q_len <= config.pack_max_q_len:
         return False
     if select_kernel(impl, dataclasses.replace(call, page_size=VARLEN_PAGE)) != "mosaic":

@@ -130,11 +130,10 @@ def test_varlen_repaged_policy(monkeypatch):
         return call_of(q, jnp.zeros((2 * q_len, 1, 8, d), dtype), jnp.zeros((2 * q_len, 1, 8, dv), dtype), md)
 
     for d, dv in ((192, 128), (128, 128)):
-        assert not kernel_policy.varlen_repaged("auto", call(d, dv), 300)  # the rows gathered
-    assert kernel_policy.varlen_repaged("auto", call(96, 96), 300)  # one-row pages cannot be gathered at 96
-    assert kernel_policy.varlen_repaged("auto", call(96, 96), 4096)
-    assert not kernel_policy.varlen_repaged("auto", call(128, 128, q_len=1), 1)  # decode-like: the copy would cost
-    assert not kernel_policy.varlen_repaged("auto", call(128, 128, jnp.float8_e4m3fn), 300)
-    assert not kernel_policy.varlen_repaged("triton", call(128, 128), 300)
-    assert kernel_policy.varlen_repaged("mosaic", call(96, 96), 300)
-    assert not kernel_policy.varlen_repaged("mosaic", call(128, 128), 300)
+        assert not kernel_policy.varlen_repaged("auto", call(d, dv))  # the rows gathered
+    assert kernel_policy.varlen_repaged("auto", call(96, 96))  # one-row pages cannot be gathered at 96
+    assert not kernel_policy.varlen_repaged("auto", call(128, 128, q_len=1))  # decode-like: the copy would cost
+    assert not kernel_policy.varlen_repaged("auto", call(128, 128, jnp.float8_e4m3fn))
+    assert not kernel_policy.varlen_repaged("triton", call(128, 128))
+    assert kernel_policy.varlen_repaged("mosaic", call(96, 96))
+    assert not kernel_policy.varlen_repaged("mosaic", call(128, 128))
