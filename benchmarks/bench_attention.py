@@ -7,11 +7,12 @@ peers (default): our paged kernel against its peers, in one process. Cases (32 q
     decode   B x ctx in {64x4096, 1x32768, 8x8192, 256x1024}, page size 1 and 16; TB/s over the
              KV bytes 2 * B * ctx * Hkv * D * 2.
     prefill  causal B=4, S=4096, page size 16, 64 and 1 for ours; TFLOP/s over 4 * B * Hq * S^2 * D / 2.
-    extend   B=4, 1024 new tokens on a 4096-token prefix (kv_len 5120), bottom-right causal;
+    extend   B=4, 1024 new tokens on a 4096-token prefix (kv_len 5120), and 512 on 4096 (kv_len 4608),
+             bottom-right causal;
              TFLOP/s over 4 * Hq * D * (visible query-key pairs).
     verify   B=32, 4 draft tokens per sequence, ctx 2048 (drafts included), chain (causal) mask;
              TB/s over the KV bytes.
-  Peers (benchmarks/peers.py), besides ours (Triton; Mosaic GPU at page sizes divisible by 8): torch
+  Peers (benchmarks/peers.py), besides ours (the Triton-lowered kernel) and ours_mosaic (Mosaic GPU): torch
   SDPA (the reference), SGLang's Triton decode / extend kernels, FA3 (flash_attn3_jax's
   flash_mha_with_kvcache on the same paged cache, every case), JAX Pallas paged attention (decode),
   and on prefill the dense JAX Pallas mha / Mosaic GPU attention. Every peer's output is compared
@@ -119,16 +120,16 @@ def parse_args(argv=None):
 def case_list(args) -> list[tuple[str, int, int, int, int]]:
     """(kind, B, q_len, kv_len, page_size) in run order."""
     if args.tiny:
-        shapes = dict(decode=[(2, 64)], prefill=(2, 64), extend=(2, 16, 80), verify=(3, 4, 48))
+        shapes = dict(decode=[(2, 64)], prefill=(2, 64), extend=[(2, 16, 80)], verify=(3, 4, 48))
     else:
         shapes = dict(decode=DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES, prefill=(4, 4096),
-                      extend=(4, 1024, 5120), verify=(32, 4, 2048))
+                      extend=[(4, 1024, 5120), (4, 512, 4608)], verify=(32, 4, 2048))
     cases = []
     for b, ctx in shapes["decode"]:
         cases += [("decode", b, 1, ctx, ps) for ps in (16, 1)]
     b, s = shapes["prefill"]
     cases += [("prefill", b, s, s, ps) for ps in (16, 64, 1)]
-    cases += [("extend", *shapes["extend"], ps) for ps in (16, 1)]
+    cases += [("extend", *shape, ps) for shape in shapes["extend"] for ps in (16, 1)]
     cases += [("verify", *shapes["verify"], ps) for ps in (16, 1)]
     return [c for c in cases if args.only in (None, c[0]) and args.page_size in (0, c[4])]
 
@@ -234,7 +235,11 @@ def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, r
     p = peers.make_problem(b, q_len, kv_len, ps, device=device, **HEADS)
     case = f"{kind} B={b} " + (f"ctx={kv_len}" if kind == "decode" else f"q={q_len} kv={kv_len}") + f" ps={ps}"
     amount, unit = work(kind, p)
-    print(f"{case}:", flush=True)
+    try:
+        picked = f" (auto runs {auto_kernel(kind, b, q_len, ps)})"
+    except Exception as e:  # a policy that cannot say is reported, not fatal to the run
+        picked = f" (auto: {type(e).__name__})"
+    print(f"{case}:{picked}", flush=True)
 
     def new_row(name):
         return Row(case, kind, name, ps, unit=unit, shape=dict(B=b, q_len=q_len, kv_len=kv_len, **HEADS))
