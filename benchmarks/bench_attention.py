@@ -36,7 +36,7 @@ Commands (GPU machine, repository root; peers from ``bash benchmarks/fetch_peers
       -o $OUT/prefill python3 benchmarks/bench_attention.py --mode ncu
   JAX_PLATFORMS=cpu python3 benchmarks/bench_attention.py --smoke   # CPU: every mode at toy shapes
 
-Flags: ``--only KIND`` one case kind (peers: decode|prefill|extend|verify; local, wall: decode|prefill);
+Flags: ``--only KIND[,KIND]`` case kinds (peers: decode|prefill|extend|verify; local, wall: decode|prefill);
 ``--reps N`` timed repetitions (peers: 30, quick 8; local: 15); ``--rounds N`` (peers) time every peer
 of a case N times round-robin; ``--quick`` (peers) fewer reps, decode 64x4096 and 1x32768 only;
 ``--tiny`` toy shapes (peers, local; numbers meaningless); ``--head-dim D`` / ``--heads HQ/HKV`` (peers)
@@ -87,7 +87,8 @@ SGLANG_SPLITS = (4, 8, 16)  # decode kv splits tried for SGLang; the fastest is 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", default="peers", choices=["peers", "local", "wall", "ncu"], help="what to measure")
-    ap.add_argument("--only", choices=["decode", "prefill", "extend", "verify"], help="run one group")
+    ap.add_argument("--only", help="peers: one case kind or several, comma-separated (decode, prefill, extend, "
+                                   "verify); local, wall, ncu: decode or prefill")
     ap.add_argument("--quick", action="store_true",
                     help="fewer repetitions; decode only 64x4096 and 1x32768")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per peer (default 30, quick 8)")
@@ -112,6 +113,9 @@ def parse_args(argv=None):
                     help="peers: the model-shape grid (MODEL_SHAPES) at decode 64x4096 and prefill B4 S2048, page 16, "
                          "against FA3 and cuDNN only, with the kernel auto picks and a summary table")
     args = ap.parse_args(argv)
+    kinds = ("decode", "prefill", "extend", "verify")
+    if args.only and not set(args.only.split(",")) <= set(kinds):
+        ap.error(f"--only {args.only}: kinds are {', '.join(kinds)}")
     if args.mode in ("local", "wall") and args.only not in (None, "decode", "prefill"):
         ap.error(f"--mode {args.mode} takes --only decode or --only prefill")
     return args
@@ -131,7 +135,7 @@ def case_list(args) -> list[tuple[str, int, int, int, int]]:
     cases += [("prefill", b, s, s, ps) for ps in (16, 64, 1)]
     cases += [("extend", *shape, ps) for shape in shapes["extend"] for ps in (16, 1)]
     cases += [("verify", *shapes["verify"], ps) for ps in (16, 1)]
-    return [c for c in cases if args.only in (None, c[0]) and args.page_size in (0, c[4])]
+    return [c for c in cases if (args.only is None or c[0] in args.only.split(",")) and args.page_size in (0, c[4])]
 
 
 def peer_builders(kind: str, page_size: int, with_dense: bool, keep=None):

@@ -79,8 +79,9 @@ def mosaic_wanted(call: Call) -> bool:
 
     On an H100 (page 16, 32/8 heads, benchmarks/RESULTS.md) the Mosaic kernel is ahead of the
     Triton one at 1 x 32768 (split decode) and 8 x 8192, about level at 64 x 4096 and behind at
-    256 x 1024: decode buckets of many tokens stay on Triton. Decode whose query-head group the
-    kernel cannot pack into its rows stays on Triton too (``packed_rows_wanted``). Deterministic mode keeps one
+    256 x 1024: decode buckets of many tokens stay on Triton. Decode of a query-head group that does not
+    divide the kernel's row block stays on Triton too, and its verify rows go to Mosaic whatever the batch
+    (``packed_rows_wanted``). Deterministic mode keeps one
     kernel for every batch (bitwise batch invariance). MLA latent caches go to Mosaic whatever the batch (H200,
     page 64, B64 ctx 4096, ``benchmarks/bench_mla.py``, 2026-11-28: decode at 16 heads 3.41 TB/s against
     Triton's 2.60, at 128 heads 528 TFLOP/s against 153, MTP verify q 2 at 128 heads 525 against 188).
@@ -90,25 +91,37 @@ def mosaic_wanted(call: Call) -> bool:
     if call.deterministic or not on_hopper() or not (gathered_rows_wanted(call) and packed_sinks_wanted(call)
                                                      and packed_rows_wanted(call)):
         return False
-    if call.max_q_len > config.pack_max_q_len or call.latent:
-        return True
+    if call.max_q_len > config.pack_max_q_len or call.latent or unaligned_group(call):
+        return True  # (an unaligned group's short runs here are verify rows: ``packed_rows_wanted``)
     return 0 < call.num_tokens * call.num_kv_heads <= config.num_sms
 
 
-def packed_rows_wanted(call: Call) -> bool:
-    """False for decode and verify rows (short query runs) whose query-head group does not divide the Mosaic
-    kernel's 64-row block (Llama 4's 40 / 8 heads, Qwen2.5-7B's 28 / 4). Unpacked, one query head per row
-    block reads each key block G times (H100, page 16, decode 64 x 4096, issue #35's table: 40 / 8 heads
-    0.92 TB/s against Triton's 2.98, 28 / 4 heads 0.68 against 2.88). Since 2026-11-29 the kernel packs such
-    groups when every sequence's queries fit one block (``mosaic_paged.pack_for``, ``impl="mosaic"``; right on
-    an H200, not timed yet), so ``auto`` keeps Triton for them until a measured table says otherwise. Prefill
-    rows (one head each) and latent caches pass."""
+def unaligned_group(call: Call) -> bool:
+    """Whether the call's query-head group does not divide the Mosaic kernel's 64-row block (Llama 4's 40 / 8
+    heads, Qwen2.5-7B's 28 / 4)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    if call.latent or call.max_q_len > config.pack_max_q_len:
-        return True
     group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
-    return not (group > 1 and config.block_q % group)
+    return group > 1 and config.block_q % group != 0
+
+
+def packed_rows_wanted(call: Call) -> bool:
+    """False for decode rows (one query per sequence) whose query-head group does not divide the Mosaic
+    kernel's 64-row block (``unaligned_group``), and for short query runs of such a group that the kernel
+    cannot pack (``mosaic_paged.pack_for``: more tokens than ``block_q // G``). Unpacked, one query head per
+    row block reads each key block G times (H100, page 16, decode 64 x 4096, issue #35's table: 40 / 8 heads
+    0.92 TB/s against Triton's 2.98, 28 / 4 heads 0.68 against 2.88).
+
+    Packed (``pack_for``), on an H200 (page 16, ``benchmarks/bench_attention.py --only decode,verify --quick
+    --heads 40/8`` and ``28/4``, 2026-11-29, thirty-second session), TB/s, Mosaic against Triton (FA3):
+    verify 32 x 4 on 2048 3.79 against 3.29 (3.50) at 40 / 8, 3.57 against 2.26 (3.19) at 28 / 4, so verify
+    rows go there; decode 64 x 4096 4.27 against 4.37 and 4.13 against 4.22, 1 x 32768 3.57 against 3.39 and
+    2.10 against 2.36, so decode stays on Triton. Prefill rows (one head each) and latent caches pass."""
+    from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config, pack_for
+
+    if call.latent or call.max_q_len > config.pack_max_q_len or not unaligned_group(call):
+        return True
+    return call.max_q_len > 1 and pack_for(call.num_q_heads // call.num_kv_heads, call.max_q_len, config) > 1
 
 
 def gathered_rows_wanted(call: Call) -> bool:

@@ -20,7 +20,7 @@ from jax_attn.reference import paged_attention_reference
 from tests.paging import shuffled_table
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool)
-from torch_bridge.mosaic_path import MosaicPath, kernel_outputs
+from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath, kernel_outputs
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
@@ -176,6 +176,45 @@ def test_launch_path_splits_few_long_decode_rows():
         tables = backend.step.tables[(HQ, HKV)]
         assert tables.num_splits == 3 and tables.layout is None  # the Mosaic kernel's split tables
         assert InterpretedKernel.calls == kernels + 1 and InterpretedTriton.calls == merges + 1  # kernel, merge
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("hq", [10, 14], ids=["group5", "group7"])
+def test_launch_path_packs_groups_that_do_not_divide_the_block(hq, device, monkeypatch):
+    """Query-head groups of 5 and 7 (Llama 4's 40 / 8, Qwen2.5-7B's 28 / 4 heads): a target verify step (4 draft
+    tokens per request) launches the Mosaic kernel with the group packed into its rows (12 / 9 tokens a 64-row
+    block, the last rows holding no query); decode rows launch the Triton-lowered kernel. Against the float32
+    reference over a NaN-poisoned pool. Catches packed rows that read another token's or head's queries, empty
+    rows written over the next token's outputs, and a policy sending verify rows elsewhere. (On the GPU: the
+    compiled kernels through the real launcher, on a Hopper GPU.)"""
+    from tests.test_triton_launch import InterpretedTriton
+    from torch_bridge import SpecInfo
+
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a Hopper GPU")
+    monkeypatch.setitem(globals(), "HQ", hq)  # the helpers' query heads
+    n_draft, rows, committed = 4, np.array([2, 5, 1]), np.array([36, 23, 86])
+    rng = np.random.default_rng(hq)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
+    runner, table, backend = setup(40 + hq, device=device, path=path)
+    layer = RadixAttention(hq, D, 0.11, HKV, 0)
+    fill(runner, table, rows, committed, rng)
+    loc = np.concatenate([table[r, c:c + n_draft] for r, c in zip(rows, committed)]).astype(np.int64)
+    t64 = [torch.from_numpy(x.astype(np.int64)).to(device) for x in (rows, committed, loc)]
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, len(rows), *t64, spec_info=SpecInfo(draft_token_num=n_draft),
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    backend.init_forward_metadata(fb)
+    q, k, v = (torch.from_numpy(rng.standard_normal((loc.shape[0], h * D)).astype(np.float32)).to(torch.bfloat16)
+               .to(device) for h in (hq, HKV, HKV))
+    kernels, tritons = InterpretedKernel.calls, InterpretedTriton.calls
+    out = backend.forward(q, k, v, layer, fb)
+    assert backend.step.tables[(hq, HKV)].pack == hq // HKV  # the Mosaic kernel's packed tables
+    ref = reference(runner, table, rows, committed + n_draft, np.full(len(rows), n_draft), q, scale=layer.scaling)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2)
+    step(runner, table, backend, rows, committed + n_draft + 1, [1, 1, 1], rng, layer=layer)
+    assert (hq, HKV, TRITON_TABLES) in backend.step.tables  # decode rows: the Triton-lowered kernel's tables
+    if device == "cpu":
+        assert InterpretedKernel.calls == kernels + 1 and InterpretedTriton.calls > tritons
 
 
 @pytest.mark.gpu

@@ -182,9 +182,10 @@ def test_attention_dispatch_runs_mosaic():
 
 def test_auto_rule_on_hopper(monkeypatch):
     """``auto`` on a Hopper GPU (faked): Mosaic for prefill and for decode whose (token, kv head)
-    programs fit in one wave; Triton for big decode buckets, decode of a query-head group the kernel
-    cannot pack, sinks with decode rows, decode at pages of 1, 2 and 4 rows (prefill there runs
-    Mosaic), deterministic mode and what the Mosaic kernel does not cover."""
+    programs fit in one wave; Triton for big decode buckets, decode of a query-head group that does not
+    divide the row block (its verify rows Mosaic when they pack), sinks with decode rows, decode at pages
+    of 1, 2 and 4 rows (prefill there runs Mosaic), deterministic mode and what the Mosaic kernel does not
+    cover."""
     from jax_attn import kernel_policy
     from jax_attn.attention import call_of
 
@@ -203,7 +204,10 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert impl([(1, 300)] * 16) == "mosaic"  # 16 tokens x 8 kv heads = 128 programs: one wave
     assert impl([(1, 300)] * 17) == "triton"  # 136 programs
     assert impl([(1, 300)] * 16, heads=(32, 4)) == "mosaic"
-    assert impl([(1, 300)] * 4, heads=(40, 8)) == "triton"  # group 5: packed by impl="mosaic", not timed yet
+    assert impl([(1, 300)] * 4, heads=(40, 8)) == "triton"  # group 5 decode: Triton is faster (H200)
+    assert impl([(4, 300)] * 32, heads=(40, 8)) == "mosaic"  # its verify rows: packed, faster, whatever the batch
+    assert impl([(4, 300)] * 32, heads=(28, 4)) == "mosaic"  # group 7 alike
+    assert impl([(10, 300)] * 2, heads=(28, 4)) == "triton"  # 10 tokens: more than a row block packs (9)
     assert impl([(40, 60)], heads=(40, 8)) == "mosaic"  # prefill rows are one head each anyway
     assert impl([(1, 300)] * 4, sinks=jnp.zeros((32,), jnp.float32)) == "triton"  # covered, but slower there
     assert choose_impl("mosaic", *build_inputs(Case(name="s", seq_lens=((1, 30),), heads=(8, 2), dtype="bfloat16"))[:4],
@@ -220,8 +224,9 @@ def test_auto_rule_on_hopper(monkeypatch):
     assert kernel_policy.select_kernel("auto", torch_extend, from_torch=True) == "mosaic"  # the bridge alike
     assert kernel_policy.select_kernel("auto", torch_decode, from_torch=True) == "triton"
     assert kernel_policy.select_kernel("mosaic", torch_decode, from_torch=True) == "mosaic"  # asked for
-    # Llama 4 (group 5), Qwen2.5-7B (group 7): the Mosaic kernel packs them (impl="mosaic") but is not timed there
-    for heads, q_len, want in (((40, 8), 1, "triton"), ((28, 4), 8, "triton"), ((32, 8), 16, "mosaic")):
+    # Llama 4 (group 5), Qwen2.5-7B (group 7): decode on Triton, verify rows the Mosaic kernel packs on Mosaic
+    for heads, q_len, want in (((40, 8), 1, "triton"), ((40, 8), 4, "mosaic"), ((28, 4), 8, "mosaic"),
+                               ((28, 4), 10, "triton"), ((32, 8), 16, "mosaic")):
         grouped = dataclasses.replace(torch_decode, page_size=16, num_q_heads=heads[0], num_kv_heads=heads[1],
                                       max_q_len=q_len)
         assert kernel_policy.select_kernel("auto", grouped, from_torch=True) == want  # the bridge: as the JAX API
