@@ -340,8 +340,8 @@ def bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch: int, ctx:
         results[f"{name} attention x layers"] = wall(
             lambda: [model.attn[i](q, k, v, fb) for i in range(cfg.n_layers)], iters)
     if name == "bridge":
-        split = any(getattr(t, "num_splits", 1) > 1 for t in backend.step.tables.values())
-        splits = sorted((k, getattr(t, "num_splits", 1)) for k, t in backend.step.tables.items())
+        split = any(t.layout is None and t.num_splits > 1 for t in backend.step.tables.values())  # Mosaic split
+        splits = sorted((k, t.kv_splits) for k, t in backend.step.tables.items())
         print(f"bridge launch tables: {splits} (table key, kv splits)")
     return split
 

@@ -275,6 +275,7 @@ class JaxFront:
         tokens = tuple(tuple(host(t) for t in x) for x in s.qkv)
         outs, self.kv = self.runner.replay(self._batch(s), tokens, self.kv, trim=False)
         n = len(s.loc)
+        jax.block_until_ready(outs)  # written before torch reads them (as ``peers._jax_to_tokens`` waits)
         return [torch.from_dlpack(o)[:n].reshape(n, self.hq, self.d) for o in outs]
 
     def capture(self) -> None:

@@ -111,6 +111,11 @@ class Tables:
     layout: Optional[triton_path.Layout] = None  # Triton tables' static facts (None: the Mosaic kernel's)
     num_splits: int = 1  # the Mosaic tables' kv splits S (> 1: the split kernel and its merge, ``LayerCall``)
 
+    @property
+    def kv_splits(self) -> int:
+        """The most kv splits a sequence gets from these tables (either kernel's)."""
+        return self.layout.max_splits if self.layout is not None else self.num_splits
+
 
 def _padded(n: int) -> int:
     return cdiv(n, _WORDS) * _WORDS
