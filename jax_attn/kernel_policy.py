@@ -127,10 +127,12 @@ def packed_rows_wanted(call: Call) -> bool:
 def gathered_rows_wanted(call: Call) -> bool:
     """False for the calls the Mosaic kernel is slower on because of their page size: at pages of 1, 2 or 4
     rows its producer gathers rows with ``cp.async`` (``KernelStatics.gathers_rows``), and only long query
-    runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200
-    (page 1, 32/8 heads, d 128, ``benchmarks/bench_small_pages.py``, 2026-11-29, thirty-first session), against
-    FA3: prefill B4 S4096 Mosaic 0.95x, Triton 0.64x; extend 1024 on 4096 0.97x against 0.65x; decode 64 x 4096
-    0.94x against 1.06x; verify 32 x 4 on 2048 1.02x against 1.06x (Triton keeps decode and verify).
+    runs (prefill, extend) go there; pages that are multiples of 8 always pass. On an H200, in one run of
+    ``benchmarks/bench_attention.py --page-size 1`` (32/8 heads, d 128, 2026-11-29, thirty-second session;
+    issue #34's table), Mosaic against Triton: prefill B4 S4096 538 against 376 TFLOP/s (FA3 570), extend 1024
+    on 4096 565 against 394, 512 on 4096 570 against 385; decode TB/s 64 x 4096 3.75 against 4.22, 1 x 32768
+    3.23 against 3.29, 8 x 8192 2.94 against 3.48, 256 x 1024 3.39 against 4.05; verify 32 x 4 on 2048 3.46
+    against 3.63 (Triton keeps decode and verify).
     An MLA latent cache's decode and verify go there too. On an H200 (page 1, B64 ctx 4096,
     ``benchmarks/bench_mla.py``, 2026-11-29), against SGLang's Triton MLA: 128 heads decode Mosaic 5.30x
     (500 TFLOP/s; MTP verify q 2: 507), Triton 1.65x (2026-11-28: 156 TFLOP/s; verify 195); 16 heads decode
