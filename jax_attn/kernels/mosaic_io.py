@@ -380,8 +380,9 @@ def _gather_pass(c, lane, warp, slot, src_ptr, dst_ptr, *, rows_per_warp, chunks
 
     Eight lanes share a row, so each ``cp.async`` instruction of the warp reads 128 contiguous bytes of
     each of 4 rows. (H200, page 1, prefill B4 S4096 at d 128: 987 us, against 1004 with 4 lanes a row (64
-    bytes of 8 rows) and 1011 with 16 (whole rows of 2). At d 256, 16/8 heads, 920 and 931 us in two runs
-    against 933 with 16 lanes: within run-to-run noise.)
+    bytes of 8 rows); 16 lanes (whole rows of 2) took 1059 against 8 lanes' 1011 at 40 producer registers,
+    thirty-first session. At d 256, 16/8 heads, 920 and 931 us in two runs against 933 with 16 lanes: within
+    run-to-run noise.)
     A lane copies chunk ``chunk`` of each 128-byte tile of the row, from one row address: the same place
     in each tile, so the same swizzle (destination + 1024, source + 128 bytes per tile). Pass i copies row
     j = 4 * i + q of the warp's run, whose place in its 8-row tile is (4 * i) % 8 + q (an OR: q < 4), so the
