@@ -289,6 +289,56 @@ def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode,
     assert len(runs) == 1 and not r.stale
 
 
+def test_multistep_chain_draft_replays_without_the_planner(monkeypatch):
+    """SGLang's multi-step draft backend (EAGLE chain drafts: topk 1, 3 steps, so 2 attention steps) captured on
+    the launch path: each step backend's tables are recomputed inside the engine's graph, so its replay hook
+    runs no planner, and each step's output equals the reference (step i: the committed keys, then draft
+    tokens 0..i). Catches a replay hook that still plans the round, a step refreshed with another step's key
+    offset (its draft tokens), and a refresh reading stale rows or lengths."""
+    from torch_bridge import FlashAttentionMultiStepBackend
+
+    rng = np.random.default_rng(13)
+    page, bs, steps = 16, 4, 3
+    runner, table, _ = make(page, seed=4)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)
+    draft = FlashAttentionMultiStepBackend(runner, topk=1, speculative_num_steps=steps, mosaic_path=path)
+    draft.init_cuda_graph_state(bs, bs)
+    rows, lens = torch.tensor([1, 2, 3, 4]), torch.tensor([9, 40, 17, 5])  # the engine's static buffers
+    loc_buf = torch.zeros(bs * steps, dtype=torch.int64)  # [bs, topk, steps]: every draft step's slots
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, spec_info=SpecInfo(topk=1),
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    draft.init_forward_metadata_capture_cuda_graph(fb)
+    lay = RadixAttention(HQ, D, 0.09, HKV, 0)
+
+    def draft_round(step_rows, committed):
+        """K/V of the committed tokens, the round's draft slots, then each step's layer against the reference."""
+        fill(runner, table, step_rows, committed, rng)
+        loc_buf.copy_(torch.from_numpy(np.stack([table[r, c:c + steps] for r, c in zip(step_rows, committed)])
+                                       .reshape(-1).astype(np.int64)))
+        for i, backend in enumerate(draft.attn_backends):
+            q, k, v = (torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(torch.bfloat16)
+                       for h in (HQ, HKV, HKV))
+            out = backend.forward(q, k, v, lay, fb)
+            ref = reference(runner, table, step_rows, committed + i + 1, np.ones(bs, np.int64), q, scale=0.09)
+            np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2, err_msg=f"draft step {i}")
+
+    draft_round(rows.numpy(), lens.numpy())  # warm-up
+    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refreshes are recorded, nothing else)
+        m.setattr(graph_tables, "capturing", lambda: True)
+        draft_round(rows.numpy(), lens.numpy())
+    planners = [b.planner for b in draft.attn_backends]
+    assert len(planners) == steps - 1 and all(p.recorded(ForwardMode.DECODE, bs) for p in planners)
+    runs = []
+    for p in planners:
+        real_run = p._run
+        monkeypatch.setattr(p, "_run", lambda *a, real_run=real_run: runs.append(a) or real_run(*a))
+    for step_rows, committed in (([5, 1, 6, 2], [70, 33, 120, 4]), ([3, 4, 2, 1], [12, 12, 90, 64])):
+        rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(committed))
+        draft.init_forward_metadata_replay_cuda_graph(fb, bs)
+        assert not runs, "the replay hook of recorded draft steps must not run the planner"
+        draft_round(np.array(step_rows), np.array(committed))
+
+
 def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatch):
     """Two captures of one step (no hook between): each graph must hold its own table refresh and safe-slot
     computation; reusing the first capture's would leave the second graph reading the first one's memory."""

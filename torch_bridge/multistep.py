@@ -10,7 +10,9 @@ SGLang re-plans every step from scratch; here one compiled call of
 ``jax_attn.multistep.plan_draft_steps`` builds the committed-KV plan once and derives each
 step's plan from it, and each step's backend receives its plan (no per-step planning, one
 packed import per draft round). The step backends share imported views and compiled
-executables. ``forward_batch.out_cache_loc`` at planning time holds every draft step's slots,
+executables. A captured round of chain drafts (topk 1) on the launch path plans nothing in its replay hook:
+each step's tables are recomputed inside the engine's graph (``torch_bridge.graph_tables``).
+``forward_batch.out_cache_loc`` at planning time holds every draft step's slots,
 ``[bs, topk, num_steps]`` flattened (``topk`` = 1 for chain drafts), as SGLang's EAGLE worker
 allocates them. In a Llama 4 model every chain (topk 1) step's plan carries its chunked local virtual batch
 (step ``i``: query at position ``seq_len + i``); tree steps carry the per-branch SWA table of sliding-window
@@ -23,6 +25,7 @@ from typing import List, Optional, Tuple
 
 
 from jax_attn import batch as jbatch
+from jax_attn.metadata import ForwardMode
 from torch_bridge.backend import FlashAttentionBackend
 from torch_bridge.checks import RunnerSettings
 from torch_bridge.dlpack import pad_int32
@@ -100,7 +103,11 @@ class FlashAttentionMultiStepBackend:
         if getattr(forward_batch, "spec_info", None) is None:
             raise ValueError("draft decode capture needs forward_batch.spec_info (EAGLE's draft input)")
         self._graph_buckets.add(bs)
-        self._replay(forward_batch, bs)
+        self._plan_replay(forward_batch, bs)
+        for b in self.attn_backends:  # chain (topk 1) steps: each step's tables recomputed inside the engine's graph
+            p, spec_info = b.planner, forward_batch.spec_info
+            p.make_refresh(ForwardMode.DECODE, bs, p.draft_key(bs, spec_info), p.spec(spec_info, ForwardMode.DECODE),
+                           forward_batch.req_pool_indices, forward_batch.seq_lens)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch, bs: int) -> None:
         """Pad the batch to bucket ``bs`` (seq_len 1, row 0, slot 0) and run the captured plan."""
@@ -110,6 +117,19 @@ class FlashAttentionMultiStepBackend:
         self._replay(forward_batch, bs)
 
     def _replay(self, forward_batch, bs: int) -> None:
+        """A replay hook: where every step's graph recomputes its tables (chain drafts captured on the launch
+        path: ``torch_bridge.graph_tables``), the step inputs go into the buffers those graphs read and no
+        planner runs; else one planner call for all steps."""
+        planners = [b.planner for b in self.attn_backends]
+        if planners and all(p.recorded(ForwardMode.DECODE, bs) is not None for p in planners):
+            for p in planners:
+                p.take_recorded(ForwardMode.DECODE, bs, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                forward_batch.spec_info)
+            return
+        self._plan_replay(forward_batch, bs)
+
+    def _plan_replay(self, forward_batch, bs: int) -> None:
+        """Plan bucket ``bs``'s draft round (padded: seq_len 1, row 0, slot 0) with one planner call."""
         if not self.attn_backends:
             return
         seq_lens = forward_batch.seq_lens

@@ -474,16 +474,27 @@ class StepPlanner:
             raise ValueError(f"bucket bs={bs} was captured with{'' if key.has_encoder else 'out'} encoder_lens; "
                              "replay must pass the same kind of batch")
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
-        r = self.refreshes.get((mode, bs))
-        if r is not None and r.recorded:  # the graph recomputes the tables from its input buffers
-            if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
-                raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
-                                 "its graph was captured with; capture the graphs again after reallocating it")
-            self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None)
-            if r.planner_too:
-                self.fresh(self.step)
+        if self.recorded(mode, bs) is not None:  # the graph recomputes the tables from its input buffers
+            self.take_recorded(mode, bs, req_pool_indices, seq_lens, spec_info)
             return
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
+
+    def recorded(self, mode: ForwardMode, bs: int) -> Optional["graph_tables.TableRefresh"]:
+        """Bucket ``bs``'s table refresh when a capture recorded it into the engine's graph, else None."""
+        r = self.refreshes.get((mode, bs))
+        return r if r is not None and r.recorded else None
+
+    def take_recorded(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info) -> None:
+        """The replay hook of a bucket whose graph recomputes its tables (``recorded``): the step's inputs into
+        the buffers the graph reads, no planner."""
+        r = self.recorded(mode, bs)
+        assert r is not None
+        if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
+            raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
+                             "its graph was captured with; capture the graphs again after reallocating it")
+        self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None)
+        if r.planner_too:
+            self.fresh(self.step)
 
     def tokens_per_req(self, mode: ForwardMode, spec) -> int:
         if mode == ForwardMode.DECODE:
