@@ -289,43 +289,74 @@ def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode,
     assert len(runs) == 1 and not r.stale
 
 
-def test_multistep_chain_draft_replays_without_the_planner(monkeypatch):
-    """SGLang's multi-step draft backend (EAGLE chain drafts: topk 1, 3 steps, so 2 attention steps) captured on
-    the launch path: each step backend's tables are recomputed inside the engine's graph, so its replay hook
-    runs no planner, and each step's output equals the reference (step i: the committed keys, then draft
-    tokens 0..i). Catches a replay hook that still plans the round, a step refreshed with another step's key
-    offset (its draft tokens), and a refresh reading stale rows or lengths."""
+def tree_draft_reference(runner, table, rows, committed, loc, q, step: int, scale: float) -> np.ndarray:
+    """Float32 tree draft decode, ``[B * K, Hq * D]``: branch (b, k)'s query over request b's committed keys,
+    then its own draft tokens of steps ``0..step`` (``loc``: ``[B, K, S]`` slots)."""
+    kb, vb = (b.float().numpy() for b in runner.token_to_kv_pool.get_kv_buffer(0))
+    qs = q.float().numpy().reshape(-1, HQ, D)
+    out = np.zeros((qs.shape[0], HQ * D), np.float32)
+    for b, (r, c) in enumerate(zip(rows, committed)):
+        for k in range(loc.shape[1]):
+            slots = np.concatenate([table[r, :c], loc[b, k, :step + 1]])
+            keys, vals = kb[slots], vb[slots]  # [L, Hkv, D]
+            row = b * loc.shape[1] + k
+            for h in range(HQ):
+                s = keys[:, h // (HQ // HKV)] @ qs[row, h] * scale
+                w = np.exp(s - s.max())
+                out[row, h * D:(h + 1) * D] = (w / w.sum()) @ vals[:, h // (HQ // HKV)]
+    return out
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_multistep_draft_round_replays_without_the_planner(topk, monkeypatch):
+    """SGLang's multi-step draft backend (EAGLE drafts, 3 steps, so 2 attention steps) captured on the launch
+    path: each step backend's tables are recomputed inside the engine's graph, so its replay hook runs no
+    planner, and each step's output equals the reference. Chain drafts (topk 1): step i's query over the
+    committed keys, then draft tokens 0..i. Tree drafts (topk 2): each branch's query over the committed keys
+    (the prefix pass), then its own draft tokens 0..i (the expand pass, from the slots the replay hook copies
+    into the graph's buffer). Catches a replay hook that still plans the round, a step refreshed with another
+    step's key offset or draft columns, another branch's slots, and a refresh reading stale rows, lengths or
+    slots."""
     from torch_bridge import FlashAttentionMultiStepBackend
 
-    rng = np.random.default_rng(13)
-    page, bs, steps = 16, 4, 3
+    rng = np.random.default_rng(13 + topk)
+    page, bs, steps, scale = 16, 4, 3, 0.09
     runner, table, _ = make(page, seed=4)
     path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)
-    draft = FlashAttentionMultiStepBackend(runner, topk=1, speculative_num_steps=steps, mosaic_path=path)
-    draft.init_cuda_graph_state(bs, bs)
+    draft = FlashAttentionMultiStepBackend(runner, topk=topk, speculative_num_steps=steps, mosaic_path=path)
+    draft.init_cuda_graph_state(bs, bs * topk)
     rows, lens = torch.tensor([1, 2, 3, 4]), torch.tensor([9, 40, 17, 5])  # the engine's static buffers
-    loc_buf = torch.zeros(bs * steps, dtype=torch.int64)  # [bs, topk, steps]: every draft step's slots
-    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, spec_info=SpecInfo(topk=1),
+    loc_buf = torch.zeros(bs * topk * steps, dtype=torch.int64)  # [bs, topk, steps]: every draft step's slots
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, spec_info=SpecInfo(topk=topk),
                       token_to_kv_pool=runner.token_to_kv_pool)
-    draft.init_forward_metadata_capture_cuda_graph(fb)
-    lay = RadixAttention(HQ, D, 0.09, HKV, 0)
+    lay = RadixAttention(HQ, D, scale, HKV, 0)
 
-    def draft_round(step_rows, committed):
-        """K/V of the committed tokens, the round's draft slots, then each step's layer against the reference."""
+    def prepare(step_rows, committed) -> np.ndarray:
+        """K/V of the committed tokens, and the round's draft slots (each request's next positions: chain drafts
+        read them through its table, tree drafts through the slots the hooks see) into the engine's buffer."""
         fill(runner, table, step_rows, committed, rng)
-        loc_buf.copy_(torch.from_numpy(np.stack([table[r, c:c + steps] for r, c in zip(step_rows, committed)])
-                                       .reshape(-1).astype(np.int64)))
+        loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(step_rows, committed)])
+        loc_buf.copy_(torch.from_numpy(loc.reshape(-1).astype(np.int64)))
+        return loc
+
+    def draft_round(step_rows, committed, loc):
+        """Each draft step's layer against the reference."""
         for i, backend in enumerate(draft.attn_backends):
-            q, k, v = (torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(torch.bfloat16)
+            q, k, v = (torch.from_numpy(rng.standard_normal((bs * topk, h * D)).astype(np.float32)).to(torch.bfloat16)
                        for h in (HQ, HKV, HKV))
             out = backend.forward(q, k, v, lay, fb)
-            ref = reference(runner, table, step_rows, committed + i + 1, np.ones(bs, np.int64), q, scale=0.09)
+            if topk == 1:
+                ref = reference(runner, table, step_rows, committed + i + 1, np.ones(bs, np.int64), q, scale=scale)
+            else:
+                ref = tree_draft_reference(runner, table, step_rows, committed, loc, q, i, scale)
             np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2, err_msg=f"draft step {i}")
 
-    draft_round(rows.numpy(), lens.numpy())  # warm-up
+    loc = prepare(rows.numpy(), lens.numpy())
+    draft.init_forward_metadata_capture_cuda_graph(fb)
+    draft_round(rows.numpy(), lens.numpy(), loc)  # warm-up
     with monkeypatch.context() as m:  # the capture's forward (on CPU: the refreshes are recorded, nothing else)
         m.setattr(graph_tables, "capturing", lambda: True)
-        draft_round(rows.numpy(), lens.numpy())
+        draft_round(rows.numpy(), lens.numpy(), loc)
     planners = [b.planner for b in draft.attn_backends]
     assert len(planners) == steps - 1 and all(p.recorded(ForwardMode.DECODE, bs) for p in planners)
     runs = []
@@ -334,9 +365,10 @@ def test_multistep_chain_draft_replays_without_the_planner(monkeypatch):
         monkeypatch.setattr(p, "_run", lambda *a, real_run=real_run: runs.append(a) or real_run(*a))
     for step_rows, committed in (([5, 1, 6, 2], [70, 33, 120, 4]), ([3, 4, 2, 1], [12, 12, 90, 64])):
         rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(committed))
+        loc = prepare(np.array(step_rows), np.array(committed))
         draft.init_forward_metadata_replay_cuda_graph(fb, bs)
         assert not runs, "the replay hook of recorded draft steps must not run the planner"
-        draft_round(np.array(step_rows), np.array(committed))
+        draft_round(np.array(step_rows), np.array(committed), loc)
 
 
 def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatch):

@@ -307,3 +307,57 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n, window):
         if window is not None:
             assert torch.equal(bits(eager_w), bits(out_w)), "sliding-window layer: graph replay != eager"
         runs.clear()
+
+
+@pytest.mark.parametrize("page, topk, step, bs", [(16, 2, 1, 3), (1, 4, 0, 2), (4, 2, 2, 4)])
+def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, step, bs):
+    """Tree draft decode (topk > 1, draft step ``step`` of 3): the refresh writes the prefix pass's tables (each
+    branch's query over the committed keys: Mosaic at page 16, the Triton-lowered kernel's at pages 1 and 4) and
+    the expand pass's (each branch's slots of draft steps 0..step, read from the slots the replay hook copies
+    into the graph's buffer) exactly as the planner does, over bad rows and lengths, page ids outside the pool,
+    and draft slots outside the pool, below 0 or past int32. Catches another branch's or step's slots, slots
+    left unclipped, and stale slots."""
+    steps = 3
+    runner, _, backend = make(page, topk=topk, step_id=step, num_steps=steps)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_cuda_graph_state(bs, bs * topk)
+    spec = SpecInfo(topk=topk)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * topk, rows, lens, None, ForwardMode.DECODE, spec)
+    r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
+    prefix = PREFIX_TABLES if page % 8 == 0 else TRITON_TABLES | PREFIX_TABLES
+    assert r.draft and r.verified == set(r.step.tables) == {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
+    tables = dict(r.step.tables)
+    rng = np.random.default_rng(page * 10 + topk + step)
+    capacity = backend.jax_backend.capacity
+    r2t = runner.req_to_token_pool.req_to_token
+    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+
+    def planned(values, loc):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
+        rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, spec, None,
+                                                        out_cache_loc=loc)
+        assert all(backend.step.tables[h] is t for h, t in tables.items())
+        return {h: t.flat.clone() for h, t in tables.items()}
+
+    def step_inputs(trial):
+        values = bad_inputs(rng, bs, capacity - steps, trial, page, num_slots)
+        loc = rng.integers(0, num_slots, bs * topk * steps)
+        if trial % 2:  # draft slots outside the pool, below 0, past int32
+            loc[rng.integers(0, loc.shape[0], 3)] = rng.choice([num_slots, num_slots + 7, -1, 1 << 40], 3)
+        return values, torch.from_numpy(loc.astype(np.int64))
+
+    for trial in range(10):
+        values, loc = step_inputs(trial)
+        with edited(r2t, values[2]):
+            before = planned(values, loc)
+        values, loc = step_inputs(trial + 1)
+        with edited(r2t, values[2]):
+            after = planned(values, loc)
+            for h, t in tables.items():  # the previous step's tables, then the refresh of the new inputs
+                t.flat.copy_(before[h])
+            r.take(rows, lens, None, loc)
+            r.before_layer(0)
+            for h, t in tables.items():
+                assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
+            slots = tables[(HQ, HKV, TRITON_TABLES | EXPAND_TABLES)].args[6]
+            assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, "draft slots outside the pool"

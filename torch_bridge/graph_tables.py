@@ -14,7 +14,11 @@ backend of a chain ``FlashAttentionMultiStepBackend`` round is such a bucket (``
 A tree verify bucket (topk > 1, ``jax_attn.spec.plan_verify_tree``) depends on SGLang's flat
 ``custom_mask`` too, a new tensor each step: the replay hook copies it into a buffer the graph reads
 (``TableRefresh.load_mask``), and the graph recomputes both passes' tables and, with sliding-window
-layers, the tree's SWA table. Tree draft decode and SGLang's ``SWAKVPool`` keep the planner (``reason``).
+layers, the tree's SWA table. A tree draft decode bucket (topk > 1, ``jax_attn.spec.plan_draft_decode_tree``)
+depends on every draft step's slots (SGLang's ``out_cache_loc``): the replay hook copies them into a buffer the
+graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pass's tables and its expand pass's
+(each branch's slots of draft steps ``0..step_id``, clipped into the pool). SGLang's ``SWAKVPool`` and a tree
+draft step's SWA table keep the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -91,14 +95,21 @@ def tree_verify(key: PlanKey) -> bool:
     return key.topk > 1 and key.mode == ForwardMode.TARGET_VERIFY
 
 
+def tree_draft(key: PlanKey) -> bool:
+    """Tree draft decode (``jax_attn.spec.plan_draft_decode_tree``): each branch's query over the committed keys
+    (the prefix pass) and over its own draft tokens of steps ``0..step_id`` (the expand pass)."""
+    return key.topk > 1 and key.mode == ForwardMode.DECODE
+
+
 def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
     """None when the launch tables of ``step`` (a graph bucket's, planned by the capture hook) may be
     refreshed inside the graph, else why not (each table key is checked too: ``TableRefresh.verify``)."""
     if validate:
         return "validation mode reads each step's error flag from the planner"
-    if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key)):
-        return ("only uniform steps without encoder (decode, chain draft decode, chain and tree verify); tree draft "
-                "decode's tables come from the planner")
+    if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key) or tree_draft(key)):
+        return "only uniform steps without encoder (decode, draft decode, verify)"
+    if tree_draft(key) and key.with_swa:
+        return "a tree draft step's SWA table comes from the planner"
     if key.swa_pool or plans_local(key) or step.layout.local or step.layout.swa:
         return "SWA pool and local-attention tables come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
@@ -140,17 +151,20 @@ class TableRefresh:
       config: the launch path's kernel config.
       spec: the bucket's ``jax_attn.batch.SpecInfo`` (or None), for a planner call of its step.
       mask: tree verify: the capture hook's ``spec_info.custom_mask`` (or None).
+      loc: tree draft decode: every draft step's slots, ``[bs, topk, num_steps]`` flattened (or None: zeros).
     """
 
     def __init__(self, key: PlanKey, step, rows: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
-                 capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None):
+                 capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None,
+                 loc: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
         self.rows_per_tile, self.block_q, self.config = tile_rows(config.block_q, latent=False), config.block_q, config
         self.rows, self.lens = rows, lens  # the graph reads these tensors
         self.n = min(int(rows.shape[0]), b)
-        self.tree = tree_verify(key)
-        self.kv_offset = 0 if self.tree else key.kv_offset  # a tree's prefix pass reads the committed keys only
+        self.tree, self.draft = tree_verify(key), tree_draft(key)
+        self.cascade = self.tree or self.draft  # a prefix pass and an expand pass
+        self.kv_offset = 0 if self.cascade else key.kv_offset  # a tree's prefix pass reads the committed keys only
         with torch.inference_mode(False):
             # the bucket's padding (rows 0, seq_len fill) in buffers of the batch class; the refresh copies the
             # engine's n entries in front
@@ -158,6 +172,9 @@ class TableRefresh:
             self._lens = torch.full((b,), jbatch.SEQ_LEN_FILL_VALUE, dtype=torch.int64, device=dev)
             # tree verify: the flat mask bytes the planner reads (``mask_bytes``), filled by the replay hook
             self.mask = torch.zeros(mask_bytes(key, capacity), dtype=torch.bool, device=dev) if self.tree else None
+            # tree draft decode: every draft step's slots ``[B, topk, num_steps]``, filled by the replay hook
+            self.loc = (torch.zeros(b * key.topk * key.num_steps, dtype=torch.int64, device=dev) if self.draft
+                        else None)
         self.mask_size = 0 if self.mask is None else int(self.mask.shape[0])
         self.mask_len = 0  # bytes of ``mask`` the last load wrote (the rest are 0)
         self.spec_info = types.SimpleNamespace(custom_mask=self.mask) if self.tree else None  # a planner call's
@@ -173,6 +190,8 @@ class TableRefresh:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
         if self.tree:
             self.load_mask(mask)
+        if self.draft:
+            self.load_loc(loc)
         self.num_pages = key.num_slots // page if key.num_slots else 0
         self.lse: Dict[TableKey, Tuple[torch.Tensor, int]] = {}  # Mosaic prefix tables -> (lse_pattern, tile stride)
         self.split_lse: Dict[TableKey, torch.Tensor] = {}  # Mosaic split tables -> one sequence's lse_pattern
@@ -204,6 +223,10 @@ class TableRefresh:
                 swa = guarded(*swa_parts(self.r2t, rows, lens, table, counts, key.max_pages * key.page_size),
                               key.num_slots)
             expand = guarded(table, counts, key.num_slots)
+        elif self.draft:  # each branch's slots of draft steps 0..step_id, all of them attended
+            table = self.loc.view(-1, key.num_steps)[:, :key.step_id + 1]
+            expand = guarded(table, torch.full((table.shape[0],), key.step_id + 1, device=table.device),
+                             key.num_slots)
         if self.kv_offset:
             lens = lens + self.kv_offset
         lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does
@@ -290,7 +313,7 @@ class TableRefresh:
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
             rows = lens.shape[0]
-            if (len(heads) != 3 or flags not in TRITON_FLAGS[self.tree] or lay.batch != rows
+            if (len(heads) != 3 or flags not in TRITON_FLAGS[self.cascade] or lay.batch != rows
                     or lay.num_tokens != rows * per or lay.max_q_len != per):
                 return False
             cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * per  # fixed within the bucket
@@ -298,7 +321,7 @@ class TableRefresh:
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
-        if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.tree] or (latent and self.tree)  # local / SWA tables
+        if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.cascade] or (latent and self.cascade)  # local / SWA tables
                 or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
@@ -363,10 +386,21 @@ class TableRefresh:
             self.mask[n:self.mask_len].zero_()
         self.mask_len = n
 
-    def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None):
+    def load_loc(self, loc: Optional[torch.Tensor]) -> None:
+        """Tree draft decode: the engine's ``out_cache_loc`` (every draft step's slots) into ``self.loc``, as the
+        planner reads it (cut to the bucket, zeros past it; None: all zeros)."""
+        if loc is self.loc:
+            return
+        m = self.loc[:0] if loc is None else loc.reshape(-1)[:self.loc.shape[0]]
+        n = m.shape[0]
+        self.loc[:n].copy_(m)
+        self.loc[n:].zero_()
+
+    def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None,
+             loc: Optional[torch.Tensor] = None):
         """The replay hook's inputs for a recorded bucket: SGLang passes the captured tensors themselves;
         other tensors have their values copied into those (the graph reads them); tree verify's ``mask`` is
-        copied into ``self.mask``. Returns the step."""
+        copied into ``self.mask``, tree draft decode's ``loc`` into ``self.loc``. Returns the step."""
         n = min(int(rows.shape[0]), int(lens.shape[0]), self.key.batch_size)
         if n > self.n:
             raise ValueError(f"{self.key.mode.name} bucket was captured with {self.n} requests; its replay got {n}")
@@ -380,6 +414,8 @@ class TableRefresh:
                 dst[m:].fill_(fill)
         if self.tree:
             self.load_mask(mask)
+        if self.draft:
+            self.load_loc(loc)
         self.serial += 1
         self.stale = True
         if n == self.n:

@@ -10,7 +10,7 @@ SGLang re-plans every step from scratch; here one compiled call of
 ``jax_attn.multistep.plan_draft_steps`` builds the committed-KV plan once and derives each
 step's plan from it, and each step's backend receives its plan (no per-step planning, one
 packed import per draft round). The step backends share imported views and compiled
-executables. A captured round of chain drafts (topk 1) on the launch path plans nothing in its replay hook:
+executables. A captured round (chain or tree drafts) on the launch path plans nothing in its replay hook:
 each step's tables are recomputed inside the engine's graph (``torch_bridge.graph_tables``).
 ``forward_batch.out_cache_loc`` at planning time holds every draft step's slots,
 ``[bs, topk, num_steps]`` flattened (``topk`` = 1 for chain drafts), as SGLang's EAGLE worker
@@ -104,10 +104,10 @@ class FlashAttentionMultiStepBackend:
             raise ValueError("draft decode capture needs forward_batch.spec_info (EAGLE's draft input)")
         self._graph_buckets.add(bs)
         self._plan_replay(forward_batch, bs)
-        for b in self.attn_backends:  # chain (topk 1) steps: each step's tables recomputed inside the engine's graph
+        for b in self.attn_backends:  # each step's tables recomputed inside the engine's graph (where they can be)
             p, spec_info = b.planner, forward_batch.spec_info
             p.make_refresh(ForwardMode.DECODE, bs, p.draft_key(bs, spec_info), p.spec(spec_info, ForwardMode.DECODE),
-                           forward_batch.req_pool_indices, forward_batch.seq_lens)
+                           forward_batch.req_pool_indices, forward_batch.seq_lens, loc=self._locs(forward_batch, bs))
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch, bs: int) -> None:
         """Pad the batch to bucket ``bs`` (seq_len 1, row 0, slot 0) and run the captured plan."""
@@ -124,9 +124,15 @@ class FlashAttentionMultiStepBackend:
         if planners and all(p.recorded(ForwardMode.DECODE, bs) is not None for p in planners):
             for p in planners:
                 p.take_recorded(ForwardMode.DECODE, bs, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                forward_batch.spec_info)
+                                forward_batch.spec_info, self._locs(forward_batch, bs))
             return
         self._plan_replay(forward_batch, bs)
+
+    def _locs(self, forward_batch, bs: int):
+        """Every draft step's slots of the batch's requests (at most bucket ``bs``'s), flattened; None if none."""
+        loc = forward_batch.out_cache_loc
+        n = min(int(forward_batch.seq_lens.shape[0]), bs)
+        return None if loc is None else loc.reshape(-1)[: n * self._per_req]
 
     def _plan_replay(self, forward_batch, bs: int) -> None:
         """Plan bucket ``bs``'s draft round (padded: seq_len 1, row 0, slot 0) with one planner call."""
@@ -136,6 +142,6 @@ class FlashAttentionMultiStepBackend:
         n = min(int(seq_lens.shape[0]), bs)
         rows = pad_int32(forward_batch.req_pool_indices[:n], bs, 0)
         lens = pad_int32(seq_lens[:n], bs, jbatch.SEQ_LEN_FILL_VALUE)
-        loc = forward_batch.out_cache_loc
-        loc = rows[:0] if loc is None else loc.reshape(-1)[: n * self._per_req]
+        loc = self._locs(forward_batch, bs)
+        loc = rows[:0] if loc is None else loc
         self._plan(bs, rows, lens, pad_int32(loc, bs * self._per_req, 0), forward_batch.spec_info, n, graph=True)

@@ -307,7 +307,7 @@ class StepPlanner:
         r = step.refresh
         if r is None or not r.stale:
             return step
-        self.bucket(r.key, r.spec, r.rows, r.lens, None, r.spec_info, None)
+        self.bucket(r.key, r.spec, r.rows, r.lens, None, r.spec_info, r.loc)
         words = self.step.words
         for s in (r.step, *r.steps.values()):
             s.words = words
@@ -440,9 +440,10 @@ class StepPlanner:
         gc.collect()
         kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
 
-    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens, mask=None) -> None:
+    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens, mask=None, loc=None) -> None:
         """Give bucket ``bs`` an in-graph table refresh when its tables allow one and the refresh writes
-        what the planner just wrote (``torch_bridge.graph_tables``; ``mask``: tree verify's custom mask)."""
+        what the planner just wrote (``torch_bridge.graph_tables``; ``mask``: tree verify's custom mask; ``loc``:
+        tree draft decode's slots of every draft step, as planned)."""
         self.refreshes.pop((mode, bs), None)
         capacity = self.jax_backend.capacity
         if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate,
@@ -452,7 +453,7 @@ class StepPlanner:
         if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
             return
         r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec,
-                                      mask)
+                                      mask, loc)
         if r.verify():
             self.step.refresh = r
             self.refreshes[(mode, bs)] = r
@@ -475,7 +476,7 @@ class StepPlanner:
                              "replay must pass the same kind of batch")
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
         if self.recorded(mode, bs) is not None:  # the graph recomputes the tables from its input buffers
-            self.take_recorded(mode, bs, req_pool_indices, seq_lens, spec_info)
+            self.take_recorded(mode, bs, req_pool_indices, seq_lens, spec_info, out_cache_loc)
             return
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
 
@@ -484,7 +485,8 @@ class StepPlanner:
         r = self.refreshes.get((mode, bs))
         return r if r is not None and r.recorded else None
 
-    def take_recorded(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info) -> None:
+    def take_recorded(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info,
+                      out_cache_loc=None) -> None:
         """The replay hook of a bucket whose graph recomputes its tables (``recorded``): the step's inputs into
         the buffers the graph reads, no planner."""
         r = self.recorded(mode, bs)
@@ -492,7 +494,8 @@ class StepPlanner:
         if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
             raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
                              "its graph was captured with; capture the graphs again after reallocating it")
-        self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None)
+        self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None,
+                           out_cache_loc if r.draft else None)
         if r.planner_too:
             self.fresh(self.step)
 
