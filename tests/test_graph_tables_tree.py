@@ -1,6 +1,7 @@
-"""In-graph launch tables of tree verify buckets (topk > 1, ``torch_bridge.graph_tables``): the replay hook copies
-SGLang's flat custom mask into the buffer the graph reads and runs no planner; the first layer (inside the
-engine's graph: every replay) rewrites both passes' tables.
+"""In-graph launch tables of tree verify and tree draft decode buckets (topk > 1, ``torch_bridge.graph_tables``):
+the replay hook copies SGLang's flat custom mask (verify) or every draft step's slots (draft decode) into the buffer
+the graph reads and runs no planner; the first layer (inside the engine's graph: every replay) rewrites both
+passes' tables.
 
 * the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs and mask, bit
   for bit: random trees with all-False (padded) rows, masks shorter or longer than the planner's bound or of
@@ -361,3 +362,55 @@ def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk,
                 assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
             slots = tables[(HQ, HKV, TRITON_TABLES | EXPAND_TABLES)].args[6]
             assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, "draft slots outside the pool"
+
+
+def test_recorded_tree_draft_bucket_replays_without_the_planner(monkeypatch):
+    """A single tree draft decode backend (draft step 1 of 3, topk 2, SGLang's ``speculative_step_id``): after a
+    recorded capture (simulated on CPU) its replay hook takes the step's ``out_cache_loc`` (every draft step's
+    slots) into the graph's buffer and runs no planner; each branch's output equals the reference (the committed
+    keys, then its own slots of steps 0..1). Catches a hook that plans, or that leaves the slots of the capture."""
+    from tests.test_graph_tables import tree_draft_reference
+
+    page, topk, step, steps, bs, scale = 16, 2, 1, 3, 3, 0.11
+    rng = np.random.default_rng(17)
+    runner, table, backend = make(page, topk=topk, step_id=step, num_steps=steps)
+    rows, lens = torch.tensor([1, 2, 3]), torch.tensor([20, 7, 33])  # the engine's static buffers
+    spec = SpecInfo(topk=topk)
+    lay = RadixAttention(HQ, D, scale, HKV, 0)
+    backend.init_cuda_graph_state(bs, bs * topk)
+
+    def step_inputs(step_rows, committed):
+        """Committed K/V, draft K/V of step 0 (this step writes step 1's), the slots and random q, k, v."""
+        fill(runner, table, step_rows, committed, rng)
+        loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(step_rows, committed)])
+        kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+        prev = torch.from_numpy(loc[:, :, :step].reshape(-1).astype(np.int64))
+        for b in (kb, vb):
+            b[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32)).to(b)
+        q, k, v = (torch.from_numpy(rng.standard_normal((bs * topk, h * D)).astype(np.float32)).to(torch.bfloat16)
+                   for h in (HQ, HKV, HKV))
+        return torch.from_numpy(loc.reshape(-1).astype(np.int64)), loc, q, k, v
+
+    loc_t, loc, q, k, v = step_inputs(rows.numpy(), lens.numpy())
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * topk, rows, lens, None, ForwardMode.DECODE, spec)
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_t, spec_info=spec,
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, lay, fb)  # warm-up (SGLang's order: capture hook, warm-up, capture)
+    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
+        m.setattr(graph_tables, "capturing", lambda: True)
+        backend.forward(q, k, v, lay, fb)
+    r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
+    assert r.draft and r.recorded
+    runs = []
+    real_run = backend.planner._run
+    monkeypatch.setattr(backend.planner, "_run", lambda *a: runs.append(a) or real_run(*a))
+    for step_rows, committed in (([4, 1, 6], [50, 3, 90]), ([2, 5, 3], [11, 64, 40])):
+        loc_t, loc, q, k, v = step_inputs(np.array(step_rows), np.array(committed))
+        rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(committed))
+        fb.out_cache_loc = loc_t
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, spec, None,
+                                                        out_cache_loc=loc_t)
+        assert not runs, "the replay hook of a recorded tree draft bucket must not run the planner"
+        out = backend.forward(q, k, v, lay, fb)
+        want = tree_draft_reference(runner, table, step_rows, committed, loc, q, step, scale)
+        np.testing.assert_allclose(out.float().numpy(), want, atol=3e-2, rtol=3e-2)
