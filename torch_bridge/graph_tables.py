@@ -9,7 +9,8 @@ tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` a
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
 tensors the capture hook was given (SGLang's static input buffers). From then on the replay hook
 only selects the bucket's step; the graph recomputes the tables on the GPU before its first layer. Each step
-backend of a chain ``FlashAttentionMultiStepBackend`` round is such a bucket (``torch_bridge.multistep``).
+backend of a ``FlashAttentionMultiStepBackend`` round is such a bucket (chain drafts) or a tree draft decode
+bucket (below; ``torch_bridge.multistep``).
 
 A tree verify bucket (topk > 1, ``jax_attn.spec.plan_verify_tree``) depends on SGLang's flat
 ``custom_mask`` too, a new tensor each step: the replay hook copies it into a buffer the graph reads

@@ -117,9 +117,9 @@ class FlashAttentionMultiStepBackend:
         self._replay(forward_batch, bs)
 
     def _replay(self, forward_batch, bs: int) -> None:
-        """A replay hook: where every step's graph recomputes its tables (chain drafts captured on the launch
-        path: ``torch_bridge.graph_tables``), the step inputs go into the buffers those graphs read and no
-        planner runs; else one planner call for all steps."""
+        """A replay hook: where every step's graph recomputes its tables (chain or tree drafts captured on the
+        launch path: ``torch_bridge.graph_tables``), the step inputs (rows, lengths, every step's slots) go into
+        the buffers those graphs read and no planner runs; else one planner call for all steps."""
         planners = [b.planner for b in self.attn_backends]
         if planners and all(p.recorded(ForwardMode.DECODE, bs) is not None for p in planners):
             for p in planners:
