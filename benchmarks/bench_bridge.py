@@ -15,6 +15,8 @@ decode: decode step of a Llama-style model (1B-class layer shapes: dim 2048, 32/
   measured in this process; ratios are bridge / native (lower is better). Where the launch path splits
   the keys (few long sequences), its unsplit launch is timed too; the host time of each captured
   bucket's replay hook is printed.
+kernels: the GPU kernels of one eager decode step, native and the bridge, by name (torch's profiler): where the
+  step's GPU time goes.
 verify: a ``--layers``-layer target-verify step, batch ``--verify-batch``, 8 draft tokens per request at
   context ``--ctx``: an EAGLE tree of topk 4 (prefix pass, expand pass and merge per layer) against chain
   verify (topk 1) of the same tokens, eager and in a CUDA graph, and the host time of one layer call and
@@ -346,15 +348,60 @@ def bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch: int, ctx:
     return split
 
 
-def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
+def native_decode(cfg, batch: int, ctx: int):
+    """The model, its step's tokens and the native decode step: SDPA over a contiguous cache, every request at
+    ctx keys. Returns (model, tokens, attend, step)."""
     model = lt.TorchLlama(cfg, 0, DEVICE)
     tokens = torch.randint(0, cfg.vocab, (batch,), device=DEVICE)
-    # Native: SDPA over a contiguous cache, every request at ctx keys.
     kv = lt.ContiguousKV(cfg, batch, ctx, torch.bfloat16, DEVICE)
     kv.k.normal_(), kv.v.normal_()
     kv.lens = torch.full((batch,), ctx - 1, device=DEVICE)
     attend = kv.decode_attend(uniform_len=ctx)
-    steps = {"native step": lambda: model.forward(tokens, kv.lens, attend)}
+    return model, tokens, attend, lambda: model.forward(tokens, kv.lens, attend)
+
+
+def kernel_times(step, iters: int) -> dict:
+    """GPU time per call of ``step`` by kernel name (torch's CUPTI profiler over ``iters`` calls, after one)."""
+    step()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        sync()
+    out: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            n, t = out.get(e.name, (0, 0.0))
+            out[e.name] = (n + 1, t + e.device_time)  # us
+    return {name: (n / iters, t / iters) for name, (n, t) in out.items()}
+
+
+def bench_kernels(cfg, batch: int, ctx: int, page_size: int, iters: int):
+    """Each eager decode step's GPU kernels, native against the bridge's launch path: where a step's GPU time
+    goes (calls per step, us per step, by kernel name)."""
+    model, tokens, _, native = native_decode(cfg, batch, ctx)
+    runner = make_runner(cfg, batch, ctx, page_size, cfg.n_layers)
+    name_heads(runner, cfg)
+    backend = FlashAttentionBackend(runner)
+    static = StaticBatch(runner, backend, batch, ctx)
+    capture(backend, batch, static)
+
+    def bridge():
+        fb = static.replay()
+        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+    print(f"\n## kernels of one eager decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, page_size "
+          f"{page_size} (us per step; calls per step)")
+    for name, step in (("native", native), ("bridge", bridge)):
+        times = kernel_times(step, iters)
+        total = sum(t for _, t in times.values())
+        print(f"{name}: {total:.1f} us of GPU time per step")
+        for k, (n, t) in sorted(times.items(), key=lambda kv: -kv[1][1])[:14]:
+            print(f"  {t:9.1f} us  {n:5.1f}x  {k[:110]}")
+
+
+def bench_decode(cfg, batch: int, ctx: int, page_size: int, iters: int):
+    model, tokens, attend, native = native_decode(cfg, batch, ctx)
+    steps = {"native step": native}
     qkv = [torch.randn(batch, h, cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
            for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)]
     results = {"native attention x layers": wall(lambda: [attend(i, *qkv) for i in range(cfg.n_layers)], iters)}
@@ -668,7 +715,7 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
     if smoke:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         config, parts, batch, ctx, layers, iters, host_iters, profile_iters, verify_batch = (
-            "tiny", "profile,launcher,host,decode,verify", 2, 64, 2, 2, 20, 3, 2)
+            "tiny", "profile,launcher,host,decode,kernels,verify", 2, 64, 2, 2, 20, 3, 2)
     else:
         assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU (or --smoke)"
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run: numbers meaningless)"
@@ -686,6 +733,11 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
         bench_host(cfg, host_iters)
     if "decode" in todo:
         bench_decode(cfg, batch, ctx, page_size, iters)
+    if "kernels" in todo:
+        if DEVICE == "cuda":
+            bench_kernels(cfg, batch, ctx, page_size, iters)
+        else:
+            print("smoke: kernels part skipped on the CPU (a CUDA profile)")
     if "verify" in todo:
         bench_verify(cfg, verify_batch, ctx, page_size, iters, host_iters)
     return 0
@@ -693,7 +745,7 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, verify, profile, launcher")
+    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, kernels, verify, profile, launcher")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32, help="decode: model layers; launcher: launches in the graph")

@@ -13,7 +13,7 @@ mosaic: Mosaic GPU kernel variants against cuDNN SDPA (contiguous KV), in one pr
 triton-decode: decode knob sweep of the Triton-lowered paged kernel (split-KV tiles, kv-head packing,
   splits, merge). Points (32 query / 8 kv heads, d 128, bf16, shuffled pages, unused page 0 filled
   with NaN): 1 x 32768 and 8 x 8192 (split-KV launches) and 64 x 4096 (one program per sequence and
-  kv head, no split), each at page size 16 and 1. TB/s counts the KV bytes 2 * B * ctx * Hkv * D * 2.
+  kv head, no split), each at page size 16 and 1, and 256 x 1024 at page 1. TB/s counts the KV bytes 2 * B * ctx * Hkv * D * 2.
   Timing: GPU time per call from a CUPTI trace of back-to-back calls, the method of
   ``common.time_device``; the same trace splits that time into the attention kernel, the split merge
   and the rest (schedule glue). Host wall clock is not used: at 60-100 us of GPU work a JAX call is
@@ -184,7 +184,8 @@ WARPS_PER_SM = 64
 # (name, batch, ctx, page size, group); the page-1 twin of a split point uses its page-16 ranking.
 DECODE_POINTS = [("1x32768x16", 1, 32768, 16, "split"), ("8x8192x16", 8, 8192, 16, "split"),
           ("64x4096x16", 64, 4096, 16, "decode"), ("1x32768x1", 1, 32768, 1, "split"),
-          ("8x8192x1", 8, 8192, 1, "split"), ("64x4096x1", 64, 4096, 1, "decode")]
+          ("8x8192x1", 8, 8192, 1, "split"), ("64x4096x1", 64, 4096, 1, "decode"),
+          ("256x1024x1", 256, 1024, 1, "decode")]
 
 
 def _split(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
@@ -221,6 +222,10 @@ DECODE_CONFIGS = [
     ("d64/4/3", _decode(64, 4, 3)),
     ("d128/4/3", _decode(128, 4, 3)),
     ("d128/8/2", _decode(128, 8, 2)),
+    ("d64/4/4", _decode(64, 4, 4)),
+    ("d128/4/4", _decode(128, 4, 4)),
+    ("d256/8/2", _decode(256, 8, 2)),
+    ("d256/8/3", _decode(256, 8, 3)),
     ("prefetch", KernelConfig(prefetch_pages=True)),
 ]
 

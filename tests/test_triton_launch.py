@@ -19,7 +19,7 @@ import torch
 from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_decode_replays, fill, setup, step)
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
-from torch_bridge.triton_path import Kernels, Layout, kernel_fns
+from torch_bridge.triton_path import DECODE_MAX_REGISTERS, Kernels, Layout, Spec, capped, kernel_fns
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
@@ -168,7 +168,8 @@ def test_triton_launch_fp8_pool(page, case):
 def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
     """The kernel's Triton IR, lowered for CUDA without a GPU and compiled by ``triton``, takes one pointer
     per launch-plan buffer (call operands, then results; the aliased outputs are the arguments), plus only
-    the scratch parameters the launcher passes as null."""
+    the scratch parameters the launcher passes as null; decode tiles compile under the register cap, others
+    with ptxas's own count."""
     pytest.importorskip("triton")
     from jax._src.pallas.triton import pallas_call_registration as reg
 
@@ -178,6 +179,7 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
     from jax_attn.backend import LayerParams
 
     layer = LayerParams(HQ, HKV, D, sliding_window_size=7)
+    capped_kinds = []
     for lay in (Layout(8, 2, 5, 4, 4, 1, 4, 1), Layout(2, 2, 90, 1, 1, 3, 6, 1)):  # no split; split + merge
         fns = kernel_fns(layer, lay, jnp.bfloat16, jnp.bfloat16, True, interpret=False)
         assert len(fns) == (2 if lay.max_splits > 1 else 1)
@@ -196,10 +198,19 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
             assert [s.kind for s in plan.returns] == ["arg", "arg"] and not plan.out_types
         else:
             assert [s.kind for s in plan.returns] == ["out", "out"]
+        # decode tiles (one query a tile, 4 warps) compile under the register cap, to run as XLA's compile does
+        spec = Spec(layer, lay, torch.bfloat16, torch.bfloat16, True, [])
+        plan = capped(plan, spec)
+        decode = lay.max_q_len == 1 and plan.module.num_warps == 4
+        assert plan.module.max_registers == (DECODE_MAX_REGISTERS if decode else None)
+        assert capped(plan.module, spec) is plan.module  # only launch plans are capped
         compiled = launcher.compile_triton(plan.module, (9, 0))
         extra = launcher.kernel_params(compiled.asm["ptx"], compiled.metadata.name) - n_buf
         assert extra in (0, 1, 2), extra
         assert not getattr(compiled.metadata, "global_scratch_size", 0)
+        assert (f".maxnreg {DECODE_MAX_REGISTERS}" in compiled.asm["ptx"]) == decode
+        capped_kinds.append(decode)
+    assert capped_kinds == [False, True]  # the multi-token layout as it is, the decode one capped
 
 
 # ----------------------------------------------------------------------------------------------- GPU

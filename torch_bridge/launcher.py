@@ -115,6 +115,7 @@ class TritonModule:
     num_stages: int
     grid: tuple[int, int, int]
     num_buffers: int  # pointer parameters XLA would pass: the call's operands, then its results
+    max_registers: Optional[int] = None  # ptxas's registers per thread at most (Triton's ``maxnreg``); None: its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +387,10 @@ def compile_triton(module: TritonModule, capability: Tuple[int, int]):
         path = os.path.join(tmp, module.name + ".ttir")
         with open(path, "w") as f:
             f.write(module.ttir)
-        return triton.compile(path, target=GPUTarget("cuda", 10 * capability[0] + capability[1], 32),
-                              options=dict(num_warps=module.num_warps, num_stages=module.num_stages))
+        options = dict(num_warps=module.num_warps, num_stages=module.num_stages)
+        if module.max_registers is not None:
+            options["maxnreg"] = module.max_registers
+        return triton.compile(path, target=GPUTarget("cuda", 10 * capability[0] + capability[1], 32), options=options)
 
 
 def kernel_params(ptx: str, name: str) -> int:

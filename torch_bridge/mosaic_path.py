@@ -440,7 +440,8 @@ class MosaicPath:
             for ck, spec in mosaic.items():  # the lowering reuses the processes' builds
                 plans[ck] = [plan_kernel(fns[ck], *structs[ck])]
         for ck, spec in triton.items():
-            plans[ck] = [plan_kernel(fn, *as_structs(ex)) for fn, ex in zip(spec.fns(False), spec.examples)]
+            plans[ck] = [triton_path.capped(plan_kernel(fn, *as_structs(ex)), spec)
+                         for fn, ex in zip(spec.fns(False), spec.examples)]
         jobs = [(ck, i, plan, todo[ck].device) for ck, ps in plans.items() for i, plan in enumerate(ps)]
         built: Dict[tuple, Any] = {}
         if jobs:
