@@ -745,7 +745,8 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="host,decode", help="comma-separated: host, decode, kernels, verify, profile, launcher")
+    ap.add_argument("--parts", default="host,decode",
+                    help="comma-separated: host, decode, kernels, verify, profile, launcher")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32, help="decode: model layers; launcher: launches in the graph")

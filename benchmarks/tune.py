@@ -13,7 +13,8 @@ mosaic: Mosaic GPU kernel variants against cuDNN SDPA (contiguous KV), in one pr
 triton-decode: decode knob sweep of the Triton-lowered paged kernel (split-KV tiles, kv-head packing,
   splits, merge). Points (32 query / 8 kv heads, d 128, bf16, shuffled pages, unused page 0 filled
   with NaN): 1 x 32768 and 8 x 8192 (split-KV launches) and 64 x 4096 (one program per sequence and
-  kv head, no split), each at page size 16 and 1, and 256 x 1024 at page 1. TB/s counts the KV bytes 2 * B * ctx * Hkv * D * 2.
+  kv head, no split), each at page size 16 and 1, and 256 x 1024 at page 1. TB/s counts the KV bytes
+  2 * B * ctx * Hkv * D * 2.
   Timing: GPU time per call from a CUPTI trace of back-to-back calls, the method of
   ``common.time_device``; the same trace splits that time into the attention kernel, the split merge
   and the rest (schedule glue). Host wall clock is not used: at 60-100 us of GPU work a JAX call is
