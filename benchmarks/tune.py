@@ -199,6 +199,10 @@ def _decode(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
 
 SPLIT_CONFIGS = [
     ("default", KernelConfig()),
+    ("w4", KernelConfig(split_waves=4)),
+    ("ms4", KernelConfig(max_splits=4)),
+    ("ms8", KernelConfig(max_splits=8)),
+    ("ms16", KernelConfig(max_splits=16)),
     ("ms32", KernelConfig(max_splits=32)),
     ("ms64", KernelConfig(max_splits=64)),
     ("ms64 merge4", KernelConfig(max_splits=64, merge_block_rows=4)),

@@ -96,12 +96,20 @@ def test_split_knobs_choose_tiles_and_splits():
     assert kv_heads_per_program(cfg, 2, decode=True, split=True) == 2
     assert kv_heads_per_program(cfg, 8, decode=True, split=False) == 1
     assert kv_heads_per_program(cfg, 8, decode=False, split=True) == 1
-    # One sequence, 8 kv heads: 2 packed programs per tile ask for 4x the splits of 8 programs.
+    # One sequence, 8 kv heads: 2 packed programs per tile ask for 4x the splits of 8 programs; the splits fill
+    # at most split_waves (2) programs per SM, 264 (rounded down: 33 splits of 8 programs, not 34)
     kw = dict(num_tokens=1, num_kv_heads=8, block_q=1, num_splits=None)
-    assert static_num_splits(config=dataclasses.replace(cfg, split_kv_heads=1), decode=True, **kw) == 64
-    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=512), decode=True, **kw) == 264
-    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=256, split_kv_heads=1), decode=True,
-                             **kw) == 66
+    assert static_num_splits(config=dataclasses.replace(cfg, split_kv_heads=1), decode=True, **kw) == 33
+    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=512), decode=True, **kw) == 132
+    assert static_num_splits(config=dataclasses.replace(cfg, max_splits=256, split_kv_heads=1, split_waves=4),
+                             decode=True, **kw) == 66
+    # 8 sequences of 8 kv heads: 4 splits (256 programs, one wave), where rounding up gave 5 (320: a second wave)
+    assert static_num_splits(config=KernelConfig(), decode=True, num_tokens=8, num_kv_heads=8, block_q=1,
+                             num_splits=None) == 4
+    # and on device each sequence gets the same count under a looser bound (rounding up would give 5)
+    sched = build_schedule(jnp.full((8,), 8192, jnp.int32), jnp.arange(9, dtype=jnp.int32), num_tokens=8,
+                           max_q_len=1, block_q=1, max_splits=9, num_kv_heads=8)
+    assert np.asarray(sched.seq_num_splits).tolist() == [4] * 8
     assert static_num_splits(config=cfg, decode=True, num_tokens=64, num_kv_heads=8, block_q=1,
                              num_splits=None) == 1  # 512 programs fill the GPU: no split, no packing
     for bad in (dict(split_block_k=48), dict(split_num_warps=3), dict(split_kv_heads=3), dict(split_num_stages=0)):

@@ -98,7 +98,7 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
         splits = torch.ones(b, dtype=i32, device=dev)
     else:
         base = max(b * qb * programs, 1)
-        want = 1 if base >= num_sms else cdiv(num_sms * split_waves, base)
+        want = 1 if base >= num_sms else max(num_sms * split_waves // base, 1)
         by_len = torch.div(lens + (min_kv_per_split - 1), min_kv_per_split, rounding_mode="floor")
         splits = by_len.clamp(max=want).clamp(1, s).to(i32)
     counts = splits * qb

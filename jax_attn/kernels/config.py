@@ -68,9 +68,9 @@ class KernelConfig:
         heuristic.
       min_kv_per_split: the heuristic never gives a split fewer keys than this.
       num_sms: multiprocessors the heuristic tries to fill.
-      split_waves: programs per multiprocessor the split heuristic aims for when the (kv head,
-        query block) tiles alone leave multiprocessors idle (memory-bound decode wants several
-        programs in flight per multiprocessor).
+      split_waves: programs per multiprocessor the split heuristic fills at most (rounded down, so
+        the splits make one wave) when the (kv head, query block) tiles alone leave multiprocessors
+        idle: 2, the decode tiles' residency (196 registers, 4 warps).
       prefetch_pages: read the page ids of the next key block one loop step ahead (carried in
         the loop state), so a step's K/V addresses do not wait on a page-table load of that step.
       merge_block_rows: most rows (token, head pairs) per program of the split-merge kernel; fewer
@@ -97,7 +97,7 @@ class KernelConfig:
     max_splits: int = 32
     min_kv_per_split: int = 512
     num_sms: int = HOPPER_NUM_SMS
-    split_waves: int = 4
+    split_waves: int = 2
     prefetch_pages: bool = False
     merge_block_rows: int = 16
     merge_num_warps: int = 4

@@ -45,11 +45,11 @@ def static_num_splits(
     base = max(1, tiles * num_kv_heads)
     if base >= config.num_sms:
         return 1
-    want = config.num_sms * config.split_waves
-    s = max(1, min(config.max_splits, cdiv(want, base)))
+    want = config.num_sms * config.split_waves  # rounded down: a partial last wave costs a whole one
+    s = max(1, min(config.max_splits, want // base))
     if s > 1 and decode:
         pack = kv_heads_per_program(config, num_kv_heads, decode=True, split=True)
-        s = max(1, min(config.max_splits, cdiv(want, max(1, tiles * (num_kv_heads // pack)))))
+        s = max(1, min(config.max_splits, want // max(1, tiles * (num_kv_heads // pack))))
     return int(s)
 
 
@@ -65,7 +65,7 @@ def build_schedule(
     force_splits: bool = False,
     num_sms: int = 132,
     min_kv_per_split: int = 512,
-    split_waves: int = 4,
+    split_waves: int = 2,
 ) -> WorkSchedule:
     """Lists the kernel's work tiles for one batch (jit-able; lengths are device values).
 
@@ -80,7 +80,8 @@ def build_schedule(
       force_splits: give every sequence exactly ``max_splits`` splits (some may be empty).
       num_sms: multiprocessors the heuristic tries to fill.
       min_kv_per_split: the heuristic gives no split fewer keys than this.
-      split_waves: programs per multiprocessor the heuristic aims for.
+      split_waves: programs per multiprocessor the heuristic fills at most (rounded down: a partial last
+        wave costs a whole one).
 
     Returns:
       A ``WorkSchedule`` with ``N = max_num_tiles(...)`` entries, invalid ones ``-1``.
@@ -134,7 +135,7 @@ def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sm
     if max_splits == 1 or force:
         return jnp.full(cache_seqlens.shape, max_splits, jnp.int32)
     base = jnp.maximum(jnp.sum(q_blocks) * num_kv_heads, 1)
-    want = jnp.where(base >= num_sms, 1, cdiv(jnp.int32(num_sms * split_waves), base))
+    want = jnp.where(base >= num_sms, 1, jnp.maximum(jnp.int32(num_sms * split_waves) // base, 1))
     by_len = cdiv(cache_seqlens, min_kv_per_split)
     return jnp.clip(jnp.minimum(want, by_len), 1, max_splits).astype(jnp.int32)
 
