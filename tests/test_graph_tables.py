@@ -27,6 +27,7 @@ from jax_attn.kernels.schedule import build_schedule, static_num_splits
 from jax_attn.safety import INT32_MAX
 from tests.paging import shuffled_table
 from tests.test_bridge_launch import HKV, HQ, InterpretedKernel, fill, reference
+from tests.test_spec import tree_draft_oracle
 from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
@@ -290,21 +291,9 @@ def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode,
 
 
 def tree_draft_reference(runner, table, rows, committed, loc, q, step: int, scale: float) -> np.ndarray:
-    """Float32 tree draft decode, ``[B * K, Hq * D]``: branch (b, k)'s query over request b's committed keys,
-    then its own draft tokens of steps ``0..step`` (``loc``: ``[B, K, S]`` slots)."""
+    """``tests.test_spec.tree_draft_oracle`` over layer 0's pool and a bf16 ``q [B * K, Hq * D]``."""
     kb, vb = (b.float().numpy() for b in runner.token_to_kv_pool.get_kv_buffer(0))
-    qs = q.float().numpy().reshape(-1, HQ, D)
-    out = np.zeros((qs.shape[0], HQ * D), np.float32)
-    for b, (r, c) in enumerate(zip(rows, committed)):
-        for k in range(loc.shape[1]):
-            slots = np.concatenate([table[r, :c], loc[b, k, :step + 1]])
-            keys, vals = kb[slots], vb[slots]  # [L, Hkv, D]
-            row = b * loc.shape[1] + k
-            for h in range(HQ):
-                s = keys[:, h // (HQ // HKV)] @ qs[row, h] * scale
-                w = np.exp(s - s.max())
-                out[row, h * D:(h + 1) * D] = (w / w.sum()) @ vals[:, h // (HQ // HKV)]
-    return out
+    return tree_draft_oracle(kb, vb, table, rows, committed, loc, step, q.float().numpy().reshape(-1, HQ, D), scale)
 
 
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])

@@ -44,19 +44,35 @@ def setup(rows, committed, n_new, page_size, seed):
     return table, KVPool(jnp.asarray(k), jnp.asarray(v)), q, kn, vn
 
 
-def dense_tree_oracle(q, keys, vals, positions, qpos, window=-1, sinks=None):
-    """float64 attention of one query over an explicit key list (positions for the window); ``sinks[h]``
-    adds ``exp(sinks[h] - max)`` to head h's softmax denominator."""
-    g = HQ // HKV
-    out = np.zeros((HQ, D))
-    for h in range(HQ):
+def dense_tree_oracle(q, keys, vals, positions, qpos, window=-1, sinks=None, scale=None):
+    """float64 attention of one query ``q [Hq, D]`` over an explicit key list ``keys`` / ``vals [L, Hkv, D]``
+    (positions for the window); ``sinks[h]`` adds ``exp(sinks[h] - max)`` to head h's softmax denominator;
+    ``scale`` defaults to ``D ** -0.5``."""
+    hq, d = q.shape
+    g = hq // keys.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    out = np.zeros((hq, vals.shape[2]))
+    for h in range(hq):
         kk, vv = keys[:, h // g].astype(np.float64), vals[:, h // g].astype(np.float64)
-        s = kk @ q[h].astype(np.float64) * D**-0.5
+        s = kk @ q[h].astype(np.float64) * scale
         vis = np.ones(len(s), bool) if window < 0 else positions >= qpos - window
         m = s[vis].max()
         p = np.exp(s[vis] - m)
         out[h] = p @ vv[vis] / (p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m)))
     return out
+
+
+def tree_draft_oracle(k, v, table, rows, committed, loc, step: int, q, scale=None):
+    """float64 tree draft decode, ``[B * K, Hq * D]``: branch (b, k)'s query (``q [B * K, Hq, D]``) over request
+    b's committed keys (``table[rows[b], :committed[b]]`` of the pool ``k`` / ``v [slots, Hkv, D]``), then its own
+    draft tokens of steps ``0..step`` (``loc [B, K, S]``: slots)."""
+    topk = loc.shape[1]
+    want = []
+    for b, (r, c) in enumerate(zip(rows, committed)):
+        for br in range(topk):
+            slots = np.concatenate([table[r, :c], loc[b, br, :step + 1]])
+            want.append(dense_tree_oracle(q[b * topk + br], k[slots], v[slots], None, None, scale=scale))
+    return np.stack(want).reshape(len(want), -1)
 
 
 def run_backend(impl, table, pool, fb, q, kn, vn, page_size, window=-1, sinks=None):

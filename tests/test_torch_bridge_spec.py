@@ -15,7 +15,7 @@ from jax_attn.backend import LayerParams
 from jax_attn.batch import ForwardBatch as JaxBatch
 from jax_attn.batch import SpecInfo as JaxSpec
 from jax_attn.kv_cache import KVPool
-from tests.test_spec import chain, dense_tree_oracle, star, two_branches
+from tests.test_spec import chain, dense_tree_oracle, star, tree_draft_oracle, two_branches
 from tests.test_torch_bridge import HKV, HQ, MAX_CTX, D, fill_committed, layer, make_runner, rand_qkv
 from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, SpecInfo
 from torch_bridge.multistep import FlashAttentionMultiStepBackend
@@ -260,14 +260,8 @@ def draft_case(runner, table, rows, committed, step, rng, topk=TOPK):
 def draft_oracle(runner, table, fb, loc, step, q):
     """float64: each branch sees the committed prefix and its own slots of steps 0..step."""
     k, v = pool_np(runner)
-    qs, topk = q.numpy().reshape(-1, HQ, D), loc.shape[1]
-    want = []
-    for b, (r, c) in enumerate(zip(fb.req_pool_indices.numpy(), fb.seq_lens.numpy())):
-        for br in range(topk):
-            own = loc[b, br, :step + 1]
-            keys, vals = np.concatenate([k[table[r, :c]], k[own]]), np.concatenate([v[table[r, :c]], v[own]])
-            want.append(dense_tree_oracle(qs[b * topk + br], keys, vals, None, None))
-    return np.stack(want).reshape(len(want), HQ * D)
+    return tree_draft_oracle(k, v, table, fb.req_pool_indices.numpy(), fb.seq_lens.numpy(), loc, step,
+                             q.numpy().reshape(-1, HQ, D))
 
 
 @LAUNCH
