@@ -71,6 +71,11 @@ class Call:
     num_q_heads: int = 0  # 0: unknown
     latent: bool = False  # absorbed MLA over one latent cache (values = the latent part of each key row)
 
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (1 when the query heads are unknown)."""
+        return self.num_q_heads // self.num_kv_heads if self.num_q_heads else 1
+
 
 def mosaic_wanted(call: Call) -> bool:
     """``auto``'s speed rule: Mosaic on Hopper for query runs longer than the packed-decode bound,
@@ -101,8 +106,7 @@ def unaligned_group(call: Call) -> bool:
     heads, Qwen2.5-7B's 28 / 4)."""
     from jax_attn.kernels.mosaic_paged import DEFAULT_MOSAIC_CONFIG as config
 
-    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 0
-    return group > 1 and config.block_q % group != 0
+    return call.group > 1 and config.block_q % call.group != 0
 
 
 def packed_rows_wanted(call: Call) -> bool:
@@ -121,7 +125,7 @@ def packed_rows_wanted(call: Call) -> bool:
 
     if call.latent or call.max_q_len > config.pack_max_q_len or not unaligned_group(call):
         return True
-    return call.max_q_len > 1 and pack_for(call.num_q_heads // call.num_kv_heads, call.max_q_len, config) > 1
+    return call.max_q_len > 1 and pack_for(call.group, call.max_q_len, config) > 1
 
 
 def gathered_rows_wanted(call: Call) -> bool:
@@ -151,9 +155,8 @@ def mosaic_covers(call: Call) -> bool:
     if call.latent:
         return latent_unsupported(call.dtype, call.kv_dtype, call.head_dim, call.head_dim_v, call.page_size,
                                   call.num_q_heads, call.num_kv_heads, has_sinks=call.has_sinks) is None
-    group = call.num_q_heads // call.num_kv_heads if call.num_q_heads else 1
     return unsupported(call.dtype, call.kv_dtype, call.kv_dtype, call.head_dim, call.head_dim_v,
-                       call.page_size, packed_group=pack_for(group, call.max_q_len)) is None
+                       call.page_size, packed_group=pack_for(call.group, call.max_q_len)) is None
 
 
 def triton_launchable(call: Call) -> bool:
