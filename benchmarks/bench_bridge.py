@@ -151,6 +151,15 @@ class StaticBatch:
         return self.fb
 
 
+def eager_step(model, tokens, batch):
+    """A bridge step without a graph: ``batch``'s replay hook (or eager plan; a ``StaticBatch`` or
+    ``VerifyBatch``), then the model's forward over the batch it returns."""
+    def step():
+        fb = batch.replay()
+        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+    return step
+
+
 def graph_hooks(backend) -> bool:
     """Whether ``backend`` takes SGLang's CUDA-graph hooks: on CUDA it refuses them when some layer would run
     a JAX executable (``init_cuda_graph_state``), so the every-layer-through-JAX rows plan eagerly there."""
@@ -331,11 +340,8 @@ def bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch: int, ctx:
             lambda: model.forward(tokens, static.fb.positions, lt.bridge_attend(model, static.fb)), static.replay)
         hooks[f"{name}: replay hook"] = host(static.replay, 300)
 
-    def step(static=static):
-        fb = static.replay()
-        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
     if name != "bridge, planner per hook":
-        steps[f"{name} step"] = step
+        steps[f"{name} step"] = eager_step(model, tokens, static)
     fb = static.replay()
     q, k, v = (x.reshape(batch, -1) for x in qkv)
     if name != "bridge, planner per hook":
@@ -385,10 +391,7 @@ def bench_kernels(cfg, batch: int, ctx: int, page_size: int, iters: int):
     backend = FlashAttentionBackend(runner)
     static = StaticBatch(runner, backend, batch, ctx)
     capture(backend, batch, static)
-
-    def bridge():
-        fb = static.replay()
-        return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
+    bridge = eager_step(model, tokens, static)
     print(f"\n## kernels of one eager decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, page_size "
           f"{page_size} (us per step; calls per step)")
     for name, step in (("native", native), ("bridge", bridge)):
@@ -510,11 +513,7 @@ def bench_verify(cfg, batch: int, ctx: int, page_size: int, iters: int, host_ite
     for name, k in (("chain verify (topk 1)", 1), (f"tree verify (topk {topk})", topk)):
         backend = FlashAttentionBackend(runner, topk=k)
         vb = VerifyBatch(runner, backend, batch, ctx, draft, k)
-
-        def step(vb=vb):
-            fb = vb.replay()
-            return model.forward(tokens, fb.positions, lt.bridge_attend(model, fb))
-        steps[f"{name} step"] = step
+        steps[f"{name} step"] = eager_step(model, tokens, vb)
         if DEVICE == "cuda":
             graphs[f"{name} step, CUDA graph"] = graph_step(
                 lambda vb=vb: model.forward(tokens, vb.fb.positions, lt.bridge_attend(model, vb.fb)), vb.replay)
