@@ -565,6 +565,21 @@ def bench_profile(iters: int = 300, config: str = "1b"):
         profile(f"eager plan, page {page}", lambda: backend.init_forward_metadata(static.fb), iters)
         static.replay()
         profile(f"layer call, page {page}", lambda: backend.forward(q, k, k, layer, static.fb), iters)
+    profile_tree(cfg, iters)
+
+
+def profile_tree(cfg, iters: int, batch: int = 4, ctx: int = 256, draft: int = 8, topk: int = 4, page: int = 16):
+    """cProfile of a tree (topk > 1) verify bucket's replay hook and of one layer call (no KV write) on it."""
+    runner = make_runner(cfg, batch, ctx + draft, page, 1)
+    backend = FlashAttentionBackend(runner, topk=topk)
+    vb = VerifyBatch(runner, backend, batch, ctx, draft, topk)
+    layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
+    q = torch.randn(batch * draft, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    fb = vb.replay()
+    backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+    profile(f"tree verify replay hook (topk {topk}), page {page}", vb.replay, iters)
+    profile(f"tree verify layer call, no KV write (topk {topk}), page {page}",
+            lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters)
 
 
 # ---- --parts launcher: the torch launcher of compiled Mosaic kernels --------------------------------

@@ -6,6 +6,7 @@ arguments, same tables, same torch-side packing); the compiled launch, the strea
 """
 
 import dataclasses
+import math
 import types
 
 import jax
@@ -26,6 +27,12 @@ from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath, kernel_outputs
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
 HQ, HKV, D, PAGE, MAX_CTX = 4, 2, 64, 16, 96
+
+
+def same_bytes(t, shape, dtype) -> bool:
+    """Whether ``t`` holds what a launch compiled for ``shape`` / ``dtype`` reads through its pointer alone:
+    contiguous, that dtype and that many elements (any shape)."""
+    return t.dtype == dtype and t.numel() == math.prod(shape) and t.is_contiguous()
 
 
 class InterpretedKernel:
@@ -52,13 +59,13 @@ class _InterpretedLaunch:
     def __init__(self, fn, args, outs):
         self.fn, self.args, self.outs = fn, args, outs
 
-    def set_arg(self, i, t):
-        assert t.shape == self.args[i].shape and t.dtype == self.args[i].dtype
-        self.args[i] = t
+    def set_arg(self, i, t):  # a launch reads the pointer: the bytes of the bound shape, in any shape
+        assert same_bytes(t, self.args[i].shape, self.args[i].dtype)
+        self.args[i] = t.view(self.args[i].shape)
 
     def set_out(self, i, t):
-        assert t.shape == self.outs[i].shape and t.is_contiguous()
-        self.outs[i] = t
+        assert same_bytes(t, self.outs[i].shape, self.outs[i].dtype)
+        self.outs[i] = t.view(self.outs[i].shape)
 
     def __call__(self):
         InterpretedKernel.calls += 1
@@ -149,6 +156,35 @@ def test_launch_path_eager(q_lens):
     step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng)
     assert InterpretedKernel.calls == before + 1  # the layer ran on the launch path, not through JAX
     assert backend.step.tables[(HQ, HKV)].pack == (HQ // HKV if max(q_lens) == 1 else 1)
+
+
+def test_a_checked_layer_is_rechecked_for_a_new_query_dtype():
+    """The launch path skips its checks for a layer it ran before (``LayerHit``), and a launch reads only q's
+    pointer: a float16 q after a bfloat16 one through the same layer and plan must not reuse the bfloat16
+    kernel (it would read float16 bits as bfloat16). Its output equals a fresh backend's for the float16 q, or
+    both refuse it alike. Catches a hit whose match ignores q's dtype."""
+    rows, kv_lens, q_lens = np.array([2, 5]), np.array([40, 27]), np.array([1, 1])
+
+    def run(backend, runner, table, dtypes):
+        fill(runner, table, rows, kv_lens - q_lens, np.random.default_rng(3))
+        fb, q, k, v = plan_step(runner, table, backend, rows, kv_lens, q_lens, np.random.default_rng(4))
+        layer, got = RadixAttention(HQ, D, 0.09, HKV, 0), None
+        for dt in dtypes:
+            try:
+                got = backend.forward(q.to(dt), k, v, layer, fb, save_kv_cache=False)
+            except (ValueError, NotImplementedError) as e:
+                got = type(e)
+        return got
+
+    runner, table, backend = setup(5)
+    seen = run(backend, runner, table, (torch.bfloat16, torch.float16))
+    runner, table, fresh = setup(5)
+    want = run(fresh, runner, table, (torch.float16,))
+    if isinstance(want, type):
+        assert seen is want
+    else:
+        assert not isinstance(seen, type) and seen.dtype == want.dtype
+        np.testing.assert_array_equal(seen.float().numpy(), want.float().numpy())
 
 
 def test_launch_path_splits_few_long_decode_rows():

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_decode_replays, fill, setup, step)
+from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_decode_replays, fill, same_bytes, setup,
+                                      step)
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import DECODE_MAX_REGISTERS, Kernels, Layout, Spec, capped, kernel_fns
@@ -30,17 +31,18 @@ def _to_jax(t: torch.Tensor):
     return jnp.asarray(t.numpy())
 
 
-def live(t):
+def live(t, shape=None):
     """A tensor repointed into a bound launch, held as the launcher holds it: by address only (a weak
-    reference here). The launch must find it alive: memory torch's allocator got back can be another
-    tensor's by then."""
+    reference here), read as the bound ``shape``. The launch must find it alive: memory torch's allocator
+    got back can be another tensor's by then."""
     ref = weakref.ref(t)
 
     def get():
         got = ref()
         assert got is not None, "a bound launch reads a tensor that was freed after set_arg/set_out"
-        return got
+        return got if shape is None else got.view(shape)
     return get
+
 
 
 class _Bound:
@@ -55,12 +57,12 @@ class _Bound:
         self.out_types = None if outs is None else [(o.shape, o.dtype) for o in outs]
 
     def set_arg(self, i, t):
-        assert (t.shape, t.dtype) == self.types[i] and t.is_contiguous()
-        self.args[i] = live(t)
+        assert same_bytes(t, *self.types[i])
+        self.args[i] = live(t, self.types[i][0])
 
     def set_out(self, i, t):
-        assert (t.shape, t.dtype) == self.out_types[i] and t.is_contiguous()
-        self.outs[i] = live(t)
+        assert same_bytes(t, *self.out_types[i])
+        self.outs[i] = live(t, self.out_types[i][0])
 
     def __call__(self):
         InterpretedTriton.calls += 1

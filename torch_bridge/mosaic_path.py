@@ -579,7 +579,6 @@ class LayerCall:
         spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks,
                            scratch=path.scratch)
         self.tables, self.t, self.rows = tables, int(q.shape[0]), key.num_tokens
-        self.q_shape, self.out_shape = spec.q_shape, spec.out_shape
         self.flat_out = (self.rows, lp.num_q_heads * (lp.v_head_dim or lp.head_dim))
         self.dtype, self.device, self.sinks = q.dtype, q.device, spec.args[-1]
         # split-KV: the kernel writes the (shared) partials, the merge reads them into the output
@@ -592,15 +591,11 @@ class LayerCall:
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
-        if self.t != self.rows:  # the bucket's padding tokens (their output is dropped)
-            q = torch.nn.functional.pad(q.reshape(self.t, -1), (0, 0, 0, self.rows - self.t))
-        q = q.reshape(self.q_shape)
-        if not q.is_contiguous():
-            q = q.contiguous()
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        q = triton_path.padded_rows(q, self.t, self.rows)
+        out = torch.empty(self.flat_out, dtype=self.dtype, device=self.device)  # the kernel's out_shape, flat
         if sinks is not None:
             self.sinks.copy_(sinks)
-        self.launch.set_arg(0, q)
+        self.launch.set_arg(0, q)  # a launch reads pointers: any contiguous tensor of the rows' bytes
         if self.merge is None:
             self.launch.set_out(0, out)
             self.launch()
@@ -608,7 +603,6 @@ class LayerCall:
             self.launch()
             self.merge.set_out(0, out)
             self.merge()
-        out = out.view(self.flat_out)
         return out if self.t == self.rows else out[:self.t]
 
 
@@ -620,19 +614,19 @@ class LsePass:
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
         spec = launch_spec(path.config, lp, key, tables, q.dtype, q.device, k_buf, v_buf, has_sinks, return_lse=True)
-        self.q_shape, self.sinks, self.lse_index = spec.q_shape, spec.args[-1], tables.args[3]
+        self.sinks, self.lse_index = spec.args[-1], tables.args[3]
         self.out_ex = spec.out.view(-1, lp.v_head_dim or lp.head_dim)  # [R * Hq, Dv], token-major
         self.lse = spec.lse
         self.launch = path.built(spec).bind(*spec.args, out=(spec.out, spec.lse))
 
-    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
-        """The pass over the query rows ``q`` (``[R * Hq, D]``, contiguous) into ``out_ex`` and ``lse``."""
-        if out is not None and out is not self.out_ex:
+    def run(self, q: torch.Tensor, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The pass over the query rows ``q`` (``triton_path.padded_rows``: the bytes of ``[R * Hq, D]``) into
+        ``out_ex`` (``out`` must be it) and ``lse``."""
+        if out is not self.out_ex:
             raise ValueError("the Mosaic prefix pass writes its own persistent output (out_ex)")
         if sinks is not None:
             self.sinks.copy_(sinks)
-        self.launch.set_arg(0, q.view(self.q_shape))
+        self.launch.set_arg(0, q)
         self.launch()
         return self.out_ex
 
@@ -651,12 +645,13 @@ class LayerHit(CheckedLayer):
 
     def __init__(self, layer, lp: LayerParams, call: Any, pool, buffers, no_sinks: bool, swa: bool = False):
         super().__init__(layer, lp, call.t, pool, buffers, swa)
-        self.call, self.no_sinks = call, no_sinks
+        self.call, self.no_sinks, self.dtype = call, no_sinks, call.dtype
         self.reads = reads(call, table_key(lp, swa))  # the tables the call reads, by key
 
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
-        return (all(step.tables.get(h) is t for h, t in self.reads) and (sinks is None) == self.no_sinks
-                and self.same(layer, q, forward_batch))
+        # q's dtype too: the kernel was compiled for it, and a launch reads only q's pointer
+        return (q.dtype is self.dtype and all(step.tables.get(h) is t for h, t in self.reads)
+                and (sinks is None) == self.no_sinks and self.same(layer, q, forward_batch))
 
     def __call__(self, q, k, v, loc, sinks, step=None):
         """The KV write, then the launch (over the step tables it was bound to: ``step`` is not read)."""

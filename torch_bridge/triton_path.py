@@ -192,6 +192,15 @@ def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tens
     return CallArgs(examples, sinks, out, lse, partial)
 
 
+def padded_rows(q: torch.Tensor, t: int, rows: int) -> torch.Tensor:
+    """The engine's ``q`` (``t`` tokens of ``Hq * D``, any shape holding them) as a contiguous tensor of the plan
+    bucket's ``rows`` tokens, the padding ones zero (their output is dropped): ``q`` itself when it is that
+    already. A launch reads only its pointer, so no view to the kernel's shape is made."""
+    if t != rows:
+        return torch.nn.functional.pad(q.reshape(t, -1), (0, 0, 0, rows - t))
+    return q if q.is_contiguous() else q.contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What one layer shape's kernels over one ``Layout`` compile (``MosaicPath.prebuild`` builds them)."""
@@ -247,22 +256,10 @@ class LayerCall:
             self.merge, self.out_index = None, len(args.examples[0]) - 2
         self.tables = tables
 
-    def q_rows(self, q: torch.Tensor) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> the kernel's contiguous ``[R, D]`` query rows (the bucket's padding tokens
-        appended: their output is dropped)."""
-        q = q.reshape(self.t, self.hq * self.d)
-        if self.t != self.rows:
-            q = torch.nn.functional.pad(q, (0, 0, 0, self.rows - self.t))
-        elif not q.is_contiguous():
-            q = q.contiguous()
-        return q.view(self.rows * self.hq, self.d)
-
-    def run(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
-        """The kernel's query rows ``q`` (``q_rows``) -> ``[R, Dv]``, the padding rows' included (their LSE in
-        ``self.lse``): a new tensor, or ``out`` (a pass of a ``TreeCall`` writes its persistent ``out_ex``)."""
-        if out is None:
-            out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
+    def run(self, q: torch.Tensor, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The kernel's query rows ``q`` (``padded_rows``: the bytes of ``[R, D]``) into ``out`` (the
+        bytes of ``[R, Dv]``, the padding rows' included; their LSE in ``self.lse``). A pass of a ``TreeCall``
+        writes its persistent ``out_ex``."""
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.tiles.set_arg(self.q_index, q)
@@ -277,7 +274,8 @@ class LayerCall:
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream)."""
-        out = self.run(self.q_rows(q), sinks).view(self.rows, self.hq * self.dv)
+        out = torch.empty(self.rows, self.hq * self.dv, dtype=self.dtype, device=self.device)
+        self.run(padded_rows(q, self.t, self.rows), out, sinks)
         return out if self.t == self.rows else out[:self.t]
 
 
@@ -348,11 +346,10 @@ class TreeCall:
         The passes write their persistent outputs, which the merge is bound to. (A pass's output in a new
         tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
         output could take its memory: the merge would read the expand pass twice.)"""
-        q = self.expand.q_rows(q)  # both passes read the same rows
-        self.prefix.run(q, sinks, out=self.prefix.out_ex)
-        self.expand.run(q, out=self.expand.out_ex)
-        out = torch.empty(self.rows * self.hq, self.dv, dtype=self.dtype, device=self.device)
+        q = padded_rows(q, self.t, self.rows)  # both passes read the same rows
+        self.prefix.run(q, self.prefix.out_ex, sinks)
+        self.expand.run(q, self.expand.out_ex)
+        out = torch.empty(self.rows, self.hq * self.dv, dtype=self.dtype, device=self.device)
         self.merge.set_out(0, out)
         self.merge()
-        out = out.view(self.rows, self.hq * self.dv)
         return out if self.t == self.rows else out[:self.t]
