@@ -292,7 +292,7 @@ def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode,
 
 def tree_draft_reference(runner, table, rows, committed, loc, q, step: int, scale: float) -> np.ndarray:
     """``tests.test_spec.tree_draft_oracle`` over layer 0's pool and a bf16 ``q [B * K, Hq * D]``."""
-    kb, vb = (b.float().numpy() for b in runner.token_to_kv_pool.get_kv_buffer(0))
+    kb, vb = (b.float().cpu().numpy() for b in runner.token_to_kv_pool.get_kv_buffer(0))
     return tree_draft_oracle(kb, vb, table, rows, committed, loc, step, q.float().numpy().reshape(-1, HQ, D), scale)
 
 

@@ -364,6 +364,22 @@ def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk,
             assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, "draft slots outside the pool"
 
 
+def draft_inputs(runner, table, rng, step_rows, committed, topk: int, step: int, steps: int):
+    """A tree draft decode step's inputs (draft step ``step`` of ``steps``): committed K/V and the draft K/V of
+    the steps before (this step writes its own), every draft step's slots (flat, and ``[B, topk, steps]``) and
+    random bf16 q, k, v of its ``B * topk`` tokens, on the pool's device."""
+    fill(runner, table, step_rows, committed, rng)
+    loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(step_rows, committed)])
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    dev = kb.device
+    prev = torch.from_numpy(loc[:, :, :step].reshape(-1).astype(np.int64)).to(dev)
+    for b in (kb, vb):
+        b[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32)).to(b)
+    q, k, v = (torch.from_numpy(rng.standard_normal((len(step_rows) * topk, h * D)).astype(np.float32))
+               .to(torch.bfloat16).to(dev) for h in (HQ, HKV, HKV))
+    return torch.from_numpy(loc.reshape(-1).astype(np.int64)).to(dev), loc, q, k, v
+
+
 def test_recorded_tree_draft_bucket_replays_without_the_planner(monkeypatch):
     """A single tree draft decode backend (draft step 1 of 3, topk 2, SGLang's ``speculative_step_id``): after a
     recorded capture (simulated on CPU) its replay hook takes the step's ``out_cache_loc`` (every draft step's
@@ -380,16 +396,7 @@ def test_recorded_tree_draft_bucket_replays_without_the_planner(monkeypatch):
     backend.init_cuda_graph_state(bs, bs * topk)
 
     def step_inputs(step_rows, committed):
-        """Committed K/V, draft K/V of step 0 (this step writes step 1's), the slots and random q, k, v."""
-        fill(runner, table, step_rows, committed, rng)
-        loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(step_rows, committed)])
-        kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
-        prev = torch.from_numpy(loc[:, :, :step].reshape(-1).astype(np.int64))
-        for b in (kb, vb):
-            b[prev] = torch.from_numpy(rng.standard_normal((prev.numel(), HKV, D)).astype(np.float32)).to(b)
-        q, k, v = (torch.from_numpy(rng.standard_normal((bs * topk, h * D)).astype(np.float32)).to(torch.bfloat16)
-                   for h in (HQ, HKV, HKV))
-        return torch.from_numpy(loc.reshape(-1).astype(np.int64)), loc, q, k, v
+        return draft_inputs(runner, table, rng, step_rows, committed, topk, step, steps)
 
     loc_t, loc, q, k, v = step_inputs(rows.numpy(), lens.numpy())
     backend.init_forward_metadata_capture_cuda_graph(bs, bs * topk, rows, lens, None, ForwardMode.DECODE, spec)
@@ -414,3 +421,71 @@ def test_recorded_tree_draft_bucket_replays_without_the_planner(monkeypatch):
         out = backend.forward(q, k, v, lay, fb)
         want = tree_draft_reference(runner, table, step_rows, committed, loc, q, step, scale)
         np.testing.assert_allclose(out.float().numpy(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page, topk, step", [(16, 2, 1), (1, 4, 2)])
+def test_tree_draft_refresh_replays_inside_a_torch_cuda_graph(page, topk, step):
+    """A tree draft decode bucket (topk > 1, draft step ``step`` of 3) captured with the engine's static buffers
+    in a real ``torch.cuda.graph``: each replay hook copies the step's slots (every draft step's) into the graph's
+    buffer and runs no planner, the graph's refresh writes both passes' tables and the KV write goes to this
+    step's slots; the output matches the oracle (the committed keys, then the branch's own draft slots of steps
+    0..step) and, bitwise, the same step planned eagerly. Page 16: the prefix pass on the Mosaic kernel (Hopper);
+    page 1: on the Triton-lowered kernel."""
+    from tests.test_graph_tables import tree_draft_reference
+
+    if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a CUDA GPU (Hopper for page 16)")
+    steps, bs, scale, dev = 3, 3, 0.11, torch.device("cuda")
+    rng = np.random.default_rng(29 + page)
+    runner, table, backend = make(page, device="cuda", topk=topk, step_id=step, num_steps=steps)
+    rows = torch.tensor([1, 2, 3], device=dev)
+    lens = torch.tensor([20, 7, 33], device=dev)  # the engine's static buffers
+    loc_buf = torch.zeros(bs * topk * steps, dtype=torch.int64, device=dev)
+    spec = SpecInfo(topk=topk)
+    lay = RadixAttention(HQ, D, scale, HKV, 0)
+    backend.init_cuda_graph_state(bs, bs * topk)
+    loc_t, _, q_in, k_in, v_in = draft_inputs(runner, table, rng, rows.cpu().numpy(), lens.cpu().numpy(), topk,
+                                              step, steps)
+    loc_buf.copy_(loc_t)
+    q, k, v = q_in.clone(), k_in.clone(), v_in.clone()
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * topk, rows, lens, None, ForwardMode.DECODE, spec)
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, spec_info=spec,
+                      token_to_kv_pool=runner.token_to_kv_pool)
+    backend.forward(q, k, v, lay, fb)  # warm-up outside the capture (SGLang's order: hook, warm-up, capture)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = backend.forward(q, k, v, lay, fb)
+    r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
+    assert r.draft and r.recorded
+    runs = []
+    real_run = backend.planner._run
+    backend.planner._run = lambda *a: runs.append(a) or real_run(*a)
+    kb, vb = runner.token_to_kv_pool.get_kv_buffer(0)
+    for step_rows, committed in (([4, 1, 6], [50, 3, 90]), ([2, 5, 3], [11, 64, 40])):
+        step_rows, committed = np.array(step_rows), np.array(committed)
+        loc_t, loc, q_in, k_in, v_in = draft_inputs(runner, table, rng, step_rows, committed, topk, step, steps)
+        rows.copy_(torch.from_numpy(step_rows)), lens.copy_(torch.from_numpy(committed)), loc_buf.copy_(loc_t)
+        for x, y in ((q, q_in), (k, k_in), (v, v_in)):
+            x.copy_(y)
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, spec, None,
+                                                        out_cache_loc=loc_t.clone())  # a tensor of the step's own
+        pool_before = [b.clone() for b in (kb, vb)]
+        g.replay()
+        torch.cuda.synchronize()
+        assert not runs, "the replay hook of a recorded tree draft bucket must not run the planner"
+        mine = torch.from_numpy(loc[:, :, step].reshape(-1).astype(np.int64)).to(dev)  # this step's slots
+        for b, before, new in ((kb, pool_before[0], k), (vb, pool_before[1], v)):
+            assert torch.equal(b[mine], new.view(-1, HKV, D)), "the graph's KV write missed this step's slots"
+            keep = torch.ones(b.shape[0], dtype=torch.bool, device=dev)
+            keep[mine] = False
+            assert torch.equal(b[keep].nan_to_num(7.0), before[keep].nan_to_num(7.0)), "a slot outside the step changed"
+        want = tree_draft_reference(runner, table, step_rows, committed, loc, q.cpu(), step, scale)
+        np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=3e-2, rtol=3e-2)
+        eager_fb = ForwardBatch(ForwardMode.DECODE, bs, rows.clone(), lens.clone(), loc_t, spec_info=spec,
+                                token_to_kv_pool=runner.token_to_kv_pool)
+        backend.init_forward_metadata(eager_fb)
+        eager = backend.forward(q, k, v, lay, eager_fb, save_kv_cache=False)
+        assert torch.equal(eager.view(torch.int16), out.view(torch.int16)), "graph replay != the same step eagerly"
+        runs.clear()

@@ -79,6 +79,7 @@ from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
+from torch_bridge.launcher import copy_front, zero_range
 from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES,
                                       TableKey, Tables, key_flags)
 from torch_bridge.table_rules import (expand_parts, guarded, lse_pattern, mosaic_split_tables, swa_parts, tree_mask,
@@ -378,13 +379,12 @@ class TableRefresh:
         (``dlpack.pack_mask_words``: cut to the buffer, nonzero = True, zeros past it; None: all zeros)."""
         if mask is self.mask:
             return
-        m = self.mask[:0] if mask is None else mask if mask.dim() == 1 else mask.reshape(-1)
-        n = m.shape[0]
-        if n > self.mask_size:
-            n, m = self.mask_size, m[:self.mask_size]
-        self.mask[:n].copy_(m)
-        if n < self.mask_len:
-            self.mask[n:self.mask_len].zero_()
+        n = 0
+        if mask is not None:
+            m = mask if mask.dim() == 1 else mask.reshape(-1)
+            n = min(int(m.shape[0]), self.mask_size)
+            copy_front(self.mask, m, n)
+        zero_range(self.mask, n, self.mask_len)
         self.mask_len = n
 
     def load_loc(self, loc: Optional[torch.Tensor]) -> None:
@@ -392,10 +392,12 @@ class TableRefresh:
         planner reads it (cut to the bucket, zeros past it; None: all zeros)."""
         if loc is self.loc:
             return
-        m = self.loc[:0] if loc is None else loc.reshape(-1)[:self.loc.shape[0]]
-        n = m.shape[0]
-        self.loc[:n].copy_(m)
-        self.loc[n:].zero_()
+        n = 0
+        if loc is not None:
+            m = loc.reshape(-1)
+            n = min(int(m.shape[0]), int(self.loc.shape[0]))
+            copy_front(self.loc, m, n)
+        zero_range(self.loc, n, int(self.loc.shape[0]))
 
     def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None,
              loc: Optional[torch.Tensor] = None):

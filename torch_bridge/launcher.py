@@ -528,6 +528,61 @@ def _device_launcher(device) -> Callable[[Callable, Any, Any], None]:
     return _DeviceLaunch(device.index, lambda: torch.cuda.current_stream(device).cuda_stream)
 
 
+@functools.cache
+def _device_run(index: int) -> Callable[[Callable, Any, Any], None]:
+    """``run(launch, handle, ptrs)`` on torch's current stream of CUDA device ``index`` (``_DeviceLaunch``)."""
+    import torch
+
+    return _device_launcher(torch.device("cuda", index))
+
+
+@functools.cache
+def _copy_fns() -> Tuple[Callable, Callable]:
+    lib = libcuda()
+    copy, memset = lib.cuMemcpyDtoDAsync_v2, lib.cuMemsetD8Async
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    memset.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+    copy.restype = memset.restype = ctypes.c_int
+    return copy, memset
+
+
+def _raw_copy(dst: int, stream, src_bytes) -> None:
+    err = _copy_fns()[0](dst, src_bytes[0], src_bytes[1], stream)
+    if err:
+        raise RuntimeError(f"cuMemcpyDtoDAsync failed with CUDA error {err}")
+
+
+def _raw_zero(dst: int, stream, nbytes: int) -> None:
+    err = _copy_fns()[1](dst, 0, nbytes, stream)
+    if err:
+        raise RuntimeError(f"cuMemsetD8Async failed with CUDA error {err}")
+
+
+def copy_front(dst, src, n: int) -> None:
+    """``dst[:n] = src[:n]`` for 1-D tensors on torch's current stream. Tensors of one CUDA device and dtype,
+    contiguous, take one ``cuMemcpyDtoDAsync`` (a replay hook's copy: a torch ``copy_`` costs several times
+    its host time); others a torch copy (dtype conversions included)."""
+    if n <= 0:
+        return
+    if (dst.is_cuda and src.device == dst.device and src.dtype == dst.dtype and src.is_contiguous()
+            and dst.is_contiguous()):
+        _device_run(dst.device.index)(_raw_copy, dst.data_ptr(), (src.data_ptr(), n * dst.element_size()))
+    else:
+        dst[:n].copy_(src[:n])
+
+
+def zero_range(dst, start: int, stop: int) -> None:
+    """``dst[start:stop] = 0`` for a 1-D tensor on torch's current stream (one ``cuMemsetD8Async`` for a
+    contiguous CUDA tensor)."""
+    if stop <= start:
+        return
+    if dst.is_cuda and dst.is_contiguous():
+        size = dst.element_size()
+        _device_run(dst.device.index)(_raw_zero, dst.data_ptr() + start * size, (stop - start) * size)
+    else:
+        dst[start:stop].zero_()
+
+
 class TorchKernel:
     """One compiled kernel for fixed argument shapes: ``kernel(*tensors, out=None, check=True)``."""
 
