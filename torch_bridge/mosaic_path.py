@@ -86,6 +86,13 @@ def kernel_outputs(st: KernelStatics, num_tiles: int, interpret=None) -> Callabl
     return lambda *args: call(*args)[0]
 
 
+def triton_one_split(key: TableKey, deterministic: bool) -> bool:
+    """Whether the Triton-lowered kernel's tables of ``key`` are planned with one kv split per sequence (the
+    schedule's ``deterministic``): in deterministic mode, and for a tree step's expand pass (at most its draft
+    tokens a row; it merges the prefix pass's partial into its unsplit tiles: ``triton_path.TreeCall``)."""
+    return deterministic or bool(key_flags(key) & EXPAND_TABLES)
+
+
 def table_splits(key: TableKey, deterministic: bool) -> Optional[int]:
     """The ``num_splits`` the Mosaic tables of ``key`` are planned with: the split heuristic (split-KV where
     the unsplit tiles cannot fill the GPU, ``mosaic_paged.plan_mosaic_schedule``), as the JAX API plans its
@@ -164,7 +171,7 @@ def flatten_tables(md, key: TableKey, config: Optional[MosaicConfig] = None, det
     config = DEFAULT_MOSAIC_CONFIG if config is None else config
     md = table_plan(md, key)
     if key_flags(key) & TRITON_TABLES:
-        parts = triton_path.table_parts(md, key[:2], deterministic)
+        parts = triton_path.table_parts(md, key[:2], triton_one_split(key, deterministic))
     else:  # a tree step's prefix pass and split tables carry where the kernel puts each row's LSE for the merge
         lse = bool(key_flags(key) & PREFIX_TABLES)
         sched = plan_mosaic_schedule(md, num_q_heads=key[0], num_kv_heads=key[1], config=config, with_lse=lse,
@@ -296,7 +303,7 @@ class MosaicPath:
 
     def _views(self, flat: torch.Tensor, md, heads: TableKey) -> Tables:
         if key_flags(heads) & TRITON_TABLES:
-            lay = triton_path.layout_of(md, heads[:2], self.deterministic)
+            lay = triton_path.layout_of(md, heads[:2], triton_one_split(heads, self.deterministic))
             return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
                           md.max_q_len, lay)
         b, p = md.page_table.shape
@@ -394,13 +401,13 @@ class MosaicPath:
     @staticmethod
     def spec_key(spec) -> tuple:
         """What a ``LaunchSpec``'s kernel or a ``triton_path.Spec``'s kernels depend on (shared by layers alike)."""
-        if not isinstance(spec, LaunchSpec):  # triton_path.Spec, triton_path.MergeSpec, SplitMergeSpec
+        if not isinstance(spec, LaunchSpec):  # triton_path.Spec, SplitMergeSpec
             return spec.key()
         return (spec.statics, spec.num_tiles, tuple(tuple(a.shape) for a in spec.args), spec.device)
 
     def built(self, spec) -> Any:
         """The compiled kernel of a ``LaunchSpec`` (the Mosaic kernel), or the ``triton_path.Kernels`` of a
-        ``triton_path.Spec`` (the tiles and, with splits, the merge, compiled at once) or ``MergeSpec``:
+        ``triton_path.Spec`` (the tiles and, with splits, the merge, compiled at once) or ``SplitMergeSpec``:
         built on first use (``prebuild``), shared by layers alike."""
         self.prebuild([spec])
         return self._kernels[self.spec_key(spec)]
@@ -608,8 +615,9 @@ class LayerCall:
 
 class LsePass:
     """A tree (topk > 1) step's prefix pass on the Mosaic kernel (``triton_path.TreeCall``): the kernel bound to
-    the layer's pools and the pass's tables, writing its output and per-tile LSE into persistent buffers the
-    merge is bound to; ``lse_index`` (in the tables) says where each (token, query head) row's LSE is."""
+    the layer's pools and the pass's tables, writing its output where told and its per-tile LSE into a persistent
+    buffer the expand pass reads; ``lse_index`` (in the tables) says where each (token, query head) row's LSE
+    is."""
 
     def __init__(self, path: MosaicPath, lp: LayerParams, key: PlanKey, tables: Tables, q: torch.Tensor,
                  k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
@@ -621,14 +629,13 @@ class LsePass:
 
     def run(self, q: torch.Tensor, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The pass over the query rows ``q`` (``triton_path.padded_rows``: the bytes of ``[R * Hq, D]``) into
-        ``out_ex`` (``out`` must be it) and ``lse``."""
-        if out is not self.out_ex:
-            raise ValueError("the Mosaic prefix pass writes its own persistent output (out_ex)")
+        ``out`` (the bytes of ``[R * Hq, Dv]``) and ``lse``."""
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.launch.set_arg(0, q)
+        self.launch.set_out(0, out)
         self.launch()
-        return self.out_ex
+        return out
 
 
 def reads(call, default_heads: Optional[TableKey] = None) -> Tuple[Tuple[Optional[TableKey], Tables], ...]:

@@ -23,13 +23,13 @@ P page-table width, N work tiles, S kv splits, R = T * Hq output rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG
-from jax_attn.kernels.merge_state import merge_splits, merge_state
+from jax_attn.kernels.merge_state import merge_splits
 from jax_attn.kernels.schedule import row_num_splits, step_schedule
 from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
 from torch_bridge.launcher import KernelPlan, TritonModule, jax_dtype
@@ -113,9 +113,12 @@ def descales(lp, kv_dtype) -> Tuple[bool, bool]:
     return fp8 and lp.k_scale is not None, fp8 and lp.v_scale is not None
 
 
-def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: bool) -> Tuple[Callable, ...]:
+def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: bool, prior: int = 0
+               ) -> Tuple[Callable, ...]:
     """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [k_descale], [v_descale],
-    [sinks], [o, lse])`` and, with splits, ``merge(partial_o, partial_lse, row_splits)``."""
+    [sinks], [prior_lse, [prior_index]], [o, lse])`` and, with splits, ``merge(partial_o, partial_lse,
+    row_splits)``. ``prior``: the tiles merge a prior partial into their rows (``triton_paged._Static.prior``;
+    its output is ``o``'s value before the launch)."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
     has_kd, has_vd = descales(lp, kv_dtype)
     dv = lp.v_head_dim or d
@@ -124,8 +127,9 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
         page_size=lay.page_size, max_pages=lay.max_pages, max_q_len=lay.max_q_len, block_q=lay.block_q,
         max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.attends_causally,
         window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks,
-        has_k_descale=has_kd, has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret)
-    inputs = TABLE_PARTS + 3 + int(has_kd) + int(has_vd) + int(has_sinks)
+        has_k_descale=has_kd, has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret,
+        prior=prior)
+    inputs = TABLE_PARTS + 3 + int(has_kd) + int(has_vd) + int(has_sinks) + prior  # prior: 1 or 2 more inputs
     r = lay.num_tokens * hq
 
     def tiles(*args):
@@ -143,7 +147,7 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
 
 
 def capped(plan, spec):
-    """``plan`` (a kernel of ``spec``, a ``Spec`` or ``MergeSpec``) compiled under ``DECODE_MAX_REGISTERS`` when
+    """``plan`` (a kernel of ``spec``) compiled under ``DECODE_MAX_REGISTERS`` when
     ``spec`` is a decode layout's and the kernel runs 4 warps, else as it is."""
     if not (isinstance(plan, KernelPlan) and isinstance(plan.module, TritonModule) and isinstance(spec, Spec)
             and spec.lay.max_q_len == 1 and plan.module.num_warps == 4):
@@ -163,9 +167,11 @@ class CallArgs:
     partial: Optional[Tuple[torch.Tensor, torch.Tensor]]  # f32[S * R, Dv], f32[S * R] (splits)
 
 
-def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool) -> CallArgs:
+def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool,
+              prior: Sequence[torch.Tensor] = ()) -> CallArgs:
     """The launch arguments of layer ``lp`` (pools ``k_buf`` / ``v_buf``) over ``tables``: the tables, an
-    example q, the pools' row views, descales, sinks, then the outputs or the split partials."""
+    example q, the pools' row views, descales, sinks, a prior partial's LSE (and its index: ``prior``), then the
+    outputs or the split partials."""
     lay, dev = tables.layout, k_buf.device
     hq, d = lp.num_q_heads, lp.head_dim
     dv = lp.v_head_dim or d
@@ -185,7 +191,7 @@ def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tens
         if has:  # f32[B * Hkv]: the layer's scale for every (sequence, kv head)
             with torch.inference_mode(False):
                 tile_args.append(torch.full((lay.batch * lp.num_kv_heads,), scale, dtype=torch.float32, device=dev))
-    tile_args += [sinks] if has_sinks else []
+    tile_args += ([sinks] if has_sinks else []) + list(prior)
     examples = [tile_args + ([] if split else [out, lse])]
     if split:
         examples.append([*partial, tables.args[TABLE_PARTS]])
@@ -211,6 +217,7 @@ class Spec:
     kv_dtype: torch.dtype
     has_sinks: bool
     examples: list = dataclasses.field(compare=False)
+    prior: int = 0  # ``kernel_fns``'s: a tree step's expand pass merges the prefix pass's partial
 
     @property
     def device(self) -> torch.device:
@@ -219,12 +226,12 @@ class Spec:
     def key(self) -> tuple:
         """What the compiled kernels depend on: layers alike (any layer id, any pool) share them."""
         shape = dataclasses.replace(self.lp, layer_id=0, k_scale=None, v_scale=None)
-        return (shape, self.lay, self.dtype, self.kv_dtype, self.has_sinks,
+        return (shape, self.lay, self.dtype, self.kv_dtype, self.has_sinks, self.prior,
                 tuple(tuple(tuple(a.shape) for a in ex) for ex in self.examples), self.device)
 
     def fns(self, interpret: bool) -> Tuple[Callable, ...]:
         return kernel_fns(self.lp, self.lay, jax_dtype(self.dtype), jax_dtype(self.kv_dtype), self.has_sinks,
-                          interpret)
+                          interpret, self.prior)
 
 
 def spec(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool) -> Spec:
@@ -239,13 +246,15 @@ class LayerCall:
 
     heads: Optional[Tuple[int, ...]] = None  # the table key it reads (set by ``MosaicPath.layer_call``)
 
-    def __init__(self, path, lp, tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool):
+    def __init__(self, path, lp, tables, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, has_sinks: bool,
+                 prior: Sequence[torch.Tensor] = ()):
         lay = tables.layout
         self.t, self.rows, self.hq, self.d = int(q.shape[0]), lay.num_tokens, lp.num_q_heads, lp.head_dim
         self.dv, self.dtype, self.device = lp.v_head_dim or lp.head_dim, q.dtype, q.device
-        args = call_args(lp, tables, q.dtype, k_buf, v_buf, has_sinks)
+        args = call_args(lp, tables, q.dtype, k_buf, v_buf, has_sinks, prior)
         self.sinks, self.out_ex, self.lse, self.q_index = args.sinks, args.out, args.lse, TABLE_PARTS
-        kernels = path.built(Spec(lp, lay, q.dtype, k_buf.dtype, has_sinks, args.examples))
+        # prior: its LSE (kind 1) or its LSE and their row index (kind 2), the kernel's ``prior``
+        kernels = path.built(Spec(lp, lay, q.dtype, k_buf.dtype, has_sinks, args.examples, len(prior)))
         if args.partial is not None:
             self.partial_o, self.partial_lse = args.partial
             self.tiles = kernels.tiles.bind(*args.examples[0], out=args.partial)
@@ -279,45 +288,14 @@ class LayerCall:
         return out if self.t == self.rows else out[:self.t]
 
 
-def merge_fn(interpret: bool, indexed: bool = False) -> Callable:
-    """``merge(o_a [R, Dv], lse_a f32[R], o_b, lse_b) -> (o, lse)``: two partial results over disjoint keys.
-    ``indexed``: ``merge(o_a, lse_a f32[M], index_a i32[R], o_b, lse_b)``, part a's LSE where its index says
-    (the Mosaic kernel's per-tile LSE: ``mosaic_path.LsePass``)."""
-    def merge(o_a, lse_a, *rest):
-        index, (o_b, lse_b) = (rest[0], rest[1:]) if indexed else (None, rest)
-        r, dv = o_a.shape
-        o, lse = merge_state(o_a.reshape(r, 1, dv), lse_a if indexed else lse_a.reshape(r, 1), o_b.reshape(r, 1, dv),
-                             lse_b.reshape(r, 1), lse_a_index=None if index is None else index.reshape(r, 1),
-                             config=DEFAULT_CONFIG, interpret=interpret)
-        return o.reshape(r, dv), lse.reshape(r)
-    return merge
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeSpec:
-    """What a tree step's merge of its two passes compiles (``MosaicPath.prebuild`` builds it as ``Kernels.tiles``)."""
-
-    examples: list = dataclasses.field(compare=False)  # [[o_a, lse_a, o_b, lse_b]] or [[o_a, lse_a, index_a, ...]]
-
-    @property
-    def device(self) -> torch.device:
-        return self.examples[0][0].device
-
-    def key(self) -> tuple:
-        ex = self.examples[0]
-        return ("merge_state", tuple(ex[0].shape), ex[0].dtype, tuple(ex[1].shape), len(ex), self.device)
-
-    def fns(self, interpret: bool) -> Tuple[Callable, ...]:
-        return (merge_fn(interpret, indexed=len(self.examples[0]) == 5),)
-
-
 class TreeCall:
     """One layer's attention in a tree (topk > 1) speculative step, as the JAX path's cascade
-    (``jax_attn.spec.cascade_attention``): the prefix pass (the committed KV, non-causal, the layer's sinks),
-    the expand pass (each draft token over the draft tokens its tree allows: page size 1, causal) and the
-    merge of the two, three launches (four or five with split-KV) on torch's stream. The prefix pass is
-    ``prefix``: the Mosaic kernel with its per-tile LSE (``mosaic_path.LsePass``) where it covers the pass,
-    else the Triton-lowered kernel (a ``LayerCall``); both passes read one padding of the queries."""
+    (``jax_attn.spec.cascade_attention``): the prefix pass (the committed KV, non-causal, the layer's sinks) writes
+    the output, then the expand pass (each draft token over the draft tokens its tree allows: page size 1, causal,
+    one kv split) merges its own partial into it (``triton_paged._Static.prior``: ``merge_state``'s formula in the
+    kernel's epilogue, no third launch). The prefix pass is ``prefix``: the Mosaic kernel with its per-tile LSE
+    (``mosaic_path.LsePass``) where it covers the pass, else the Triton-lowered kernel (a ``LayerCall``, split-KV
+    possible); both passes read one padding of the queries."""
 
     heads: Optional[Tuple[int, ...]] = None  # the prefix tables' key (set by ``MosaicPath.tree_call``)
     reads: tuple = ()  # (table key, tables) of both passes (set by ``MosaicPath.tree_call``)
@@ -325,31 +303,21 @@ class TreeCall:
     def __init__(self, path, lp, prefix, prefix_tables, expand, q: torch.Tensor, k_buf: torch.Tensor,
                  v_buf: torch.Tensor):
         self.prefix = prefix
-        self.expand = LayerCall(path, lp, expand, q, k_buf, v_buf, False)  # sinks count once, in the prefix
+        index = getattr(prefix, "lse_index", None)  # the Mosaic pass's LSE is per tile, found through its index
+        prior = [prefix.lse] if index is None else [prefix.lse.view(-1), index]
+        # sinks count once, in the prefix
+        self.expand = LayerCall(path, lp, expand, q, k_buf, v_buf, False, prior=prior)
         if prefix.out_ex.shape != self.expand.out_ex.shape:
             raise RuntimeError(f"tree passes of {tuple(prefix.out_ex.shape)} and {tuple(self.expand.out_ex.shape)} "
                                "output rows: plan one step")
         self.tables, self.t, self.rows = prefix_tables, self.expand.t, self.expand.rows
         self.hq, self.dv, self.dtype, self.device = self.expand.hq, self.expand.dv, q.dtype, q.device
-        r = self.rows * self.hq
-        with torch.inference_mode(False):
-            out = torch.empty(r, self.dv, dtype=q.dtype, device=q.device)
-            self.lse = torch.empty(r, dtype=torch.float32, device=q.device)  # scratch: the bridge returns no LSE
-        index = getattr(prefix, "lse_index", None)  # the Mosaic pass's LSE is per tile, found through its index
-        part_a = [prefix.out_ex, prefix.lse] if index is None else [prefix.out_ex, prefix.lse.view(-1), index]
-        examples = [part_a + [self.expand.out_ex, self.expand.lse]]
-        self.merge = path.built(MergeSpec(examples)).tiles.bind(*examples[0], out=(out, self.lse))
 
     def __call__(self, q: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream).
-
-        The passes write their persistent outputs, which the merge is bound to. (A pass's output in a new
-        tensor dropped before the merge launched would go back to torch's allocator, and the next pass's
-        output could take its memory: the merge would read the expand pass twice.)"""
+        """``q [t, Hq * D]`` -> a new ``[t, Hq * Dv]`` tensor (stream-ordered on torch's current stream): two launches
+        (three with a split prefix pass) into it."""
         q = padded_rows(q, self.t, self.rows)  # both passes read the same rows
-        self.prefix.run(q, self.prefix.out_ex, sinks)
-        self.expand.run(q, self.expand.out_ex)
         out = torch.empty(self.rows, self.hq * self.dv, dtype=self.dtype, device=self.device)
-        self.merge.set_out(0, out)
-        self.merge()
+        self.prefix.run(q, out, sinks)
+        self.expand.run(q, out)
         return out if self.t == self.rows else out[:self.t]

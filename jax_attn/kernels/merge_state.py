@@ -82,8 +82,9 @@ def store_vec(ref, idx, ok, val):
     plgpu.store(ref.at[jnp.where(ok, idx, ref.shape[0])], val, mask=ok)
 
 
-def _merge_rows(parts, block_rows: int, dim: int):
-    """Online merge of ``parts``: callables returning (o f32[BR, D], lse f32[BR])."""
+def merge_rows(parts, block_rows: int, dim: int):
+    """Online merge of ``parts``: callables returning (o f32[BR, D], lse f32[BR]); rows whose parts are all
+    empty give (0, -inf), a NaN part stays NaN."""
     acc = jnp.zeros((block_rows, dim), jnp.float32)
     m = jnp.full((block_rows,), _NEG_INF, jnp.float32)
     tot = jnp.zeros((block_rows,), jnp.float32)
@@ -102,6 +103,21 @@ def _merge_rows(parts, block_rows: int, dim: int):
     out = jnp.where(ok[:, None], acc / safe[:, None], 0.0)
     lse = jnp.where(ok, m_use + jnp.log(safe), _NEG_INF)
     return out, lse
+
+
+def partial_rows(o_ref, lse_ref, index_ref, rows, ok, width: int | None = None):
+    """A loader of one partial result at ``rows`` (for ``merge_rows``): ``o_ref [R, D]`` and its natural-log LSE,
+    ``lse_ref [R]``, or with ``index_ref`` (i32[R]) at ``lse_ref[index_ref[row]]`` (-1: empty). Rows where ``ok``
+    is False read an empty partial."""
+    def load():
+        if index_ref is None:
+            lse_s = plgpu.load(lse_ref.at[rows], mask=ok, other=_NEG_INF)
+        else:
+            at = plgpu.load(index_ref.at[rows], mask=ok, other=-1)
+            valid = at >= 0
+            lse_s = plgpu.load(lse_ref.at[jnp.maximum(at, 0)], mask=valid, other=_NEG_INF)
+        return load_rows(o_ref, rows, ok, width=width).astype(jnp.float32), lse_s.astype(jnp.float32)
+    return load
 
 
 def _row_block(block_rows: int, num_rows: int):
@@ -228,20 +244,8 @@ def _pair_kernel(*refs, num_rows: int, block_rows: int, indexed: bool):
         (oa_ref, la_ref, ob_ref, lb_ref, o_ref, lse_ref), ia_ref = refs, None
     rows, ok = _row_block(block_rows, num_rows)
 
-    def part(o_in, l_in, i_in=None):
-        def load():
-            if i_in is None:
-                lse_s = plgpu.load(l_in.at[rows], mask=ok, other=_NEG_INF)
-            else:
-                at = plgpu.load(i_in.at[rows], mask=ok, other=-1)
-                valid = at >= 0
-                lse_s = plgpu.load(l_in.at[jnp.maximum(at, 0)], mask=valid, other=_NEG_INF)
-            o_s = load_rows(o_in, rows, ok)
-            return o_s.astype(jnp.float32), lse_s.astype(jnp.float32)
-        return load
-
-    out, lse = _merge_rows([part(oa_ref, la_ref, ia_ref), part(ob_ref, lb_ref)], block_rows,
-                           next_pow2(o_ref.shape[-1]))
+    out, lse = merge_rows([partial_rows(oa_ref, la_ref, ia_ref, rows, ok), partial_rows(ob_ref, lb_ref, None, rows, ok)],
+                          block_rows, next_pow2(o_ref.shape[-1]))
     store_rows(o_ref, rows, ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, rows, ok, lse)
 

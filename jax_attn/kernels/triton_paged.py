@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.kernels.config import (DEFAULT_CONFIG, KernelConfig, interpret_default, kv_heads_per_program,
                                       next_pow2, tile_rows)
-from jax_attn.kernels.merge_state import block_cols, load_rows, merge_splits, store_rows, store_vec
+from jax_attn.kernels.merge_state import (block_cols, load_rows, merge_rows, merge_splits, partial_rows, store_rows,
+                                          store_vec)
 from jax_attn.kernels.schedule import plan_schedule, row_num_splits
 from jax_attn.metadata import AttentionMetadata
 
@@ -103,6 +104,9 @@ class _Static:
     fp8_kv: bool  # 1-byte caches: masked loads get no fill value (Triton cannot cast one)
     latent: bool = False  # MLA: V is the first Dv columns of each key row; the rest is the rope part
     head_split: int = 1  # H, programs per (kv head, tile), each with 1/H of the query-head group (kv_pack 1)
+    # a prior partial result over other keys merged into each row's (no splits): 0 none; 1 its LSE per row; 2 its
+    # LSE through a row index (the Mosaic kernel's per-tile LSE). Its output is the aliased output's initial value.
+    prior: int = 0
 
     @property
     def group(self) -> int:
@@ -186,6 +190,8 @@ def _attn_kernel(*refs, st: _Static):
     kd_ref = rest.pop(0) if st.has_k_descale else None
     vd_ref = rest.pop(0) if st.has_v_descale else None
     sinks_ref = rest.pop(0) if st.has_sinks else None
+    prior_lse_ref = rest.pop(0) if st.prior else None
+    prior_index_ref = rest.pop(0) if st.prior == 2 else None
     if not st.split_mode:
         rest = rest[2:]  # the aliased output initial values
     o_ref, lse_ref = rest
@@ -198,11 +204,12 @@ def _attn_kernel(*refs, st: _Static):
     @pl.when(seq >= 0)
     def _():
         _attn_tile(st, h, part, n, seq, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
-                   pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref)
+                   pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref,
+                   (prior_lse_ref, prior_index_ref))
 
 
 def _attn_tile(st, h, part, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
-               pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref):
+               pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref, prior_refs):
     g_count, hq, hkv = st.group, st.num_q_heads, st.num_kv_heads
     g_part = g_count // st.head_split  # query heads of a kv head in this program
     heads_per_tok = g_part * st.kv_pack
@@ -246,6 +253,9 @@ def _attn_tile(st, h, part, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, s
     out_row = q_row
     if st.split_mode:
         out_row = q_row + split * (st.num_tokens * hq)
+    if st.prior:  # the prior partial (written in o_ref before this launch) first, as merge_state(prior, this)
+        prior = partial_rows(o_ref, prior_refs[0], prior_refs[1], out_row, row_ok, width=st.dv_block)
+        out, lse = merge_rows([prior, lambda: (out, lse)], st.rows, st.dv_block)
     store_rows(o_ref, out_row, row_ok, out.astype(o_ref.dtype))
     store_vec(lse_ref, out_row, row_ok, lse)
 
@@ -434,9 +444,10 @@ def _check_scale(softmax_scale):
 
 def run_tiles(st: _Static, num_tiles: int, max_splits: int, inputs, out_dtype, knobs, interpret: bool,
               init=None):
-    """The attention pallas_call over its operands (tables, q rows, K/V rows, descales, sinks): ``(o [R or
-    S*R, Dv], lse f32[R or S*R])`` with R = T * Hq. Without splits, rows no tile writes (padding tokens)
-    keep the values of ``init`` (o, lse), by default zeros and -inf."""
+    """The attention pallas_call over its operands (tables, q rows, K/V rows, descales, sinks, with ``st.prior``
+    the prior partial's LSE and its index): ``(o [R or S*R, Dv], lse f32[R or S*R])`` with R = T * Hq. Without
+    splits, rows no tile writes (padding tokens) keep the values of ``init`` (o, lse), by default zeros and -inf;
+    with ``st.prior``, ``init``'s o is the prior partial's output, which each row merges with its own."""
     rows_out = st.num_tokens * st.num_q_heads * (max_splits if st.split_mode else 1)
     dv = st.head_dim_v
     o_dtype = jnp.float32 if st.split_mode else out_dtype
@@ -476,11 +487,13 @@ def head_split(block_q: int, group: int, pack: int, head_dim_v: int, max_element
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
                    page_size: int, max_pages: int, max_q_len: int, block_q: int, max_splits: int, dtype, kv_dtype,
                    causal: bool, window_size, softcap: float, softmax_scale, has_sinks: bool, has_k_descale: bool,
-                   has_v_descale: bool, latent: bool, config: KernelConfig, interpret: bool):
+                   has_v_descale: bool, latent: bool, config: KernelConfig, interpret: bool, prior: int = 0):
     """(statics, (num_warps, num_stages)) of one kernel instance: what ``paged_attention`` traces, also
-    what ``torch_bridge`` compiles for a torch launch."""
+    what ``torch_bridge`` compiles for a torch launch (``prior``: ``_Static.prior``)."""
     decode = max_q_len <= 1 and block_q == 1
     split_mode = max_splits > 1
+    if prior and split_mode:
+        raise ValueError("a prior partial merges into unsplit tiles only (plan the pass with one kv split)")
     block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
     # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
     block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
@@ -499,7 +512,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, has_k_descale=has_k_descale, has_v_descale=has_v_descale,
         compute_dtype=jnp.dtype(compute_dtype), fast_exp2=config.fast_exp2 and not interpret,
-        fp8_kv=jnp.dtype(kv_dtype).itemsize == 1, latent=latent,
+        fp8_kv=jnp.dtype(kv_dtype).itemsize == 1, latent=latent, prior=prior,
     )
     return st, (num_warps, num_stages)
 
