@@ -296,56 +296,75 @@ def tree_draft_reference(runner, table, rows, committed, loc, q, step: int, scal
     return tree_draft_oracle(kb, vb, table, rows, committed, loc, step, q.float().numpy().reshape(-1, HQ, D), scale)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
-def test_multistep_draft_round_replays_without_the_planner(topk, monkeypatch):
+def test_multistep_draft_round_replays_without_the_planner(topk, device, monkeypatch):
     """SGLang's multi-step draft backend (EAGLE drafts, 3 steps, so 2 attention steps) captured on the launch
     path: each step backend's tables are recomputed inside the engine's graph, so its replay hook runs no
     planner, and each step's output equals the reference. Chain drafts (topk 1): step i's query over the
     committed keys, then draft tokens 0..i. Tree drafts (topk 2): each branch's query over the committed keys
     (the prefix pass), then its own draft tokens 0..i (the expand pass, from the slots the replay hook copies
-    into the graph's buffer). Catches a replay hook that still plans the round, a step refreshed with another
-    step's key offset or draft columns, another branch's slots, and a refresh reading stale rows, lengths or
-    slots."""
+    into the graph's buffer). On the CPU the capture is simulated; on a GPU (Hopper: page 16) the whole round is
+    one real ``torch.cuda.graph``, replayed. Catches a replay hook that still plans the round, a step refreshed
+    with another step's key offset or draft columns, another branch's slots, and a refresh reading stale rows,
+    lengths or slots."""
     from torch_bridge import FlashAttentionMultiStepBackend
 
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a Hopper GPU (page 16)")
     rng = np.random.default_rng(13 + topk)
-    page, bs, steps, scale = 16, 4, 3, 0.09
-    runner, table, _ = make(page, seed=4)
-    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton)
+    page, bs, steps, scale, dev = 16, 4, 3, 0.09, torch.device(device)
+    runner, table, _ = make(page, device=device, seed=4)
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if device == "cpu" else None
     draft = FlashAttentionMultiStepBackend(runner, topk=topk, speculative_num_steps=steps, mosaic_path=path)
     draft.init_cuda_graph_state(bs, bs * topk)
-    rows, lens = torch.tensor([1, 2, 3, 4]), torch.tensor([9, 40, 17, 5])  # the engine's static buffers
-    loc_buf = torch.zeros(bs * topk * steps, dtype=torch.int64)  # [bs, topk, steps]: every draft step's slots
+    rows = torch.tensor([1, 2, 3, 4], device=dev)  # the engine's static buffers
+    lens = torch.tensor([9, 40, 17, 5], device=dev)
+    loc_buf = torch.zeros(bs * topk * steps, dtype=torch.int64, device=dev)  # [bs, topk, steps]: every step's slots
     fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc_buf, spec_info=SpecInfo(topk=topk),
                       token_to_kv_pool=runner.token_to_kv_pool)
     lay = RadixAttention(HQ, D, scale, HKV, 0)
+    qkv = [[torch.zeros(bs * topk, h * D, dtype=torch.bfloat16, device=dev) for h in (HQ, HKV, HKV)]
+           for _ in draft.attn_backends]  # each draft step's inputs, in buffers a graph reads
 
     def prepare(step_rows, committed) -> np.ndarray:
-        """K/V of the committed tokens, and the round's draft slots (each request's next positions: chain drafts
-        read them through its table, tree drafts through the slots the hooks see) into the engine's buffer."""
+        """K/V of the committed tokens, the round's draft slots (each request's next positions: chain drafts
+        read them through its table, tree drafts through the slots the hooks see) into the engine's buffer, and
+        random q, k, v for each draft step."""
         fill(runner, table, step_rows, committed, rng)
         loc = np.stack([table[r, c:c + topk * steps].reshape(topk, steps) for r, c in zip(step_rows, committed)])
         loc_buf.copy_(torch.from_numpy(loc.reshape(-1).astype(np.int64)))
+        for bufs in qkv:
+            for b in bufs:
+                b.copy_(torch.from_numpy(rng.standard_normal(tuple(b.shape)).astype(np.float32)))
         return loc
 
-    def draft_round(step_rows, committed, loc):
+    def draft_round():
+        return [backend.forward(*bufs, lay, fb) for backend, bufs in zip(draft.attn_backends, qkv)]
+
+    def check(outs, step_rows, committed, loc):
         """Each draft step's layer against the reference."""
-        for i, backend in enumerate(draft.attn_backends):
-            q, k, v = (torch.from_numpy(rng.standard_normal((bs * topk, h * D)).astype(np.float32)).to(torch.bfloat16)
-                       for h in (HQ, HKV, HKV))
-            out = backend.forward(q, k, v, lay, fb)
+        for i, out in enumerate(outs):
+            q = qkv[i][0].cpu()
             if topk == 1:
                 ref = reference(runner, table, step_rows, committed + i + 1, np.ones(bs, np.int64), q, scale=scale)
             else:
                 ref = tree_draft_reference(runner, table, step_rows, committed, loc, q, i, scale)
-            np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2, err_msg=f"draft step {i}")
+            np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=3e-2, rtol=3e-2, err_msg=f"draft step {i}")
 
-    loc = prepare(rows.numpy(), lens.numpy())
+    loc = prepare(rows.cpu().numpy(), lens.cpu().numpy())
     draft.init_forward_metadata_capture_cuda_graph(fb)
-    draft_round(rows.numpy(), lens.numpy(), loc)  # warm-up
-    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refreshes are recorded, nothing else)
-        m.setattr(graph_tables, "capturing", lambda: True)
-        draft_round(rows.numpy(), lens.numpy(), loc)
+    check(draft_round(), rows.cpu().numpy(), lens.cpu().numpy(), loc)  # warm-up
+    graph = None
+    if device == "cpu":
+        with monkeypatch.context() as m:  # the capture's forward (simulated: the refreshes are recorded)
+            m.setattr(graph_tables, "capturing", lambda: True)
+            draft_round()
+    else:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_outs = draft_round()
     planners = [b.planner for b in draft.attn_backends]
     assert len(planners) == steps - 1 and all(p.recorded(ForwardMode.DECODE, bs) for p in planners)
     runs = []
@@ -357,7 +376,13 @@ def test_multistep_draft_round_replays_without_the_planner(topk, monkeypatch):
         loc = prepare(np.array(step_rows), np.array(committed))
         draft.init_forward_metadata_replay_cuda_graph(fb, bs)
         assert not runs, "the replay hook of recorded draft steps must not run the planner"
-        draft_round(np.array(step_rows), np.array(committed), loc)
+        if graph is None:
+            outs = draft_round()
+        else:
+            graph.replay()
+            torch.cuda.synchronize()
+            outs = graph_outs
+        check(outs, np.array(step_rows), np.array(committed), loc)
 
 
 def test_each_captured_forward_records_the_refresh_and_the_safe_slots(monkeypatch):
