@@ -20,7 +20,8 @@ from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_de
                                       step)
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
-from torch_bridge.triton_path import DECODE_MAX_REGISTERS, Kernels, Layout, Spec, capped, kernel_fns
+from torch_bridge.triton_path import (MAX_REGISTERS, MAX_REGISTERS_Q_LEN, Kernels, Layout, Spec, capped,
+                                      kernel_fns)
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
@@ -182,7 +183,8 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
 
     layer = LayerParams(HQ, HKV, D, sliding_window_size=7)
     capped_kinds = []
-    for lay in (Layout(8, 2, 5, 4, 4, 1, 4, 1), Layout(2, 2, 90, 1, 1, 3, 6, 1)):  # no split; split + merge
+    # a verify layout (4 queries a sequence), no split; a decode one, split + merge; a prefill one (16 queries)
+    for lay in (Layout(8, 2, 5, 4, 4, 1, 4, 1), Layout(2, 2, 90, 1, 1, 3, 6, 1), Layout(32, 2, 5, 16, 16, 1, 4, 1)):
         fns = kernel_fns(layer, lay, jnp.bfloat16, jnp.bfloat16, True, interpret=False)
         assert len(fns) == (2 if lay.max_splits > 1 else 1)
         r = lay.num_tokens * HQ
@@ -200,19 +202,20 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
             assert [s.kind for s in plan.returns] == ["arg", "arg"] and not plan.out_types
         else:
             assert [s.kind for s in plan.returns] == ["out", "out"]
-        # decode tiles (one query a tile, 4 warps) compile under the register cap, to run as XLA's compile does
+        # decode and verify tiles (few queries a sequence, 4 warps) compile under the register cap, to run as XLA's
+        # compile does
         spec = Spec(layer, lay, torch.bfloat16, torch.bfloat16, True, [])
         plan = capped(plan, spec)
-        decode = lay.max_q_len == 1 and plan.module.num_warps == 4
-        assert plan.module.max_registers == (DECODE_MAX_REGISTERS if decode else None)
+        small = lay.max_q_len <= MAX_REGISTERS_Q_LEN and plan.module.num_warps == 4
+        assert plan.module.max_registers == (MAX_REGISTERS if small else None)
         assert capped(plan.module, spec) is plan.module  # only launch plans are capped
         compiled = launcher.compile_triton(plan.module, (9, 0))
         extra = launcher.kernel_params(compiled.asm["ptx"], compiled.metadata.name) - n_buf
         assert extra in (0, 1, 2), extra
         assert not getattr(compiled.metadata, "global_scratch_size", 0)
-        assert (f".maxnreg {DECODE_MAX_REGISTERS}" in compiled.asm["ptx"]) == decode
-        capped_kinds.append(decode)
-    assert capped_kinds == [False, True]  # the multi-token layout as it is, the decode one capped
+        assert (f".maxnreg {MAX_REGISTERS}" in compiled.asm["ptx"]) == small
+        capped_kinds.append(small)
+    assert capped_kinds == [True, True, False]  # the verify and decode layouts capped, the prefill one as it is
 
 
 # ----------------------------------------------------------------------------------------------- GPU

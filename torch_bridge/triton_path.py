@@ -36,20 +36,30 @@ from torch_bridge.launcher import KernelPlan, TritonModule, jax_dtype
 
 TABLE_PARTS = 7  # tile_seq, tile_q_block, tile_split, seq_num_splits, cache_seqlens, cu_seqlens_q, page_table
 
-DECODE_MAX_REGISTERS = 200
-"""Registers per thread at most for the decode kernels (one query token per tile, 4 warps) that torch's
-``triton`` compiles for a launch. XLA's own compile of the same Triton IR gives the decode tiles 196 registers,
-two programs per multiprocessor; torch's gave them 166, three per multiprocessor, and ran slower wherever the
-last wave of programs is a small one (64 x 4096 at 32/8 heads: 512 programs over 396 slots). Capped at 200, the
-launched kernel runs as fast as the JAX path's (H200, page 1, one process, CUPTI time per call, us):
+MAX_REGISTERS = 200
+"""Registers per thread at most for the decode and speculative verify kernels (at most ``MAX_REGISTERS_Q_LEN``
+queries per sequence, 4 warps) that torch's ``triton`` compiles for a launch. XLA's own compile of the same Triton
+IR gives the decode tiles 196 registers, two programs per multiprocessor; torch's gave them 166, three per
+multiprocessor, and ran slower wherever the last wave of programs is a small one (64 x 4096 at 32/8 heads: 512
+programs over 396 slots). Capped at 200, the launched kernel runs as fast as the JAX path's (H200, page 1, one
+process, CUPTI time per call, us):
 
 | point | JAX path (XLA's compile) | launched, torch's compile | launched, capped at 200 |
 |---|---|---|---|
-| 64 x 4096 | 242.0 | 278.6 | 244.4 |
-| 8 x 8192 (split) | 69.2 + 4.4 merge | 75.7 + 4.0 | 69.0 + 4.2 |
-| 1 x 32768 (split) | 35.7 + 3.0 | 37.4 + 3.1 | 35.8 + 2.2 |
-| 256 x 1024 | 256.4 | 257.3 | 259.5 |
+| decode 64 x 4096 | 242.0 | 278.6 | 244.4 |
+| decode 8 x 8192 (split) | 69.2 + 4.4 merge | 75.7 + 4.0 | 69.0 + 4.2 |
+| decode 1 x 32768 (split) | 35.7 + 3.0 | 37.4 + 3.1 | 35.8 + 2.2 |
+| decode 256 x 1024 | 256.4 | 257.3 | 259.5 |
+| verify 32 x 4 on 2048 | 71.4-72.0 | 75.0-75.4 | 73.2 (168: 75.3, 232: 73.3) |
+| verify 8 x 4 on 8192 (split) | 70.5-70.8 | 74.7-75.0 | 74.4 |
+| tree prefix 16 x 8 on 4096 (split) | 82.3-82.4 | 83.0-83.2 | 82.6 |
+
+The verify tiles' remaining gap to XLA's compile is not residency (no cap from 128 to 232 closes it).
 """
+
+MAX_REGISTERS_Q_LEN = 8
+"""Queries per sequence at most of a layout whose kernels ``capped`` compiles under ``MAX_REGISTERS`` (decode and
+speculative verify; prefill tiles hold more rows than 200 registers a thread carry without spilling)."""
 
 
 def schedule(md, heads, deterministic: bool):
@@ -147,12 +157,12 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
 
 
 def capped(plan, spec):
-    """``plan`` (a kernel of ``spec``) compiled under ``DECODE_MAX_REGISTERS`` when
-    ``spec`` is a decode layout's and the kernel runs 4 warps, else as it is."""
+    """``plan`` (a kernel of ``spec``) compiled under ``MAX_REGISTERS`` when ``spec`` is a decode or verify layout's
+    (``MAX_REGISTERS_Q_LEN``) and the kernel runs 4 warps, else as it is."""
     if not (isinstance(plan, KernelPlan) and isinstance(plan.module, TritonModule) and isinstance(spec, Spec)
-            and spec.lay.max_q_len == 1 and plan.module.num_warps == 4):
+            and spec.lay.max_q_len <= MAX_REGISTERS_Q_LEN and plan.module.num_warps == 4):
         return plan
-    return dataclasses.replace(plan, module=dataclasses.replace(plan.module, max_registers=DECODE_MAX_REGISTERS))
+    return dataclasses.replace(plan, module=dataclasses.replace(plan.module, max_registers=MAX_REGISTERS))
 
 
 @dataclasses.dataclass
