@@ -569,15 +569,20 @@ def bench_profile(iters: int = 300, config: str = "1b"):
 
 
 def profile_tree(cfg, iters: int, batch: int = 4, ctx: int = 256, draft: int = 8, topk: int = 4, page: int = 16):
-    """cProfile of a tree (topk > 1) verify bucket's replay hook and of one layer call (no KV write) on it."""
+    """cProfile of a tree (topk > 1) verify bucket's replay hook and of one layer call (no KV write) on it. On CUDA
+    the layer is captured in a graph first, so the hook is the planner-free one; on the CPU it runs the planner."""
     runner = make_runner(cfg, batch, ctx + draft, page, 1)
     backend = FlashAttentionBackend(runner, topk=topk)
     vb = VerifyBatch(runner, backend, batch, ctx, draft, topk)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(batch * draft, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
     fb = vb.replay()
+    graph = None
+    if DEVICE == "cuda":  # records the bucket's in-graph tables: the hook then runs no planner
+        graph = graph_step(lambda: backend.forward(q, None, None, layer, vb.fb, save_kv_cache=False), vb.replay)
     backend.forward(q, None, None, layer, fb, save_kv_cache=False)
-    profile(f"tree verify replay hook (topk {topk}), page {page}", vb.replay, iters)
+    hook = "planner-free" if graph is not None else "with the planner"
+    profile(f"tree verify replay hook (topk {topk}, {hook}), page {page}", vb.replay, iters)
     profile(f"tree verify layer call, no KV write (topk {topk}), page {page}",
             lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters)
 
