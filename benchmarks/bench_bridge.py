@@ -568,23 +568,28 @@ def bench_profile(iters: int = 300, config: str = "1b"):
     profile_tree(cfg, iters)
 
 
-def profile_tree(cfg, iters: int, batch: int = 4, ctx: int = 256, draft: int = 8, topk: int = 4, page: int = 16):
-    """cProfile of a tree (topk > 1) verify bucket's replay hook and of one layer call (no KV write) on it. On CUDA
-    the layer is captured in a graph first, so the hook is the planner-free one; on the CPU it runs the planner."""
+def profile_tree(cfg, iters: int, draft: int = 8, topk: int = 4, page: int = 16):
+    """cProfile of a tree (topk > 1) verify bucket's replay hook and of one layer call (no KV write) on it: batch 16,
+    ctx 4096 (``--parts verify``'s; on the CPU batch 4, ctx 256). On CUDA the layer is captured in a graph first, so
+    the hook is the planner-free one (the title says which ran); on the CPU it runs the planner."""
+    batch, ctx = (16, 4096) if DEVICE == "cuda" else (4, 256)
     runner = make_runner(cfg, batch, ctx + draft, page, 1)
+    name_heads(runner, cfg)  # the capture hook then knows the layers' tables, and the graph recomputes them
     backend = FlashAttentionBackend(runner, topk=topk)
     vb = VerifyBatch(runner, backend, batch, ctx, draft, topk)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(batch * draft, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
-    fb = vb.replay()
-    graph = None
-    if DEVICE == "cuda":  # records the bucket's in-graph tables: the hook then runs no planner
+    graph = None  # on CUDA a capture (SGLang's order: capture hook, warm-up, capture, then replays) records the
+    if DEVICE == "cuda":  # bucket's in-graph tables: the hook then runs no planner
         graph = graph_step(lambda: backend.forward(q, None, None, layer, vb.fb, save_kv_cache=False), vb.replay)
+    fb = vb.replay()
     backend.forward(q, None, None, layer, fb, save_kv_cache=False)
-    hook = "planner-free" if graph is not None else "with the planner"
+    r = backend.planner.recorded(ForwardMode.TARGET_VERIFY, batch)
+    hook = "planner-free" if r is not None and not r.planner_too else "with the planner"
     profile(f"tree verify replay hook (topk {topk}, {hook}), page {page}", vb.replay, iters)
     profile(f"tree verify layer call, no KV write (topk {topk}), page {page}",
             lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters)
+    del graph  # kept alive while the hook whose tables it recomputes was profiled
 
 
 # ---- --parts launcher: the torch launcher of compiled Mosaic kernels --------------------------------
