@@ -63,7 +63,7 @@ check-extras: | $(VENV_PY)
 	@echo "check-extras: .[cuda,torch,test,models] and $(SMOLLM2) resolve with constraints.txt"
 
 test: $(STAMP) lint
-	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 -m "not gpu" --durations=25 tests; rc=$$?; \
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m pytest -q -n 2 --dist worksteal -m "not gpu" --durations=25 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected: failing"; exit 1; fi; exit $$rc
 
 .PHONY: venv demo demo-cpu demo-gpu demo-gpu-text lint check-extras test
