@@ -277,8 +277,8 @@ class LayerCall:
 
     def run(self, q: torch.Tensor, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The kernel's query rows ``q`` (``padded_rows``: the bytes of ``[R, D]``) into ``out`` (the
-        bytes of ``[R, Dv]``, the padding rows' included; their LSE in ``self.lse``). A pass of a ``TreeCall``
-        writes its persistent ``out_ex``."""
+        bytes of ``[R, Dv]``, the padding rows' included; their LSE in ``self.lse``). A ``TreeCall``'s passes both
+        write the layer's new output."""
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.tiles.set_arg(self.q_index, q)
