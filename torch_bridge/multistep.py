@@ -121,10 +121,12 @@ class FlashAttentionMultiStepBackend:
         launch path: ``torch_bridge.graph_tables``), the step inputs (rows, lengths, every step's slots) go into
         the buffers those graphs read and no planner runs; else one planner call for all steps."""
         planners = [b.planner for b in self.attn_backends]
-        if planners and all(p.recorded(ForwardMode.DECODE, bs) is not None for p in planners):
-            for p in planners:
-                p.take_recorded(ForwardMode.DECODE, bs, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                forward_batch.spec_info, self._locs(forward_batch, bs))
+        refreshes = [p.recorded(ForwardMode.DECODE, bs) for p in planners]
+        if planners and all(r is not None for r in refreshes):
+            locs = self._locs(forward_batch, bs)
+            for p, r in zip(planners, refreshes):
+                p.take_recorded(r, forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.spec_info,
+                                locs)
             return
         self._plan_replay(forward_batch, bs)
 

@@ -475,8 +475,9 @@ class StepPlanner:
             raise ValueError(f"bucket bs={bs} was captured with{'' if key.has_encoder else 'out'} encoder_lens; "
                              "replay must pass the same kind of batch")
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
-        if self.recorded(mode, bs) is not None:  # the graph recomputes the tables from its input buffers
-            self.take_recorded(mode, bs, req_pool_indices, seq_lens, spec_info, out_cache_loc)
+        r = self.recorded(mode, bs)
+        if r is not None:  # the graph recomputes the tables from its input buffers
+            self.take_recorded(r, req_pool_indices, seq_lens, spec_info, out_cache_loc)
             return
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
 
@@ -485,15 +486,13 @@ class StepPlanner:
         r = self.refreshes.get((mode, bs))
         return r if r is not None and r.recorded else None
 
-    def take_recorded(self, mode: ForwardMode, bs: int, req_pool_indices, seq_lens, spec_info,
+    def take_recorded(self, r: "graph_tables.TableRefresh", req_pool_indices, seq_lens, spec_info,
                       out_cache_loc=None) -> None:
-        """The replay hook of a bucket whose graph recomputes its tables (``recorded``): the step's inputs into
-        the buffers the graph reads, no planner."""
-        r = self.recorded(mode, bs)
-        assert r is not None
+        """The replay hook of a bucket whose graph recomputes its tables (``r``, as ``recorded`` returned it): the
+        step's inputs into the buffers the graph reads, no planner."""
         if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
-            raise ValueError(f"{mode.name} bucket bs={bs}: req_to_token_pool.req_to_token is not the tensor "
-                             "its graph was captured with; capture the graphs again after reallocating it")
+            raise ValueError(f"{r.key.mode.name} bucket bs={r.key.batch_size}: req_to_token_pool.req_to_token is not "
+                             "the tensor its graph was captured with; capture the graphs again after reallocating it")
         self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None,
                            out_cache_loc if r.draft else None)
         if r.planner_too:
