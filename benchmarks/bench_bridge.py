@@ -579,16 +579,18 @@ def profile_tree(cfg, iters: int, draft: int = 8, topk: int = 4, page: int = 16)
     vb = VerifyBatch(runner, backend, batch, ctx, draft, topk)
     layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
     q = torch.randn(batch * draft, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16, device=DEVICE)
+    def call():
+        return backend.forward(q, None, None, layer, vb.fb, save_kv_cache=False)
+
     graph = None  # on CUDA a capture (SGLang's order: capture hook, warm-up, capture, then replays) records the
     if DEVICE == "cuda":  # bucket's in-graph tables: the hook then runs no planner
-        graph = graph_step(lambda: backend.forward(q, None, None, layer, vb.fb, save_kv_cache=False), vb.replay)
-    fb = vb.replay()
-    backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+        graph = graph_step(call, vb.replay)
+    vb.replay()
+    call()
     r = backend.planner.recorded(ForwardMode.TARGET_VERIFY, batch)
     hook = "planner-free" if r is not None and not r.planner_too else "with the planner"
     profile(f"tree verify replay hook (topk {topk}, {hook}), page {page}", vb.replay, iters)
-    profile(f"tree verify layer call, no KV write (topk {topk}), page {page}",
-            lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False), iters)
+    profile(f"tree verify layer call, no KV write (topk {topk}), page {page}", call, iters)
     del graph  # kept alive while the hook whose tables it recomputes was profiled
 
 
