@@ -23,6 +23,19 @@ from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import (MAX_REGISTERS, MAX_REGISTERS_Q_LEN, Kernels, Layout, Spec, capped,
                                       kernel_fns)
 
+
+def layer_statics(layer, lay):
+    """``triton_paged.kernel_statics`` of ``layer`` over ``lay`` (bf16, sinks), as ``kernel_fns`` makes them."""
+    from jax_attn.kernels.config import DEFAULT_CONFIG
+    from jax_attn.kernels.triton_paged import kernel_statics
+
+    return kernel_statics(
+        num_tokens=lay.num_tokens, num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim, head_dim_v=layer.head_dim, page_size=lay.page_size, max_pages=lay.max_pages,
+        max_q_len=lay.max_q_len, block_q=lay.block_q, max_splits=lay.max_splits, dtype=jnp.bfloat16,
+        kv_dtype=jnp.bfloat16, causal=True, window_size=(7, 0), softcap=0.0, softmax_scale=None, has_sinks=True,
+        has_k_descale=False, has_v_descale=False, latent=False, config=DEFAULT_CONFIG, interpret=False)[0]
+
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
 
@@ -192,16 +205,14 @@ def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):
                                                                                          (2 * lay.max_pages,))]
         tiles_args = tables + [jax.ShapeDtypeStruct((r, D), jnp.bfloat16)] + \
             [jax.ShapeDtypeStruct((64, D), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((HQ,), jnp.float32)]
-        if lay.max_splits == 1:
-            tiles_args += [jax.ShapeDtypeStruct((r, D), jnp.bfloat16), jax.ShapeDtypeStruct((r,), jnp.float32)]
         plan = launcher.plan_kernel(fns[0], *tiles_args)
-        assert isinstance(plan.module, launcher.TritonModule) and plan.module.grid[1] == lay.num_tiles
+        st = layer_statics(layer, lay)
+        # without splits the programs after the tiles zero the padding tokens' rows (no output initialized)
+        assert isinstance(plan.module, launcher.TritonModule) and st.pad_programs == (lay.max_splits == 1) * 2
+        assert plan.module.grid[1] == lay.num_tiles + st.pad_programs
         n_buf = len(plan.buffers)
         assert plan.module.num_buffers == n_buf  # what the loader reads to fill the kernel's parameters
-        if lay.max_splits == 1:  # aliased outputs are the last two arguments, written in place
-            assert [s.kind for s in plan.returns] == ["arg", "arg"] and not plan.out_types
-        else:
-            assert [s.kind for s in plan.returns] == ["out", "out"]
+        assert [s.kind for s in plan.returns] == ["out", "out"]  # new outputs: the tiles' (or partials)
         # decode and verify tiles (few queries a sequence, 4 warps) compile under the register cap, to run as XLA's
         # compile does
         spec = Spec(layer, lay, torch.bfloat16, torch.bfloat16, True, [])

@@ -126,9 +126,9 @@ def descales(lp, kv_dtype) -> Tuple[bool, bool]:
 def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: bool, prior: int = 0
                ) -> Tuple[Callable, ...]:
     """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [k_descale], [v_descale],
-    [sinks], [prior_lse, [prior_index]], [o, lse])`` and, with splits, ``merge(partial_o, partial_lse,
+    [sinks], [prior_lse, [prior_index], o, lse])`` and, with splits, ``merge(partial_o, partial_lse,
     row_splits)``. ``prior``: the tiles merge a prior partial into their rows (``triton_paged._Static.prior``;
-    its output is ``o``'s value before the launch)."""
+    its output is ``o``'s value before the launch, and the launch writes ``o`` and ``lse`` in place)."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
     has_kd, has_vd = descales(lp, kv_dtype)
     dv = lp.v_head_dim or d
@@ -143,7 +143,7 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
     r = lay.num_tokens * hq
 
     def tiles(*args):
-        init = None if st.split_mode else args[inputs:]
+        init = args[inputs:] if prior else None
         return run_tiles(st, lay.num_tiles, lay.max_splits, args[:inputs], dtype, knobs, interpret, init=init)
 
     if not st.split_mode:
@@ -175,13 +175,15 @@ class CallArgs:
     out: torch.Tensor  # [R, Dv]: the tiles' (no split) or the merge's output example
     lse: torch.Tensor  # f32[R] scratch: the bridge returns no LSE
     partial: Optional[Tuple[torch.Tensor, torch.Tensor]]  # f32[S * R, Dv], f32[S * R] (splits)
+    in_place: bool  # the tiles write ``out`` and ``lse`` as their last two arguments (a prior partial)
 
 
 def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool,
               prior: Sequence[torch.Tensor] = ()) -> CallArgs:
     """The launch arguments of layer ``lp`` (pools ``k_buf`` / ``v_buf``) over ``tables``: the tables, an
-    example q, the pools' row views, descales, sinks, a prior partial's LSE (and its index: ``prior``), then the
-    outputs or the split partials."""
+    example q, the pools' row views, descales, sinks, a prior partial's LSE (and its index: ``prior``) and then
+    its output and LSE, written in place; other launches write ``out`` and ``lse`` (or the split partials) as
+    their outputs."""
     lay, dev = tables.layout, k_buf.device
     hq, d = lp.num_q_heads, lp.head_dim
     dv = lp.v_head_dim or d
@@ -202,10 +204,10 @@ def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tens
             with torch.inference_mode(False):
                 tile_args.append(torch.full((lay.batch * lp.num_kv_heads,), scale, dtype=torch.float32, device=dev))
     tile_args += ([sinks] if has_sinks else []) + list(prior)
-    examples = [tile_args + ([] if split else [out, lse])]
+    examples = [tile_args + ([out, lse] if prior else [])]
     if split:
         examples.append([*partial, tables.args[TABLE_PARTS]])
-    return CallArgs(examples, sinks, out, lse, partial)
+    return CallArgs(examples, sinks, out, lse, partial, bool(prior))
 
 
 def padded_rows(q: torch.Tensor, t: int, rows: int) -> torch.Tensor:
@@ -270,9 +272,12 @@ class LayerCall:
             self.tiles = kernels.tiles.bind(*args.examples[0], out=args.partial)
             self.merge = kernels.merge.bind(*args.examples[1], out=(self.out_ex, self.lse))
             self.out_index = None
-        else:
+        elif args.in_place:
             self.tiles = kernels.tiles.bind(*args.examples[0])
             self.merge, self.out_index = None, len(args.examples[0]) - 2
+        else:
+            self.tiles = kernels.tiles.bind(*args.examples[0], out=(self.out_ex, self.lse))
+            self.merge, self.out_index = None, None
         self.tables = tables
 
     def run(self, q: torch.Tensor, out: torch.Tensor, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -283,7 +288,10 @@ class LayerCall:
             self.sinks.copy_(sinks)
         self.tiles.set_arg(self.q_index, q)
         if self.merge is None:
-            self.tiles.set_arg(self.out_index, out)
+            if self.out_index is None:
+                self.tiles.set_out(0, out)
+            else:
+                self.tiles.set_arg(self.out_index, out)
             self.tiles()
         else:
             self.tiles()

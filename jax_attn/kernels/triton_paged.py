@@ -12,6 +12,10 @@ loads mask the padded columns (q and k read 0 there, so the logits are exact), a
 skips them. The caches are read in place, never padded or copied; the padded columns cost FLOPs
 (80 computes as 128), not bytes.
 
+Without splits, programs after the tiles write the padding tokens' rows (zeros, LSE -inf), so no output is
+initialized before the launch; split-KV tiles write float32 partials that ``merge_state.merge_splits``
+combines (its padding rows too).
+
 A split-KV decode launch may pack C kv heads into one program (``KernelConfig.split_kv_heads``):
 its rows are then the query heads of all C kv heads, each loop step gathers the C adjacent rows
 of every key (one contiguous read per key), and a logit whose key row belongs to another kv head
@@ -46,6 +50,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 MAX_PADDED_HEAD_DIM = 256  # head dims that are not powers of 2 are taken up to this
+PAD_PROGRAMS = 8  # programs per grid column that zero the padding tokens' rows (``_pad_rows``)
 
 
 def head_dim_block(d: int) -> int:
@@ -124,6 +129,17 @@ class _Static:
     def rope_block(self) -> int:  # latent (MLA) caches: the block of a key row's rope part
         return head_dim_block(self.head_dim - self.head_dim_v)
 
+    @property
+    def programs(self) -> int:
+        """Programs per tile: the grid's first dimension (kv heads, or packs of them, times ``head_split``)."""
+        return self.num_kv_heads // self.kv_pack * self.head_split
+
+    @property
+    def pad_programs(self) -> int:
+        """Programs per grid column after the tiles that write the padding tokens' rows (zeros, LSE -inf); none
+        with a prior partial, whose rows no tile writes keep the prior's values, or with splits (the merge's)."""
+        return 0 if self.prior or self.split_mode else min(-(-self.num_tokens // self.block_q), PAD_PROGRAMS)
+
 
 def _kv_range(st: _Static, q_len, k_len, q_block):
     """[lo, hi) keys any row of the tile may see; lo aligned down to block_k."""
@@ -183,8 +199,9 @@ def _dot(a, b, *, trans_b=False):
     return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
 
 
-def _attn_kernel(*refs, st: _Static):
-    """One (kv head, tile) program: online softmax over the tile's key range."""
+def _attn_kernel(*refs, st: _Static, num_tiles: int):
+    """One (kv head, tile) program: online softmax over the tile's key range; programs past ``num_tiles`` write
+    the padding tokens' rows (``_pad_rows``)."""
     (tile_seq_ref, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref, pt_ref,
      q_ref, k_ref, v_ref, *rest) = refs
     kd_ref = rest.pop(0) if st.has_k_descale else None
@@ -192,37 +209,67 @@ def _attn_kernel(*refs, st: _Static):
     sinks_ref = rest.pop(0) if st.has_sinks else None
     prior_lse_ref = rest.pop(0) if st.prior else None
     prior_index_ref = rest.pop(0) if st.prior == 2 else None
-    if not st.split_mode:
-        rest = rest[2:]  # the aliased output initial values
-    o_ref, lse_ref = rest
+    if st.prior:
+        rest = rest[2:]  # the aliased output initial values (the prior's)
+    o_ref, lse_ref = rest  # with splits: the partials
 
     h = pl.program_id(0) // st.head_split * st.kv_pack  # first kv head of this program
     part = pl.program_id(0) % st.head_split  # which part of the query-head group
     n = pl.program_id(1)
-    seq = tile_seq_ref[n]
+    seq = tile_seq_ref[jnp.minimum(n, num_tiles - 1)]
 
-    @pl.when(seq >= 0)
+    @pl.when((n < num_tiles) & (seq >= 0))
     def _():
         _attn_tile(st, h, part, n, seq, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                    pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref,
                    (prior_lse_ref, prior_index_ref))
 
+    if st.pad_programs:
+        pl.when(n >= num_tiles)(lambda: _pad_rows(st, h, part, n - num_tiles, cu_q_ref, o_ref, lse_ref))
+
+
+def _tile_rows(st: _Static, h, part, first_token):
+    """A tile's rows from its first token: (row i32[M], its token's index within the tile, its query head)."""
+    g_part = st.group // st.head_split  # query heads of a kv head in this program
+    heads_per_tok = g_part * st.kv_pack
+    rows = jnp.arange(st.rows, dtype=jnp.int32)
+    tok_in_tile = rows // heads_per_tok
+    head = h * st.group + part * g_part + rows % heads_per_tok
+    return first_token + tok_in_tile, tok_in_tile, head
+
+
+def _pad_rows(st: _Static, h, part, p, cu_q_ref, o_ref, lse_ref):
+    """Pad program ``p``: zeros and LSE -inf into the rows of the padding tokens (from ``cu_seqlens_q[B]`` on)
+    among every ``pad_programs``-th ``block_q`` tokens from its ``p``-th."""
+    real = cu_q_ref[cu_q_ref.shape[0] - 1]  # tokens of real sequences
+    chunks, step = -(-st.num_tokens // st.block_q), st.pad_programs
+    first = real // st.block_q  # the first chunk holding a padding token
+    i_lo = jnp.where(first > p, (first - p + step - 1) // step, 0)
+
+    def body(i, carry):
+        token, tok_in_tile, head = _tile_rows(st, h, part, (p + i * step) * st.block_q)
+        ok = (tok_in_tile < st.block_q) & (token >= real) & (token < st.num_tokens)
+        row = jnp.where(ok, token * st.num_q_heads + head, 0)
+        store_rows(o_ref, row, ok, jnp.zeros((st.rows, st.dv_block), o_ref.dtype))
+        store_vec(lse_ref, row, ok, jnp.full((st.rows,), _NEG_INF, jnp.float32))
+        return carry
+
+    lax.fori_loop(i_lo, (chunks - p + step - 1) // step, body, 0)
+
 
 def _attn_tile(st, h, part, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref, prior_refs):
-    g_count, hq, hkv = st.group, st.num_q_heads, st.num_kv_heads
-    g_part = g_count // st.head_split  # query heads of a kv head in this program
-    heads_per_tok = g_part * st.kv_pack
+    hq, hkv = st.num_q_heads, st.num_kv_heads
+    g_part = st.group // st.head_split  # query heads of a kv head in this program
     q_block = tile_qb_ref[n]
     split = tile_split_ref[n]
     q_start = cu_q_ref[b]
     q_len = cu_q_ref[b + 1] - q_start
     k_len = jnp.minimum(seqlens_ref[b], st.max_pages * st.page_size)  # never past the page table
 
-    rows = jnp.arange(st.rows, dtype=jnp.int32)
-    tok_in_tile = rows // heads_per_tok
-    head = h * g_count + part * g_part + rows % heads_per_tok  # query head of each row
-    row_kvh = (rows % heads_per_tok) // g_part  # kv head of each row, relative to h
+    first_token = q_start + q_block * st.block_q
+    _, tok_in_tile, head = _tile_rows(st, h, part, first_token)  # each row's query head
+    row_kvh = (jnp.arange(st.rows, dtype=jnp.int32) % (g_part * st.kv_pack)) // g_part  # its kv head, from h
     q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
     row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
     q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
@@ -445,25 +492,26 @@ def _check_scale(softmax_scale):
 def run_tiles(st: _Static, num_tiles: int, max_splits: int, inputs, out_dtype, knobs, interpret: bool,
               init=None):
     """The attention pallas_call over its operands (tables, q rows, K/V rows, descales, sinks, with ``st.prior``
-    the prior partial's LSE and its index): ``(o [R or S*R, Dv], lse f32[R or S*R])`` with R = T * Hq. Without
-    splits, rows no tile writes (padding tokens) keep the values of ``init`` (o, lse), by default zeros and -inf;
-    with ``st.prior``, ``init``'s o is the prior partial's output, which each row merges with its own."""
+    the prior partial's LSE and its index): ``(o [R or S*R, Dv], lse f32[R or S*R])`` with R = T * Hq (with splits
+    the float32 partials, for ``merge_splits``). Without splits the padding tokens' rows are zeros and -inf;
+    with ``st.prior``, ``init`` (o, lse) holds the prior partial: each row merges its own into it, and rows no
+    tile writes keep it."""
     rows_out = st.num_tokens * st.num_q_heads * (max_splits if st.split_mode else 1)
     dv = st.head_dim_v
     o_dtype = jnp.float32 if st.split_mode else out_dtype
     out_shape = [jax.ShapeDtypeStruct((rows_out, dv), o_dtype), jax.ShapeDtypeStruct((rows_out,), jnp.float32)]
     aliases = {}
     inputs = list(inputs)
-    if not st.split_mode:
+    if st.prior:
         if init is None:
-            init = (jnp.zeros((rows_out, dv), o_dtype), jnp.full((rows_out,), _NEG_INF, jnp.float32))
+            raise ValueError("a prior partial's launch takes its output and LSE as init")
         aliases = {len(inputs): 0, len(inputs) + 1: 1}
         inputs = inputs + list(init)
     num_warps, num_stages = knobs
     return pl.pallas_call(
-        functools.partial(_attn_kernel, st=st),
+        functools.partial(_attn_kernel, st=st, num_tiles=num_tiles),
         out_shape=out_shape,
-        grid=(st.num_kv_heads // st.kv_pack * st.head_split, num_tiles),
+        grid=(st.programs, num_tiles + st.pad_programs),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
