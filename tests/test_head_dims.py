@@ -152,8 +152,8 @@ def test_merge_kernels_propagate_nan_and_take_any_head_dim():
     po = jnp.asarray(rng.standard_normal((s, r, d)), jnp.float32)
     plse = jnp.asarray(rng.standard_normal((s, r)), jnp.float32).at[1, 4].set(jnp.nan)
     for num_sms in (1, 132):  # row blocks; one row per program
-        o2, l2 = merge_splits(po, plse, jnp.full((r,), s, jnp.int32), out_dtype=jnp.float32,
-                              config=KernelConfig(num_sms=num_sms), interpret=True)
+        o2, l2 = merge_splits(po, plse, (jnp.asarray([0, t], jnp.int32), jnp.asarray([s], jnp.int32)), num_heads=h,
+                              out_dtype=jnp.float32, config=KernelConfig(num_sms=num_sms), interpret=True)
         o2, l2 = np.asarray(o2), np.asarray(l2)
         assert np.isnan(o2[4]).all() and np.isnan(l2[4]) and np.isfinite(np.delete(o2, 4, 0)).all()
         w = np.exp(np.asarray(plse) - np.asarray(plse).max(0))

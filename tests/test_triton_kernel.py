@@ -120,16 +120,20 @@ def test_split_knobs_choose_tiles_and_splits():
 @pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("num_splits,block_rows,num_sms", [(5, 4, 132), (40, 16, 132), (5, 4, 1), (2, 16, 1)])
 def test_merge_splits_interpret(num_splits, block_rows, num_sms, indexed):
-    """Rows merge partials [0, row_num_splits); later partials hold NaN; empty ones have LSE -inf.
-    With 132 SMs the 11 rows get one program each (all splits loaded at once); with 1, row blocks.
+    """Rows merge partials [0, n), n the split count of the sequence holding the row's token (``seq_splits``:
+    queries per sequence 1, 1, 3, 2, 2, then two padding tokens, which merge nothing); later partials hold NaN;
+    empty ones have LSE -inf. With 132 SMs the 11 rows get one program each (all splits loaded at once); with 1,
+    row blocks.
     ``indexed``: the LSEs lie shuffled in a larger NaN-filled buffer, found through ``lse_index``
     (-1 past a row's count), as the Mosaic split kernel leaves them."""
     rng = np.random.default_rng(num_splits)
     r, d = 11, 32
     po = rng.standard_normal((num_splits, r, d)).astype(np.float32)
     plse = (rng.standard_normal((num_splits, r)) * 4).astype(np.float32)
-    ns = rng.integers(0, num_splits + 1, r).astype(np.int32)
-    ns[:2] = (0, num_splits)
+    cu = np.array([0, 1, 2, 5, 7, 9], np.int32)  # five sequences over tokens 0..8; tokens 9 and 10 pad
+    seq_splits = rng.integers(0, num_splits + 1, 5).astype(np.int32)
+    seq_splits[:2] = (0, num_splits)
+    ns = np.concatenate([np.repeat(seq_splits, np.diff(cu)), [0, 0]]).astype(np.int32)
     plse[rng.random((num_splits, r)) < 0.25] = -np.inf
     plse[:, 2] = -np.inf  # every partial of row 2 empty
     for row in range(r):
@@ -144,8 +148,8 @@ def test_merge_splits_interpret(num_splits, block_rows, num_sms, indexed):
         o, lse = merge_splits(jnp.asarray(po), jnp.asarray(flat), lse_index=jnp.asarray(where), out_dtype=jnp.float32,
                               config=cfg, interpret=True)
     else:
-        o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), jnp.asarray(ns), out_dtype=jnp.float32, config=cfg,
-                              interpret=True)
+        o, lse = merge_splits(jnp.asarray(po), jnp.asarray(plse), (jnp.asarray(cu), jnp.asarray(seq_splits)),
+                              num_heads=1, out_dtype=jnp.float32, config=cfg, interpret=True)
     want_o, want_lse = np.zeros((r, d), np.float32), np.full((r,), -np.inf, np.float32)
     for row in range(r):
         lse_r = plse[: ns[row], row]

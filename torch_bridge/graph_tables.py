@@ -58,8 +58,7 @@ The Triton-lowered kernel's tables (page sizes the Mosaic kernel does not take, 
 1) hold the same lengths (``cache_seqlens``: ``seq_lens`` clipped to the capacity) and page table, and the
 work schedule the planner builds from them (``jax_attn.kernels.schedule.build_schedule``): kv splits per
 sequence (``min(want, ceil(length / min_kv_per_split))`` clipped to ``[1, S]``, ``want`` a static of the
-bucket), the tiles of each sequence in order, then sorted by estimated keys, longest first (stable), and
-with splits each output row's split count (``row_num_splits``).
+bucket), the tiles of each sequence in order, then sorted by estimated keys, longest first (stable).
 """
 
 from __future__ import annotations
@@ -284,10 +283,7 @@ class TableRefresh:
         """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (fixed)."""
         lens, table, per = self._pass(heads, parts)
         tiles = triton_schedule(lens, tables.layout, heads[1], per)
-        out = tiles + [lens, None, table.reshape(-1)]
-        if tables.layout.max_splits > 1:  # output row -> its sequence's splits (every token of the bucket is real)
-            out.append(torch.repeat_interleave(tiles[3], per * heads[0]))
-        return out
+        return tiles + [lens, None, table.reshape(-1)]
 
     def write(self, heads: TableKey, tables: Tables, parts: Parts) -> None:
         """The refresh's values into ``tables`` (the copies narrow int64 to the tables' int32)."""

@@ -13,8 +13,8 @@ launched the same way; its sliding-window layers are one pass over the tree's SW
 
 Per step a compiled JAX function (the step's planner call) makes the kernel's int32 tables: the work
 schedule (``jax_attn.kernels.schedule.plan_schedule``, as the JAX path plans it), the KV lengths, query
-offsets and the page table, and with splits each output row's split count, in one flat array. Table
-keys carry ``TRITON_TABLES`` (``mosaic_path.TableKey``).
+offsets and the page table, in one flat array (a split launch's merge reads its query offsets and kv splits
+per sequence). Table keys carry ``TRITON_TABLES`` (``mosaic_path.TableKey``).
 
 Dimension legend: T tokens (the step's padded count), Hq / Hkv heads, D / Dv head dims, B sequences,
 P page-table width, N work tiles, S kv splits, R = T * Hq output rows.
@@ -30,7 +30,7 @@ import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG
 from jax_attn.kernels.merge_state import merge_splits
-from jax_attn.kernels.schedule import row_num_splits, step_schedule
+from jax_attn.kernels.schedule import step_schedule
 from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
 from torch_bridge.launcher import KernelPlan, TritonModule, jax_dtype
 
@@ -70,14 +70,10 @@ def schedule(md, heads, deterministic: bool):
 
 
 def table_parts(md, heads, deterministic: bool) -> list:
-    """The kernel's tables for ``md`` (traced), in launch order, then the merge's row split counts."""
+    """The kernel's tables for ``md`` (traced), in launch order."""
     sched = schedule(md, heads, deterministic)
-    parts = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits, md.cache_seqlens,
-             md.cu_seqlens_q, md.page_table.reshape(-1)]
-    if sched.max_splits > 1:
-        parts.append(row_num_splits(md.cache_seqlens, md.cu_seqlens_q, sched.seq_num_splits,
-                                    num_tokens=md.num_tokens, num_heads=heads[0]))
-    return parts
+    return [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits, md.cache_seqlens,
+            md.cu_seqlens_q, md.page_table.reshape(-1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +100,7 @@ def layout_of(md, heads, deterministic: bool) -> Layout:
 
 def part_shapes(lay: Layout, heads) -> Tuple[Tuple[int, ...], ...]:
     n, b = lay.num_tiles, lay.batch
-    shapes = ((n,), (n,), (n,), (b,), (b,), (b + 1,), (b * lay.max_pages,))
-    return shapes + (((lay.num_tokens * heads[0],),) if lay.max_splits > 1 else ())
+    return ((n,), (n,), (n,), (b,), (b,), (b + 1,), (b * lay.max_pages,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +122,9 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
                ) -> Tuple[Callable, ...]:
     """The JAX functions holding the layer's kernels: ``tiles(*tables, q, k, v, [k_descale], [v_descale],
     [sinks], [prior_lse, [prior_index], o, lse])`` and, with splits, ``merge(partial_o, partial_lse,
-    row_splits)``. ``prior``: the tiles merge a prior partial into their rows (``triton_paged._Static.prior``;
-    its output is ``o``'s value before the launch, and the launch writes ``o`` and ``lse`` in place)."""
+    cu_seqlens_q, seq_num_splits)``. ``prior``: the tiles merge a prior partial into their rows
+    (``triton_paged._Static.prior``; its output is ``o``'s value before the launch, and the launch writes ``o`` and
+    ``lse`` in place)."""
     hq, hkv, d = lp.num_q_heads, lp.num_kv_heads, lp.head_dim
     has_kd, has_vd = descales(lp, kv_dtype)
     dv = lp.v_head_dim or d
@@ -149,9 +145,10 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
     if not st.split_mode:
         return (tiles,)
 
-    def merge(partial_o, partial_lse, row_splits):
+    def merge(partial_o, partial_lse, cu_seqlens_q, seq_num_splits):
         return merge_splits(partial_o.reshape(lay.max_splits, r, dv), partial_lse.reshape(lay.max_splits, r),
-                            row_splits, out_dtype=dtype, config=DEFAULT_CONFIG, interpret=interpret)
+                            (cu_seqlens_q, seq_num_splits), num_heads=hq, out_dtype=dtype, config=DEFAULT_CONFIG,
+                            interpret=interpret)
 
     return tiles, merge
 
@@ -206,7 +203,7 @@ def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tens
     tile_args += ([sinks] if has_sinks else []) + list(prior)
     examples = [tile_args + ([out, lse] if prior else [])]
     if split:
-        examples.append([*partial, tables.args[TABLE_PARTS]])
+        examples.append([*partial, tables.args[5], tables.args[3]])  # cu_seqlens_q, seq_num_splits
     return CallArgs(examples, sinks, out, lse, partial, bool(prior))
 
 

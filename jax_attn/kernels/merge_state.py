@@ -126,14 +126,13 @@ def _row_block(block_rows: int, num_rows: int):
     return jnp.where(ok, rows, 0), ok
 
 
-def _split_lse(sel_ref, plse_ref, rows, sp, ok, ns, *, num_rows: int, num_splits: int, indexed: bool):
-    """``(valid, lse)`` of kv split(s) ``sp`` for ``rows`` (broadcast together). ``sel_ref``: each
-    row's split count ``ns`` (``_row_splits``; partials ``[0, ns)`` are valid, split ``s``'s LSE at
-    ``s * R + row``), or with ``indexed`` the LSE's position per ``(split, row)``, ``-1`` for none
-    (``ns`` unused)."""
+def _split_lse(sel_refs, plse_ref, rows, sp, ok, ns, *, num_rows: int, num_splits: int, indexed: bool):
+    """``(valid, lse)`` of kv split(s) ``sp`` for ``rows`` (broadcast together): partials ``[0, ns)`` of each row
+    (``_row_splits``; split ``s``'s LSE at ``s * R + row``), or with ``indexed`` those at the LSE positions per
+    ``(split, row)`` in ``sel_refs[0]``, ``-1`` for none (``ns`` unused)."""
     if indexed:
         in_range = ok & (sp < num_splits)
-        at = plgpu.load(sel_ref.at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=-1)
+        at = plgpu.load(sel_refs[0].at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=-1)
         valid, idx = at >= 0, jnp.maximum(at, 0)
     else:
         valid = ok & (sp < ns)
@@ -141,18 +140,30 @@ def _split_lse(sel_ref, plse_ref, rows, sp, ok, ns, *, num_rows: int, num_splits
     return valid, plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
 
 
-def _row_splits(sel_ref, rows, ok, indexed: bool):
-    """Each row's split count (read once per program), or None with ``indexed`` selectors."""
-    return None if indexed else plgpu.load(sel_ref.at[rows], mask=ok, other=0)
+def _row_splits(sel_refs, rows, ok, indexed: bool, num_heads: int):
+    """Each row's split count, or None with ``indexed`` selectors: row ``t * H + h``'s token ``t`` belongs to the
+    sequence whose query offsets (``sel_refs[0]``, ``cu_seqlens_q`` i32[B + 1]) hold it, and gets that sequence's
+    count (``sel_refs[1]``, i32[B]); a padding token (past the last sequence) gets 0."""
+    if indexed:
+        return None
+    cu_ref, splits_ref = sel_refs
+    b = splits_ref.shape[0]
+    ends = jnp.arange(next_pow2(b), dtype=jnp.int32) + 1  # cu_seqlens_q[1:], padded with never-reached ends
+    ends = plgpu.load(cu_ref.at[jnp.minimum(ends, b)], mask=ends <= b, other=jnp.iinfo(jnp.int32).max)
+    token = rows // num_heads
+    seq = jnp.sum((ends[None, :] <= token[:, None]).astype(jnp.int32), axis=1)  # sequence ends at or before it
+    real = ok & (seq < b)
+    return plgpu.load(splits_ref.at[jnp.where(real, seq, 0)], mask=real, other=0)
 
 
-def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, block_rows: int,
-                   indexed: bool):
+def _splits_kernel(po_ref, plse_ref, *refs, num_splits: int, num_rows: int, block_rows: int, indexed: bool,
+                   num_heads: int):
     """Two passes: the max and the sum over every split's LSE at once, then a weighted sum of the
     partial outputs whose loads do not wait on one another."""
+    *sel_refs, o_ref, lse_ref = refs
     rows, ok = _row_block(block_rows, num_rows)
-    ns = _row_splits(sel_ref, rows, ok, indexed)
-    split_lse = functools.partial(_split_lse, sel_ref, plse_ref, num_rows=num_rows, num_splits=num_splits,
+    ns = _row_splits(sel_refs, rows, ok, indexed, num_heads)
+    split_lse = functools.partial(_split_lse, sel_refs, plse_ref, num_rows=num_rows, num_splits=num_splits,
                                   indexed=indexed)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)[:, None]
     _, lse_all = split_lse(rows[None, :], sp, ok[None, :], None if ns is None else ns[None, :])  # [S_pad, BR]
@@ -173,14 +184,16 @@ def _splits_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int
     store_vec(lse_ref, rows, ok, jnp.where(nonempty, m_use + jnp.log(safe), _NEG_INF))
 
 
-def _splits_row_kernel(po_ref, plse_ref, sel_ref, o_ref, lse_ref, *, num_splits: int, num_rows: int, indexed: bool):
+def _splits_row_kernel(po_ref, plse_ref, *refs, num_splits: int, num_rows: int, indexed: bool, num_heads: int):
     """One row per program, every split's partial loaded at once as one ``[S_pad, D]`` block: the
     loads do not queue behind one another, so a merge of many splits costs about one load latency."""
+    *sel_refs, o_ref, lse_ref = refs
     row = pl.program_id(0)
     sp = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
     rows = jnp.full_like(sp, row)
-    _, lse_all = _split_lse(sel_ref, plse_ref, rows, sp, sp >= 0, _row_splits(sel_ref, rows, sp >= 0, indexed),
-                            num_rows=num_rows, num_splits=num_splits, indexed=indexed)
+    ns = _row_splits(sel_refs, rows, sp >= 0, indexed, num_heads)
+    _, lse_all = _split_lse(sel_refs, plse_ref, rows, sp, sp >= 0, ns, num_rows=num_rows, num_splits=num_splits,
+                            indexed=indexed)
     # Every split's partial row is loaded unmasked (split indices clamped into range), so this load
     # does not wait for the LSE loads; partials that are not valid get weight 0 below.
     o_all = load_rows(po_ref, row + jnp.minimum(sp, num_splits - 1) * num_rows, None).astype(jnp.float32)
@@ -203,30 +216,35 @@ ROW_MERGE_MAX_ELEMENTS = 64 * 128  # f32 elements of one row's partials that one
 
 # Jitted: every call site with the same shapes shares one traced pallas_call, lowered once per
 # executable (not once per layer).
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "out_dtype", "config", "interpret"))
 def merge_splits(
     partial_o,  # f32[S, R, D]
     partial_lse,  # f32[S, R], or with lse_index any flat f32[M]
-    row_num_splits=None,  # i32[R]; row r merges partials [0, row_num_splits[r])
+    seq_splits=None,  # (cu_seqlens_q i32[B + 1], seq_num_splits i32[B]), with num_heads: R = T * H rows
     *,
-    lse_index=None,  # i32[S, R]; instead of row_num_splits: partial (s, r)'s LSE is partial_lse[lse_index[s, r]], -1 = none
+    num_heads: int = 0,  # H, with seq_splits
+    lse_index=None,  # i32[S, R]; instead of seq_splits: partial (s, r)'s LSE is partial_lse[lse_index[s, r]], -1 = none
     out_dtype,
     config: KernelConfig = DEFAULT_CONFIG,
     interpret: bool = False,
 ):
     """Merges kv-split partials (``paged_attention``'s, the Mosaic split kernel's); rows with no
-    valid partial give (0, -inf)."""
+    valid partial give (0, -inf). With ``seq_splits``, row ``t * H + h`` merges partials ``[0, n)``, ``n`` the
+    split count of the sequence that holds token ``t``; tokens past the last sequence are padding."""
     s, r, d = partial_o.shape
-    if (row_num_splits is None) == (lse_index is None):
-        raise ValueError("pass exactly one of row_num_splits (i32[R]) and lse_index (i32[S, R])")
+    if (seq_splits is None) == (lse_index is None):
+        raise ValueError("pass exactly one of seq_splits ((cu_seqlens_q, seq_num_splits)) and lse_index (i32[S, R])")
     indexed = lse_index is not None
-    sel = (lse_index if indexed else row_num_splits).reshape(-1).astype(jnp.int32)
+    if not indexed and (num_heads < 1 or r % num_heads):
+        raise ValueError(f"{num_heads=} must divide the {r} rows (token-major: R = T * H) with seq_splits")
+    sels = [lse_index.reshape(-1).astype(jnp.int32)] if indexed else [a.astype(jnp.int32) for a in seq_splits]
     # Few rows (one long sequence) get few rows per program, so the merge still spans the SMs.
     br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
     if br == 1 and next_pow2(s) * next_pow2(d) <= ROW_MERGE_MAX_ELEMENTS:
-        kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r, indexed=indexed)
+        kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r, indexed=indexed, num_heads=num_heads)
     else:
-        kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br, indexed=indexed)
+        kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br, indexed=indexed,
+                                   num_heads=num_heads)
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((r, d), out_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
@@ -234,7 +252,7 @@ def merge_splits(
         compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
         interpret=interpret,
         name="merge_splits",
-    )(partial_o.reshape(s * r, d), partial_lse.reshape(-1), sel)
+    )(partial_o.reshape(s * r, d), partial_lse.reshape(-1), *sels)
 
 
 def _pair_kernel(*refs, num_rows: int, block_rows: int, indexed: bool):

@@ -140,25 +140,6 @@ def _seq_splits(cache_seqlens, q_blocks, max_splits, num_kv_heads, force, num_sm
     return jnp.clip(jnp.minimum(want, by_len), 1, max_splits).astype(jnp.int32)
 
 
-def row_num_splits(
-    cache_seqlens: jax.Array,  # i32[B]
-    cu_seqlens_q: jax.Array,  # i32[B + 1]
-    seq_num_splits: jax.Array,  # i32[B]
-    *,
-    num_tokens: int,
-    num_heads: int,
-) -> jax.Array:
-    """i32[T * H]: kv splits to merge for each (token, head) output row; 0 for padding tokens."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    b = cache_seqlens.shape[0]
-    # A token's sequence = how many sequence ends lie at or before it. (jnp.searchsorted would be a
-    # loop of several small kernels per call; this [T, B] compare is one fused kernel.)
-    seq = jnp.sum(t[:, None] >= cu_seqlens_q[None, 1:], axis=1, dtype=jnp.int32)
-    valid = t < cu_seqlens_q[b]
-    ns = jnp.where(valid, seq_num_splits[jnp.clip(seq, 0, b - 1)], 0)
-    return jnp.repeat(ns, num_heads)
-
-
 def plan_schedule(
     md: AttentionMetadata,
     *,

@@ -43,7 +43,7 @@ from jax_attn.kernels.config import (DEFAULT_CONFIG, KernelConfig, interpret_def
                                       next_pow2, tile_rows)
 from jax_attn.kernels.merge_state import (block_cols, load_rows, merge_rows, merge_splits, partial_rows, store_rows,
                                           store_vec)
-from jax_attn.kernels.schedule import plan_schedule, row_num_splits
+from jax_attn.kernels.schedule import plan_schedule
 from jax_attn.metadata import AttentionMetadata
 
 LOG2E = math.log2(math.e)
@@ -659,8 +659,8 @@ def paged_attention(
     if st.split_mode:
         o, lse = merge_splits(
             o.reshape(sched.max_splits, t * hq, dv), lse.reshape(sched.max_splits, t * hq),
-            row_num_splits(md.cache_seqlens, md.cu_seqlens_q, sched.seq_num_splits, num_tokens=t, num_heads=hq),
-            out_dtype=q.dtype, config=config, interpret=interpret,
+            (md.cu_seqlens_q, sched.seq_num_splits), num_heads=hq, out_dtype=q.dtype, config=config,
+            interpret=interpret,
         )
     out = o.reshape(t, hq, dv)
     if return_lse:
