@@ -304,7 +304,7 @@ class MosaicPath:
     def _views(self, flat: torch.Tensor, md, heads: TableKey) -> Tables:
         if key_flags(heads) & TRITON_TABLES:
             lay = triton_path.layout_of(md, heads[:2], triton_one_split(heads, self.deterministic))
-            return Tables(flat, self._cut(flat, triton_path.part_shapes(lay, heads[:2])), 1, lay.num_tiles,
+            return Tables(flat, self._cut(flat, triton_path.part_shapes(lay)), 1, lay.num_tiles,
                           md.max_q_len, lay)
         b, p = md.page_table.shape
         latent = bool(key_flags(heads) & LATENT_TABLES)

@@ -98,7 +98,7 @@ def layout_of(md, heads, deterministic: bool) -> Layout:
                   md.page_size)
 
 
-def part_shapes(lay: Layout, heads) -> Tuple[Tuple[int, ...], ...]:
+def part_shapes(lay: Layout) -> Tuple[Tuple[int, ...], ...]:
     n, b = lay.num_tiles, lay.batch
     return ((n,), (n,), (n,), (b,), (b,), (b + 1,), (b * lay.max_pages,))
 
