@@ -42,8 +42,9 @@ of a case N times round-robin; ``--quick`` (peers) fewer reps, decode 64x4096 an
 ``--tiny`` toy shapes (peers, local; numbers meaningless); ``--head-dim D`` / ``--heads HQ/HKV`` (peers)
 every case at that head shape (e.g. 96 with 32/32 for Phi-3); ``--page-size`` (peers: one page size;
 local; ncu's, default 16); ``--impl`` (local); ``--batch``, ``--seq``, ``--calls``,
-``--names`` (ncu); ``--smoke`` every mode at toy shapes on the CPU, skipping what needs a GPU (one
-line says what).
+``--names`` (ncu); ``--kernels`` (peers) each peer's kernels per call and their GPU time in its note (where a
+call's time goes: e.g. a merge launch or XLA fusions beside our kernel); ``--smoke`` every mode at toy shapes on
+the CPU, skipping what needs a GPU (one line says what).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def parse_args(argv=None):
     ap.add_argument("--impl", default="", choices=["", "triton", "mosaic"], help="local: one kernel")
     ap.add_argument("--page-size", type=int, default=0,
                     help="peers: only cases of this page size; local: 1 or 16 (default both); ncu: default 16")
+    ap.add_argument("--kernels", action="store_true",
+                    help="peers: list each peer's kernels per call and their GPU time (CUPTI) in its note")
     ap.add_argument("--sweep", action="store_true", help="wall: time KernelConfig variants")
     ap.add_argument("--split-sweep", action="store_true", help="wall: sweep split-KV knobs at 1x32768 and 8x8192")
     ap.add_argument("--batch", type=int, default=4, help="ncu: batch")
@@ -191,11 +194,16 @@ def measure(run: peers.PeerRun, ref, row: Row, amount: float, reps: int) -> Row:
     return row
 
 
-def _run_peer(name, build, p, ref, row: Row, amount, reps, flagged) -> Row:
+def _run_peer(name, build, p, ref, row: Row, amount, reps, flagged, kernels: bool = False) -> Row:
     try:
         run = build(p)
         row.peer = run.name
         measure(run, ref, row, amount, reps)
+        if kernels:  # where the call's GPU time goes, kernel by kernel
+            parts = common.kernel_times(*row.timer)
+            row.note = "; ".join(x for x in (row.note, "kernels: " + (
+                ", ".join(f"{k[:48]} {t:.1f}" for k, (_, t) in parts.items()) if parts is not None
+                else "no CUPTI trace without a CUDA device")) if x)
     except peers.Unavailable as e:
         row.status, row.note = "n/a", str(e)
     except Exception as e:  # a broken peer must not stop the others
@@ -234,8 +242,10 @@ def _fastest(rows: list[Row]) -> Row:
     return min(ok, key=lambda r: r.time_us) if ok else rows[0]
 
 
-def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, rounds=1, keep=None) -> list[Row]:
-    """All peers on one case; SDPA runs first and its output is the reference for the others."""
+def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, rounds=1, keep=None,
+             kernels=False) -> list[Row]:
+    """All peers on one case; SDPA runs first and its output is the reference for the others (``kernels``: each
+    peer's note lists its call's kernels and their GPU time)."""
     p = peers.make_problem(b, q_len, kv_len, ps, device=device, **HEADS)
     case = f"{kind} B={b} " + (f"ctx={kv_len}" if kind == "decode" else f"q={q_len} kv={kv_len}") + f" ps={ps}"
     amount, unit = work(kind, p)
@@ -255,10 +265,10 @@ def run_case(kind, b, q_len, kv_len, ps, *, reps, device, with_dense, flagged, r
         del base
     except Exception as e:
         print(f"  no SDPA reference for this case ({type(e).__name__}: {e}); errors not checked")
-    rows = [_run_peer("sdpa", peers.sdpa, p, None, new_row("sdpa"), amount, reps, flagged)]
+    rows = [_run_peer("sdpa", peers.sdpa, p, None, new_row("sdpa"), amount, reps, flagged, kernels)]
     swept: dict[str, list] = {}  # peers run at several split settings: the fastest is kept
     for name, build in peer_builders(kind, ps, with_dense, keep):
-        row = _run_peer(name, build, p, ref, new_row(name), amount, reps, flagged)
+        row = _run_peer(name, build, p, ref, new_row(name), amount, reps, flagged, kernels)
         if "/" in name:
             swept.setdefault(name.split("/")[0], []).append(row)
         else:
@@ -382,7 +392,7 @@ def main_peers(args) -> int:
         with_dense = (kind, b, q_len, kv_len) not in seen  # dense peers: once per shape
         seen.add((kind, b, q_len, kv_len))
         rows += run_case(kind, b, q_len, kv_len, ps, reps=reps, device=device, with_dense=with_dense,
-                         flagged=flagged, rounds=args.rounds, keep=keep)
+                         flagged=flagged, rounds=args.rounds, keep=keep, kernels=args.kernels or args.smoke)
     common.fill_ratios(rows)
     meta["copy_tbps"] = common.copy_bandwidth_tbps()
 

@@ -65,9 +65,11 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (_ROOT, os.path.join(_ROOT, "examples")):  # the repository (tests.kv_write_kernel), the examples
+# the repository (tests.kv_write_kernel), the examples, the benchmarks (common)
+for _p in (_ROOT, os.path.join(_ROOT, "examples"), os.path.join(_ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+import common  # noqa: E402
 import llama_torch as lt  # noqa: E402
 
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool,  # noqa: E402
@@ -366,22 +368,6 @@ def native_decode(cfg, batch: int, ctx: int):
     return model, tokens, attend, lambda: model.forward(tokens, kv.lens, attend)
 
 
-def kernel_times(step, iters: int) -> dict:
-    """GPU time per call of ``step`` by kernel name (torch's CUPTI profiler over ``iters`` calls, after one)."""
-    step()
-    sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        sync()
-    out: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            n, t = out.get(e.name, (0, 0.0))
-            out[e.name] = (n + 1, t + e.device_time)  # us
-    return {name: (n / iters, t / iters) for name, (n, t) in out.items()}
-
-
 def bench_kernels(cfg, batch: int, ctx: int, page_size: int, iters: int):
     """Each eager decode step's GPU kernels, native against the bridge's launch path: where a step's GPU time
     goes (calls per step, us per step, by kernel name)."""
@@ -395,10 +381,10 @@ def bench_kernels(cfg, batch: int, ctx: int, page_size: int, iters: int):
     print(f"\n## kernels of one eager decode step, batch {batch}, ctx {ctx}, {cfg.n_layers} layers, page_size "
           f"{page_size} (us per step; calls per step)")
     for name, step in (("native", native), ("bridge", bridge)):
-        times = kernel_times(step, iters)
+        times = common.kernel_times(step, lambda _: sync(), iters)
         total = sum(t for _, t in times.values())
         print(f"{name}: {total:.1f} us of GPU time per step")
-        for k, (n, t) in sorted(times.items(), key=lambda kv: -kv[1][1])[:14]:
+        for k, (n, t) in list(times.items())[:14]:
             print(f"  {t:9.1f} us  {n:5.1f}x  {k[:110]}")
 
 

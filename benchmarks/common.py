@@ -185,6 +185,18 @@ def device_activities(fn: Callable[[], object], sync: Callable[[object], None], 
                   if e.get("cat") in _DEVICE_CATEGORIES and "dur" in e)
 
 
+def kernel_times(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> Optional[dict]:
+    """``{name: (launches per call, GPU us per call)}`` of the kernels (memcpys, memsets) of ``calls`` back-to-back
+    calls (one CUPTI trace), longest first; None without a CUDA device."""
+    if not cuda_available():
+        return None
+    per: dict = {}
+    for _, dur, name in device_activities(fn, sync, calls):
+        n, t = per.get(name, (0.0, 0.0))
+        per[name] = (n + 1 / calls, t + dur / calls)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1][1]))
+
+
 def time_device(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> Optional[Timing]:
     """Median GPU time of one call from a CUPTI trace of ``calls`` back-to-back calls, or None.
 

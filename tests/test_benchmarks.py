@@ -37,6 +37,7 @@ def test_bench_attention_smoke(tmp_path):
     assert header_line(out, "case", "impl", "plain/local", "verdict")  # --mode local
     assert header_line(out, "kind", "ps", "time_us")  # --mode wall
     assert "ours" in out and "skipped on the CPU" in out
+    assert "kernels: no CUPTI trace without a CUDA device" in out  # the smoke run takes the --kernels path
     assert os.path.exists(tmp_path / "bench_results.json")
 
 
