@@ -35,6 +35,7 @@ from jax_attn.kernels.triton_paged import kernel_statics, run_tiles
 from torch_bridge.launcher import KernelPlan, TritonModule, jax_dtype
 
 TABLE_PARTS = 7  # tile_seq, tile_q_block, tile_split, seq_num_splits, cache_seqlens, cu_seqlens_q, page_table
+SEQ_NUM_SPLITS, CU_SEQLENS_Q = 3, 5  # the parts a split launch's merge reads too
 
 MAX_REGISTERS = 200
 """Registers per thread at most for the decode and speculative verify kernels (at most ``MAX_REGISTERS_Q_LEN``
@@ -172,7 +173,6 @@ class CallArgs:
     out: torch.Tensor  # [R, Dv]: the tiles' (no split) or the merge's output example
     lse: torch.Tensor  # f32[R] scratch: the bridge returns no LSE
     partial: Optional[Tuple[torch.Tensor, torch.Tensor]]  # f32[S * R, Dv], f32[S * R] (splits)
-    in_place: bool  # the tiles write ``out`` and ``lse`` as their last two arguments (a prior partial)
 
 
 def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tensor], has_sinks: bool,
@@ -203,8 +203,8 @@ def call_args(lp, tables, dtype, k_buf: torch.Tensor, v_buf: Optional[torch.Tens
     tile_args += ([sinks] if has_sinks else []) + list(prior)
     examples = [tile_args + ([out, lse] if prior else [])]
     if split:
-        examples.append([*partial, tables.args[5], tables.args[3]])  # cu_seqlens_q, seq_num_splits
-    return CallArgs(examples, sinks, out, lse, partial, bool(prior))
+        examples.append([*partial, tables.args[CU_SEQLENS_Q], tables.args[SEQ_NUM_SPLITS]])
+    return CallArgs(examples, sinks, out, lse, partial)
 
 
 def padded_rows(q: torch.Tensor, t: int, rows: int) -> torch.Tensor:
@@ -269,7 +269,7 @@ class LayerCall:
             self.tiles = kernels.tiles.bind(*args.examples[0], out=args.partial)
             self.merge = kernels.merge.bind(*args.examples[1], out=(self.out_ex, self.lse))
             self.out_index = None
-        elif args.in_place:
+        elif prior:  # the tiles write the prior's output and LSE, their last two arguments, in place
             self.tiles = kernels.tiles.bind(*args.examples[0])
             self.merge, self.out_index = None, len(args.examples[0]) - 2
         else:
@@ -284,15 +284,12 @@ class LayerCall:
         if sinks is not None:
             self.sinks.copy_(sinks)
         self.tiles.set_arg(self.q_index, q)
-        if self.merge is None:
-            if self.out_index is None:
-                self.tiles.set_out(0, out)
-            else:
-                self.tiles.set_arg(self.out_index, out)
-            self.tiles()
+        if self.out_index is None:  # the output of the last launch
+            (self.tiles if self.merge is None else self.merge).set_out(0, out)
         else:
-            self.tiles()
-            self.merge.set_out(0, out)
+            self.tiles.set_arg(self.out_index, out)
+        self.tiles()
+        if self.merge is not None:
             self.merge()
         return out
 

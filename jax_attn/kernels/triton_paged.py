@@ -229,13 +229,13 @@ def _attn_kernel(*refs, st: _Static, num_tiles: int):
 
 
 def _tile_rows(st: _Static, h, part, first_token):
-    """A tile's rows from its first token: (row i32[M], its token's index within the tile, its query head)."""
+    """A tile's rows from its first token, each row's (token, token index within the tile, query head, kv head
+    relative to ``h``), i32[M] each."""
     g_part = st.group // st.head_split  # query heads of a kv head in this program
     heads_per_tok = g_part * st.kv_pack
     rows = jnp.arange(st.rows, dtype=jnp.int32)
-    tok_in_tile = rows // heads_per_tok
-    head = h * st.group + part * g_part + rows % heads_per_tok
-    return first_token + tok_in_tile, tok_in_tile, head
+    tok_in_tile, slot = rows // heads_per_tok, rows % heads_per_tok
+    return first_token + tok_in_tile, tok_in_tile, h * st.group + part * g_part + slot, slot // g_part
 
 
 def _pad_rows(st: _Static, h, part, p, cu_q_ref, o_ref, lse_ref):
@@ -247,7 +247,7 @@ def _pad_rows(st: _Static, h, part, p, cu_q_ref, o_ref, lse_ref):
     i_lo = jnp.where(first > p, (first - p + step - 1) // step, 0)
 
     def body(i, carry):
-        token, tok_in_tile, head = _tile_rows(st, h, part, (p + i * step) * st.block_q)
+        token, tok_in_tile, head, _ = _tile_rows(st, h, part, (p + i * step) * st.block_q)
         ok = (tok_in_tile < st.block_q) & (token >= real) & (token < st.num_tokens)
         row = jnp.where(ok, token * st.num_q_heads + head, 0)
         store_rows(o_ref, row, ok, jnp.zeros((st.rows, st.dv_block), o_ref.dtype))
@@ -260,19 +260,16 @@ def _pad_rows(st: _Static, h, part, p, cu_q_ref, o_ref, lse_ref):
 def _attn_tile(st, h, part, n, b, tile_qb_ref, tile_split_ref, seq_splits_ref, seqlens_ref, cu_q_ref,
                pt_ref, q_ref, k_ref, v_ref, kd_ref, vd_ref, sinks_ref, o_ref, lse_ref, prior_refs):
     hq, hkv = st.num_q_heads, st.num_kv_heads
-    g_part = st.group // st.head_split  # query heads of a kv head in this program
     q_block = tile_qb_ref[n]
     split = tile_split_ref[n]
     q_start = cu_q_ref[b]
     q_len = cu_q_ref[b + 1] - q_start
     k_len = jnp.minimum(seqlens_ref[b], st.max_pages * st.page_size)  # never past the page table
 
-    first_token = q_start + q_block * st.block_q
-    _, tok_in_tile, head = _tile_rows(st, h, part, first_token)  # each row's query head
-    row_kvh = (jnp.arange(st.rows, dtype=jnp.int32) % (g_part * st.kv_pack)) // g_part  # its kv head, from h
+    token, tok_in_tile, head, row_kvh = _tile_rows(st, h, part, q_start + q_block * st.block_q)
     q_idx = q_block * st.block_q + tok_in_tile  # query index within the sequence
-    row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (q_start + q_idx < st.num_tokens)
-    q_row = jnp.where(row_ok, (q_start + q_idx) * hq + head, 0)
+    row_ok = (tok_in_tile < st.block_q) & (q_idx < q_len) & (token < st.num_tokens)
+    q_row = jnp.where(row_ok, token * hq + head, 0)
     shift = k_len - q_len  # qpos = shift + query index (bottom-right aligned)
     if st.latent:  # (the latent part [M, Dvp], the rope part [M, rope block])
         q = tuple(load_rows(q_ref, q_row, row_ok, width=w, col0=c0, dim=dim).astype(st.compute_dtype)
