@@ -200,7 +200,7 @@ def _run_peer(name, build, p, ref, row: Row, amount, reps, flagged, kernels: boo
         row.peer = run.name
         measure(run, ref, row, amount, reps)
         if kernels:  # where the call's GPU time goes, kernel by kernel
-            parts = common.kernel_times(*row.timer)
+            parts = common.kernel_times(run.call, *row.timer[1:])  # (row.timer: run, sync, calls)
             row.note = "; ".join(x for x in (row.note, "kernels: " + (
                 ", ".join(f"{k[:48]} {t:.1f}" for k, (_, t) in parts.items()) if parts is not None
                 else "no CUPTI trace without a CUDA device")) if x)

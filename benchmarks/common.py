@@ -188,6 +188,8 @@ def device_activities(fn: Callable[[], object], sync: Callable[[object], None], 
 def kernel_times(fn: Callable[[], object], sync: Callable[[object], None], calls: int) -> Optional[dict]:
     """``{name: (launches per call, GPU us per call)}`` of the kernels (memcpys, memsets) of ``calls`` back-to-back
     calls (one CUPTI trace), longest first; None without a CUDA device."""
+    if not callable(fn):  # (checked first, so that a CPU smoke run catches a wrong argument too)
+        raise TypeError(f"kernel_times takes the call to time, not {type(fn).__name__}")
     if not cuda_available():
         return None
     per: dict = {}

@@ -194,7 +194,9 @@ def _split(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
 
 
 def _decode(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
-    return KernelConfig(decode_block_k=bk, decode_num_warps=warps, decode_num_stages=stages, **kw)
+    # (the forced tile everywhere: no many-program tile at page 1)
+    return KernelConfig(decode_block_k=bk, decode_num_warps=warps, decode_num_stages=stages, many_decode_tile=None,
+                        **kw)
 
 
 SPLIT_CONFIGS = [

@@ -117,6 +117,45 @@ def test_split_knobs_choose_tiles_and_splits():
             KernelConfig(**bad)
 
 
+def test_many_decode_tile_only_where_measured_and_never_batch_invariant():
+    """``KernelConfig.many_decode_tile``: unsplit decode over one-row pages in a launch of at least 1024 (token, kv
+    head) programs at head dims up to 128; a batch-invariant call (``num_splits=1``, deterministic mode) keeps the
+    decode tile, or a request's bits would depend on how many others share its batch."""
+    kw = dict(num_tokens=128, num_q_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, page_size=1,
+              max_pages=4096, max_q_len=1, block_q=1, max_splits=1, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+              causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, has_sinks=False,
+              has_k_descale=False, has_v_descale=False, latent=False, config=KernelConfig(), interpret=False)
+
+    def tile(**over):
+        st, knobs = kernel_statics(**{**kw, **over})
+        return (st.block_k, *knobs)
+
+    assert tile() == (64, 4, 3)  # 1024 programs
+    assert tile(head_dim=80, head_dim_v=80) == (64, 4, 3)  # a 128 block
+    for over in (dict(batch_invariant=True), dict(num_tokens=127), dict(page_size=16), dict(max_splits=2),
+                 dict(head_dim=256, head_dim_v=256), dict(max_q_len=2, block_q=2)):
+        assert tile(**over)[0] != 64 or over.get("max_q_len"), over
+    assert tile(config=KernelConfig(many_decode_tile=None)) == (128, 4, 2)
+    with pytest.raises(ValueError, match="many_decode_tile"):
+        KernelConfig(many_decode_tile=(48, 4, 3))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_many_decode_tile_runs_right_and_only_without_batch_invariance(num_splits):
+    """The many-program decode tile (64 keys, 3 stages; here from 8 programs on) against the reference over
+    one-row pages, NaN-poisoned spare pages; the launch is named by its key block, so the jaxpr says which tile
+    ran: 64 keys under the heuristic, the decode tile's 128 when the call must be batch invariant."""
+    case = Case("many_decode_page1", ((1, 150), (1, 70), (1, 130), (1, 3)), page_size=1, heads=(4, 2),
+                num_splits=num_splits, spare_pages=5)
+    cfg = KernelConfig(many_decode_programs=8, num_sms=4)  # 14 programs fill "the GPU": no split under the heuristic
+    err = check_attention(functools.partial(paged_attention, config=cfg), case, interpret=True)
+    assert err < 2e-5, f"interpreted f32 should be near exact, got {err:.2e}"
+    q, k, v, md, kwargs = build_inputs(case)
+    jaxpr = str(jax.make_jaxpr(functools.partial(paged_attention, config=cfg, num_splits=num_splits, interpret=True,
+                                                 **kwargs))(q, k, v, md))
+    assert ("_k64" in jaxpr) == (num_splits is None) and ("_k128" in jaxpr) == (num_splits == 1)
+
+
 @pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.parametrize("num_splits,block_rows,num_sms", [(5, 4, 132), (40, 16, 132), (5, 4, 1), (2, 16, 1)])
 def test_merge_splits_interpret(num_splits, block_rows, num_sms, indexed):

@@ -21,7 +21,7 @@ from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_de
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import (MAX_REGISTERS, MAX_REGISTERS_Q_LEN, Kernels, Layout, Spec, capped,
-                                      kernel_fns)
+                                      kernel_fns, layout_of, part_shapes)
 
 
 def layer_statics(layer, lay):
@@ -268,3 +268,25 @@ def test_triton_launch_gpu_fp8(page, case):
 def test_layouts_are_static_facts():
     lay = Layout(8, 2, 5, 4, 4, 1, 4, 1)
     assert dataclasses.replace(lay) == lay and hash(lay) == hash(Layout(8, 2, 5, 4, 4, 1, 4, 1))
+
+
+def test_deterministic_layouts_keep_the_decode_tile_at_any_batch():
+    """A page-1 decode layout of 1024 (token, kv head) programs launches the many-program tile (64-key blocks,
+    ``KernelConfig.many_decode_tile``), except in deterministic mode (``layout_of(..., deterministic=True)`` sets
+    ``Layout.batch_invariant``), where a request's bits must not depend on the batch: the decode tile's 128."""
+    import re
+
+    from jax_attn.backend import LayerParams
+    from tests.attention_cases import Case, build_inputs
+
+    md = build_inputs(Case("decode", ((1, 40), (1, 9)), page_size=1, heads=(HQ, HKV)))[3]
+    assert [layout_of(md, (HQ, HKV), det).batch_invariant for det in (False, True)] == [False, True]
+    layer = LayerParams(32, 8, 128)
+    for invariant in (False, True):
+        lay = Layout(128, 128, 1024, 1, 1, 1, 128, 1, invariant)
+        tiles = kernel_fns(layer, lay, jnp.bfloat16, jnp.bfloat16, False, interpret=False)[0]
+        args = [jax.ShapeDtypeStruct(s, jnp.int32) for s in part_shapes(lay)]
+        args += [jax.ShapeDtypeStruct((128 * 32, 128), jnp.bfloat16)] + \
+            [jax.ShapeDtypeStruct((128 * 1024 * 8, 128), jnp.bfloat16)] * 2
+        names = set(re.findall(r"paged_attention_m\d+_k\d+", str(jax.make_jaxpr(tiles)(*args))))
+        assert names == {"paged_attention_m16_k128" if invariant else "paged_attention_m16_k64"}, (invariant, names)

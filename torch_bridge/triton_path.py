@@ -89,6 +89,7 @@ class Layout:
     max_splits: int  # S (1: no split, no merge)
     num_tiles: int  # N
     page_size: int
+    batch_invariant: bool = False  # deterministic: the kernel's tiles must not depend on the batch either
 
 
 def layout_of(md, heads, deterministic: bool) -> Layout:
@@ -96,7 +97,7 @@ def layout_of(md, heads, deterministic: bool) -> Layout:
     sched = jax.eval_shape(lambda m: schedule(m, heads, deterministic), md)
     b, p = md.page_table.shape
     return Layout(md.num_tokens, b, p, md.max_q_len, sched.block_q, sched.max_splits, sched.tile_seq.shape[0],
-                  md.page_size)
+                  md.page_size, deterministic)
 
 
 def part_shapes(lay: Layout) -> Tuple[Tuple[int, ...], ...]:
@@ -135,7 +136,7 @@ def kernel_fns(lp, lay: Layout, dtype, kv_dtype, has_sinks: bool, interpret: boo
         max_splits=lay.max_splits, dtype=dtype, kv_dtype=kv_dtype, causal=lp.attends_causally,
         window_size=lp.window_size, softcap=lp.logit_cap, softmax_scale=lp.scaling, has_sinks=has_sinks,
         has_k_descale=has_kd, has_v_descale=has_vd, latent=lp.mla, config=DEFAULT_CONFIG, interpret=interpret,
-        prior=prior)
+        prior=prior, batch_invariant=lay.batch_invariant)
     inputs = TABLE_PARTS + 3 + int(has_kd) + int(has_vd) + int(has_sinks) + prior  # prior: 1 or 2 more inputs
     r = lay.num_tokens * hq
 

@@ -78,6 +78,15 @@ class KernelConfig:
       merge_num_warps: warps per program of the merge kernels.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
         compiled (the interpreter always uses ``jnp.exp2``).
+      many_decode_tile: ``(block_k, num_warps, num_stages)`` of unsplit decode tiles over pages of at most
+        ``many_decode_max_page`` rows, at head dims up to 128, in a launch of at least ``many_decode_programs``
+        (token, kv head) programs (many short sequences), unless the call must be batch invariant: a shorter,
+        deeper ring, whose key loads do not queue behind each key's page-table load. None: the decode tile
+        everywhere. H200, 32/8 heads, d 128, CUPTI time per call, four rounds in one process (thirty-sixth
+        session, ``benchmarks/RESULTS.md``), 64/4/3 against the decode tile 128/4/2: page 1 256 x 1024 (2048
+        programs) 254.1 against 262.0 us, 128 x 2048 (1024) 252.1 against 255.7, 64 x 4096 (512) 252.5 against
+        251.5; page 16 256 x 1024 269.3 against 256.2 (so larger pages keep the decode tile).
+      many_decode_programs / many_decode_max_page: see ``many_decode_tile``.
       max_tile_elements: most float32 accumulator elements (rows x value block) of one program; a
         query-head group whose tile holds more is split over programs (MLA's 128 heads x 512 latent
         columns), each with at least 8 warps and key blocks of at most 64.
@@ -103,6 +112,9 @@ class KernelConfig:
     merge_num_warps: int = 4
     fast_exp2: bool = True
     max_tile_elements: int = 128 * 256
+    many_decode_tile: tuple[int, int, int] | None = (64, 4, 3)
+    many_decode_programs: int = 1024
+    many_decode_max_page: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "num_warps", "merge_block_rows", "merge_num_warps"):
@@ -127,13 +139,25 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be >= 1")
         if self.max_splits < 1:
             raise ValueError(f"{self.max_splits=} must be >= 1")
+        if self.many_decode_tile is not None:
+            bk, warps, stages = self.many_decode_tile
+            if not (_is_pow2(bk) and bk >= 16 and _is_pow2(warps) and stages >= 1):
+                raise ValueError(f"{self.many_decode_tile=} must be (block_k, num_warps, num_stages): powers of 2 "
+                                 "(block_k >= 16) and stages >= 1, e.g. (64, 4, 3); or None")
         if self.min_kv_per_split < 1 or self.num_sms < 1 or self.split_waves < 1:
             raise ValueError(f"{self.min_kv_per_split=}, {self.num_sms=} and {self.split_waves=} must be >= 1")
 
-    def tile_params(self, decode: bool, split: bool = False) -> tuple[int, int, int]:
-        """(block_k, num_warps, num_stages) for multi-token tiles, decode tiles or split-KV decode tiles."""
+    def tile_params(self, decode: bool, split: bool = False, *, programs: int = 0, page_size: int = 0,
+                    head_dim: int = 0, batch_invariant: bool = False) -> tuple[int, int, int]:
+        """(block_k, num_warps, num_stages) for multi-token tiles, decode tiles or split-KV decode tiles; unsplit
+        decode tiles of a launch of ``programs`` (token, kv head) programs over pages of ``page_size`` rows at
+        (padded) ``head_dim`` may get ``many_decode_tile`` (never when ``batch_invariant``)."""
         if not decode:
             return self.block_k, self.num_warps, self.num_stages
+        if (not split and not batch_invariant and self.many_decode_tile is not None
+                and programs >= self.many_decode_programs and 0 < page_size <= self.many_decode_max_page
+                and 0 < head_dim <= 128):
+            return self.many_decode_tile
         pick = lambda v, d: d if v is None else v
         params = (
             pick(self.decode_block_k, self.block_k),

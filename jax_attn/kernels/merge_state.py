@@ -130,14 +130,16 @@ def _split_lse(sel_refs, plse_ref, rows, sp, ok, ns, *, num_rows: int, num_split
     """``(valid, lse)`` of kv split(s) ``sp`` for ``rows`` (broadcast together): partials ``[0, ns)`` of each row
     (``_row_splits``; split ``s``'s LSE at ``s * R + row``), or with ``indexed`` those at the LSE positions per
     ``(split, row)`` in ``sel_refs[0]``, ``-1`` for none (``ns`` unused)."""
+    in_range = ok & (sp < num_splits)
     if indexed:
-        in_range = ok & (sp < num_splits)
         at = plgpu.load(sel_refs[0].at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=-1)
-        valid, idx = at >= 0, jnp.maximum(at, 0)
-    else:
-        valid = ok & (sp < ns)
-        idx = jnp.where(valid, rows + sp * num_rows, 0)
-    return valid, plgpu.load(plse_ref.at[idx], mask=valid, other=_NEG_INF)
+        valid = at >= 0
+        return valid, plgpu.load(plse_ref.at[jnp.maximum(at, 0)], mask=valid, other=_NEG_INF)
+    # Every split's slot is read whether the row has that split or not, so the load does not wait for the
+    # row's split count; slots past the count (never written: any bits) are then dropped.
+    raw = plgpu.load(plse_ref.at[jnp.where(in_range, rows + sp * num_rows, 0)], mask=in_range, other=_NEG_INF)
+    valid = in_range & (sp < ns)
+    return valid, jnp.where(valid, raw, _NEG_INF)
 
 
 def _row_splits(sel_refs, rows, ok, indexed: bool, num_heads: int):
@@ -174,7 +176,8 @@ def _splits_kernel(po_ref, plse_ref, *refs, num_splits: int, num_rows: int, bloc
     for s in range(num_splits):
         valid_s, lse_s = split_lse(rows, s, ok, ns)
         w = jnp.exp(lse_s - m_use)
-        o_s = load_rows(po_ref, jnp.where(valid_s, rows + s * num_rows, 0), valid_s, 0.0).astype(jnp.float32)
+        # Read whether the row has split s or not (w is 0 where it has not), so the load waits for no count.
+        o_s = load_rows(po_ref, rows + s * num_rows, ok, 0.0).astype(jnp.float32)
         # Empty partials (w == 0) may hold garbage; a NaN partial (NaN LSE, so NaN w) stays NaN.
         acc = acc + jnp.where(w[:, None] != 0.0, o_s * w[:, None], 0.0)
     nonempty = tot != 0.0  # NaN from a partial stays NaN

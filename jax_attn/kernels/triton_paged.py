@@ -532,14 +532,18 @@ def head_split(block_q: int, group: int, pack: int, head_dim_v: int, max_element
 def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int,
                    page_size: int, max_pages: int, max_q_len: int, block_q: int, max_splits: int, dtype, kv_dtype,
                    causal: bool, window_size, softcap: float, softmax_scale, has_sinks: bool, has_k_descale: bool,
-                   has_v_descale: bool, latent: bool, config: KernelConfig, interpret: bool, prior: int = 0):
+                   has_v_descale: bool, latent: bool, config: KernelConfig, interpret: bool, prior: int = 0,
+                   batch_invariant: bool = False):
     """(statics, (num_warps, num_stages)) of one kernel instance: what ``paged_attention`` traces, also
-    what ``torch_bridge`` compiles for a torch launch (``prior``: ``_Static.prior``)."""
+    what ``torch_bridge`` compiles for a torch launch (``prior``: ``_Static.prior``; ``batch_invariant``: the tiles
+    must not depend on the batch, ``KernelConfig.many_decode_tile``)."""
     decode = max_q_len <= 1 and block_q == 1
     split_mode = max_splits > 1
     if prior and split_mode:
         raise ValueError("a prior partial merges into unsplit tiles only (plan the pass with one kv split)")
-    block_k, num_warps, num_stages = config.tile_params(decode, split_mode)
+    block_k, num_warps, num_stages = config.tile_params(
+        decode, split_mode, programs=num_tokens * num_kv_heads, page_size=page_size,
+        head_dim=max(head_dim_block(head_dim), head_dim_block(head_dim_v)), batch_invariant=batch_invariant)
     # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
     block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
     hq, hkv = num_q_heads, num_kv_heads
@@ -611,7 +615,8 @@ def paged_attention(
       k_descale, v_descale: fp8 dequantization factors.
       softmax_scale: defaults to ``D ** -0.5``.
       return_lse: also return the natural-log softmax denominator.
-      num_splits: None = heuristic split-KV; 1 = no split (deterministic, batch invariant);
+      num_splits: None = heuristic split-KV; 1 = no split (deterministic, batch invariant: the tiles do not
+        depend on the batch either);
         n > 1 = exactly n kv splits per sequence.
       config: tile sizes and compiler knobs.
       interpret: run the Pallas interpreter; None = only on CPU.
@@ -642,7 +647,7 @@ def paged_attention(
         max_q_len=md.max_q_len, block_q=sched.block_q, max_splits=sched.max_splits, dtype=q.dtype,
         kv_dtype=k_cache.dtype, causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale,
         has_sinks=sinks is not None, has_k_descale=k_descale is not None, has_v_descale=v_descale is not None,
-        latent=latent, config=config, interpret=interpret)
+        latent=latent, config=config, interpret=interpret, batch_invariant=num_splits == 1)
     inputs = [sched.tile_seq, sched.tile_q_block, sched.tile_split, sched.seq_num_splits,
               md.cache_seqlens, md.cu_seqlens_q, md.page_table.reshape(-1),
               q.reshape(t * hq, d), k_cache.reshape(-1, d),
