@@ -202,6 +202,22 @@ def test_merge_splits_interpret(num_splits, block_rows, num_sms, indexed):
     np.testing.assert_allclose(np.asarray(lse)[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
 
 
+def test_merge_splits_warps_follow_its_kernel():
+    """The one-row merge kernel (few rows: 32 here, one decode token of 32 heads) compiles with
+    ``merge_row_num_warps``, the row-block kernel (1024 rows) with ``merge_num_warps``."""
+    import re
+
+    cfg = KernelConfig(merge_row_num_warps=2, merge_num_warps=16)
+    for rows, want in ((32, 2), (1024, 16)):
+        args = (jnp.zeros((32, rows, 128)), jnp.zeros((32, rows)), jnp.array([0, rows // 32], jnp.int32),
+                jnp.ones((1,), jnp.int32))
+        jaxpr = str(jax.make_jaxpr(lambda a, b, c, d: merge_splits(a, b, (c, d), num_heads=32, out_dtype=jnp.float32,
+                                                                  config=cfg, interpret=True))(*args))
+        assert set(re.findall(r"num_warps=(\d+)", jaxpr)) == {str(want)}, (rows, jaxpr[:200])
+    with pytest.raises(ValueError, match="merge_row_num_warps"):
+        KernelConfig(merge_row_num_warps=3)
+
+
 # ----------------------------------------------------------------------------- ragged batches
 _BUCKET_B, _BUCKET_T, _KV_MAX = 4, 24, 60
 

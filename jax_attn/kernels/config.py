@@ -76,6 +76,10 @@ class KernelConfig:
       merge_block_rows: most rows (token, head pairs) per program of the split-merge kernel; fewer
         when that leaves multiprocessors idle (a split merge of one sequence has only Hq rows).
       merge_num_warps: warps per program of the merge kernels.
+      merge_row_num_warps: warps per program of the split merge's one-row kernel (few rows: one to four
+        decode sequences), which loads every split's partial row at once. H200, page 1, CUPTI, one process,
+        thirty-sixth session (``benchmarks/RESULTS.md``): 1 x 32768 (32 splits) 2.2 us at 8 warps against 3.1-3.2
+        at 4 (1 warp: 2.3), 2 x 16384 (16) 1.9 against 2.0, 4 x 8192 (8) 1.9 against 1.8.
       fast_exp2: use the hardware ``ex2.approx.ftz.f32`` for the softmax exponentials when
         compiled (the interpreter always uses ``jnp.exp2``).
       many_decode_tile: ``(block_k, num_warps, num_stages)`` of unsplit decode tiles over pages of at most
@@ -110,6 +114,7 @@ class KernelConfig:
     prefetch_pages: bool = False
     merge_block_rows: int = 16
     merge_num_warps: int = 4
+    merge_row_num_warps: int = 8
     fast_exp2: bool = True
     max_tile_elements: int = 128 * 256
     many_decode_tile: tuple[int, int, int] | None = (64, 4, 3)
@@ -117,7 +122,7 @@ class KernelConfig:
     many_decode_max_page: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_k", "num_warps", "merge_block_rows", "merge_num_warps"):
+        for name in ("block_m", "block_k", "num_warps", "merge_block_rows", "merge_num_warps", "merge_row_num_warps"):
             v = getattr(self, name)
             if not _is_pow2(v):
                 raise ValueError(f"{name}={v} must be a power of 2 (e.g. 64 or 128)")

@@ -245,14 +245,16 @@ def merge_splits(
     br = min(config.merge_block_rows, next_pow2(pl.cdiv(r, config.num_sms)))
     if br == 1 and next_pow2(s) * next_pow2(d) <= ROW_MERGE_MAX_ELEMENTS:
         kernel = functools.partial(_splits_row_kernel, num_splits=s, num_rows=r, indexed=indexed, num_heads=num_heads)
+        warps = config.merge_row_num_warps
     else:
         kernel = functools.partial(_splits_kernel, num_splits=s, num_rows=r, block_rows=br, indexed=indexed,
                                    num_heads=num_heads)
+        warps = config.merge_num_warps
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((r, d), out_dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
         grid=(pl.cdiv(r, br),),
-        compiler_params=plgpu.CompilerParams(num_warps=config.merge_num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="merge_splits",
     )(partial_o.reshape(s * r, d), partial_lse.reshape(-1), *sels)
