@@ -4,7 +4,8 @@ the JAX planner, and the first layer (inside the engine's graph: every replay) r
 * the refresh turns any earlier step's tables into exactly the planner's tables of the new inputs, bit
   for bit, over random and bad input (rows outside the table, lengths negative, past the capacity,
   outside int32, ties, a ``req_to_token`` page id past the pool or below 0), page sizes 8 / 16 / 64,
-  decode, chain verify and chain draft decode, batch buckets padded to their class;
+  decode, chain verify and chain draft decode, batch buckets padded to their class; over SGLang's ``SWAKVPool``
+  the sliding-window layers' tables too (translated through a mapping with bad entries);
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output
   matches the reference, and whatever reads the plan words (a JAX-path layer, ``check``) gets the
   planner's words for the new inputs;
@@ -32,7 +33,7 @@ from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
 from torch_bridge import graph_tables, table_rules
-from torch_bridge.mosaic_path import TRITON_TABLES, MosaicPath
+from torch_bridge.mosaic_path import SWA_TABLES, TRITON_TABLES, MosaicPath
 from torch_bridge.triton_path import Layout
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
@@ -42,14 +43,35 @@ D, MAX_CTX, REQS = 64, 128, 6
 N_DRAFT = 3
 
 
+SWA_PAGES = 24  # pages of the SWA pool of ``make(swa_pool=True)``
+
+
 def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
-         topk: int = 0, window: Optional[int] = None, mosaic_config: Optional[MosaicConfig] = None):
+         topk: int = 0, window: Optional[int] = None, mosaic_config: Optional[MosaicConfig] = None,
+         swa_pool: bool = False):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
     (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables;
-    ``mosaic_config``: the CPU launch path's Mosaic config)."""
+    ``mosaic_config``: the CPU launch path's Mosaic config; ``swa_pool``: SGLang's hybrid ``SWAKVPool``, layer 0
+    full and layer 1 in an SWA pool of ``SWA_PAGES`` pages, its ``full_to_swa_index_mapping`` random with about
+    one entry in six bad: -1, past the SWA pool, or outside int32 either way)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
-    pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
-    for buf in pool.k_buffer + pool.v_buffer:
+    if swa_pool:
+        from tests.sglang_contract.engine import MHATokenToKVPool as EnginePool
+        from tests.sglang_contract.test_swa_pool import SWAKVPool
+
+        pool = SWAKVPool(num_slots - page, (SWA_PAGES - 1) * page, page, torch.bfloat16, HKV, D, [1], [0], False,
+                         str(device), token_to_kv_pool_class=EnginePool)
+        rng = np.random.default_rng(seed + 99)
+        mapping = rng.integers(0, SWA_PAGES * page, num_slots + 1)
+        bad = rng.random(num_slots + 1) < 1 / 6
+        mapping[bad] = rng.choice([-1, SWA_PAGES * page + 5, 1 << 33, -(1 << 33)], int(bad.sum()))
+        mapping[-1] = -1
+        pool.register_mapping(torch.from_numpy(mapping).to(device).clone())  # (64-byte aligned: JAX views it)
+        bufs = [b for sub in (pool.full_kv_pool, pool.swa_kv_pool) for b in sub.k_buffer + sub.v_buffer]
+    else:
+        pool = MHATokenToKVPool.create(num_slots, layers, HKV, D, torch.bfloat16, device)
+        bufs = pool.k_buffer + pool.v_buffer
+    for buf in bufs:
         buf.fill_(float("nan"))
         buf[0] = 0.0
     config = ModelConfig(MAX_CTX)
@@ -146,17 +168,40 @@ def test_refresh_rewrites_the_mosaic_split_tables_bit_for_bit(page, name, bs):
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
 
 
-def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int):
+@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (1, "decode", 3), (16, "verify", 3), (1, "draft", 2),
+                                            (8, "draft", 2)])
+def test_refresh_rewrites_the_swa_pool_tables_bit_for_bit(page, name, bs):
+    """SGLang's ``SWAKVPool``: its sliding-window layers read the step's page table translated into the SWA pool
+    (``table_rules.swa_pool_table``, the planner's ``with_swa_pool``), and the refresh writes those tables too.
+    Catches a translation that reads the mapping somewhere else than each page's first slot, narrows its int64
+    entries otherwise than the planner (-1 below int32, the SWA pool's size above), or leaves an SWA page id
+    outside the SWA pool, for valid and bad input."""
+    mode, per_req, spec, step_id = MODES[name]
+    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, swa_pool=True)
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    r = backend.planner.refreshes[(mode, bs)]
+    triton = () if page % 8 == 0 else (TRITON_TABLES,)
+    full, swa = (HQ, HKV) + triton, (HQ, HKV, SWA_TABLES | sum(triton))
+    assert r.verified == {full, swa} and r.swa_mapping is runner.token_to_kv_pool.full_to_swa_index_mapping
+    for heads, pages in ((swa, SWA_PAGES), (full, None)):
+        refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page, num_pages=pages)
+
+
+def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int,
+                   num_pages: Optional[int] = None):
     """Twelve trials of valid and bad inputs (rows, lengths, page ids outside the pool): after the planner's
     tables of one input, the refresh of the next must write exactly the planner's tables of that one
-    (``rows`` / ``lens``: the capture hook's buffers; ``r``: the bucket's ``TableRefresh``)."""
+    (``rows`` / ``lens``: the capture hook's buffers; ``r``: the bucket's ``TableRefresh``; ``num_pages``: the
+    pages the tables' page ids must stay within, default the KV pool's)."""
     tables = r.step.tables[heads]
     rng = np.random.default_rng(page + bs)
     capacity = backend.jax_backend.capacity
 
     r2t = runner.req_to_token_pool.req_to_token
     num_slots = runner.token_to_kv_pool.get_key_buffer(0).shape[0]
-    num_pages = num_slots // page
+    num_pages = num_slots // page if num_pages is None else num_pages
 
     def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
         rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
@@ -271,6 +316,62 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
         np.testing.assert_allclose(out.float().numpy(), ref, atol=3e-2, rtol=3e-2)
         assert torch.equal(rows, torch.from_numpy(step_rows)) and torch.equal(lens, step_lens)
     refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
+
+
+@pytest.mark.parametrize("page", [16, 1])
+def test_swa_pool_bucket_replays_without_the_planner(page, monkeypatch):
+    """An ``SWAKVPool`` decode bucket recorded (a capture simulated on the CPU): each replay hook skips the planner,
+    and its full layer and its sliding-window layer (tables translated into the SWA pool from the mapping as the
+    engine left it: entries are remapped between steps) give bit for bit what an eager step of the same inputs
+    gives through another backend (the planner's tables). Catches a refresh that translates with the mapping of
+    the capture, writes the full page table into the SWA layer's tables, or leaves them to the capture's step."""
+    rng = np.random.default_rng(11)
+    runner, table, backend = make(page, seed=4, swa_pool=True)
+    pool = runner.token_to_kv_pool
+    for sub in (pool.full_kv_pool, pool.swa_kv_pool):
+        for buf in sub.k_buffer + sub.v_buffer:  # every slot a distinct finite value: any other key changes the output
+            buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape)).astype(np.float32)))
+    mapping = pool.full_to_swa_index_mapping
+    eager = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
+                                                                  make_triton=InterpretedTriton))
+    planner, bs = backend.planner, 3
+    backend.init_cuda_graph_state(4, 4)
+    rows, lens, loc = torch.tensor([1, 2, 3]), torch.tensor([9, 30, 17]), torch.zeros(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=5)]
+    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=pool)
+
+    def qkv():
+        return [torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(torch.bfloat16)
+                for h in (HQ, HKV, HKV)]
+
+    q, k, v = qkv()
+    for lay in layers:
+        backend.forward(q, k, v, lay, fb)  # warm-up
+    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
+        m.setattr(graph_tables, "capturing", lambda: True)
+        for lay in layers:
+            backend.forward(q, k, v, lay, fb)
+    r = planner.refreshes[(ForwardMode.DECODE, bs)]
+    assert r.recorded and any(len(h) == 3 and h[2] & SWA_TABLES for h in r.verified)
+    runs = []
+    real_run = planner._run
+    monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
+    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [12, 12, 90])):
+        remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1))
+        mapping[:-1] = torch.where(torch.rand(remap.shape) < 0.5, remap, mapping[:-1])  # the engine's in-place edits
+        rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens))
+        loc.copy_(torch.tensor([table[r_, n - 1] for r_, n in zip(step_rows, step_lens)], dtype=torch.int64))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+        assert not runs, "the replay hook of a recorded bucket must not run the planner"
+        q, k, v = qkv()
+        got = [backend.forward(q, k, v, lay, fb).float().numpy() for lay in layers]
+        fb_eager = ForwardBatch(ForwardMode.DECODE, bs, rows.clone(), lens.clone(), loc.clone(), token_to_kv_pool=pool)
+        eager.init_forward_metadata(fb_eager)
+        want = [eager.forward(q, k, v, lay, fb_eager).float().numpy() for lay in layers]
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert np.isfinite(w).all(), "the eager step must read finite keys"
+            np.testing.assert_array_equal(g, w, err_msg=f"layer {i} (rows {step_rows}, lens {step_lens})")
 
 
 def refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r):

@@ -3,7 +3,7 @@ CUDA graph.
 
 The replay hook of a graph bucket normally runs the step planner: one compiled JAX call, an export
 and a table copy, 150-250 us of host time per step on the H100 hosts. On the launch path a uniform
-bucket (decode, chain draft decode, chain verify: topk 1, no encoder, no local or SWA tables) has
+bucket (decode, chain draft decode, chain verify: topk 1, no encoder, no local tables) has
 tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` and
 ``req_to_token``, so ``TableRefresh`` writes them with a few torch ops instead. The first attention
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
@@ -18,8 +18,10 @@ A tree verify bucket (topk > 1, ``jax_attn.spec.plan_verify_tree``) depends on S
 layers, the tree's SWA table. A tree draft decode bucket (topk > 1, ``jax_attn.spec.plan_draft_decode_tree``)
 depends on every draft step's slots (SGLang's ``out_cache_loc``): the replay hook copies them into a buffer the
 graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pass's tables and its expand pass's
-(each branch's slots of draft steps ``0..step_id``, clipped into the pool). SGLang's ``SWAKVPool`` and a tree
-draft step's SWA table keep the planner (``reason``).
+(each branch's slots of draft steps ``0..step_id``, clipped into the pool). Over SGLang's ``SWAKVPool`` a uniform
+bucket's sliding-window layers read the page table translated into the SWA pool: the graph translates it through
+the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). An ``SWAKVPool``'s tree
+steps, a tree draft step's SWA table and local-attention (chunked) tables keep the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -42,7 +44,11 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   ``[1, S]``, a sequence's splits in order, then sorted by keys per split, longest first, stable) and the
   merge's LSE index ``[S, T * Hq]`` (each split's tile's place in that order times the tile's LSE rows, plus
   a fixed pattern per sequence; -1 past a sequence's splits), ``table_rules.mosaic_split_tables``;
-* ``cu_seqlens_q`` does not change within a bucket.
+* ``cu_seqlens_q`` does not change within a bucket;
+* over an ``SWAKVPool``, the SWA layers' page table ``[B, P]``: each used page's first slot (page id times the page
+  size, int32) looked up in ``full_to_swa_index_mapping`` (entries outside int32: -1 below, the SWA pool's size
+  above), divided by the page size (floor) and clipped into the SWA pool's pages; 0 past the length
+  (``table_rules.swa_pool_table``).
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
 queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
@@ -79,10 +85,10 @@ from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import copy_front, zero_range
-from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES,
-                                      TableKey, Tables, key_flags)
-from torch_bridge.table_rules import (expand_parts, guarded, lse_pattern, mosaic_split_tables, swa_parts, tree_mask,
-                                      triton_schedule)
+from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, SWA_TABLES, TREE_SWA_TABLES,
+                                      TRITON_TABLES, TableKey, Tables, key_flags)
+from torch_bridge.table_rules import (expand_parts, guarded, lse_pattern, mosaic_split_tables, swa_parts,
+                                      swa_pool_table, tree_mask, triton_schedule)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -111,8 +117,10 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
         return "only uniform steps without encoder (decode, draft decode, verify)"
     if tree_draft(key) and key.with_swa:
         return "a tree draft step's SWA table comes from the planner"
-    if key.swa_pool or plans_local(key) or step.layout.local or step.layout.swa:
-        return "SWA pool and local-attention tables come from the planner"
+    if key.swa_pool and key.topk > 1:
+        return "a tree step's tables over an SWAKVPool's SWA pool come from the planner"
+    if plans_local(key) or step.layout.local:
+        return "local-attention tables come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
@@ -137,6 +145,7 @@ class Parts(NamedTuple):
     # tree verify's expand pass: i32[B * N, N] draft slots, allowed ones first; i32[B * N] allowed per row
     expand: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     swa: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # its SWA table: i32[B * N, C + N], i32[B * N] keys
+    swa_pool: Optional[torch.Tensor] = None  # i32[B, P]: the page table translated into an SWAKVPool's SWA pool
 
 
 class TableRefresh:
@@ -153,12 +162,17 @@ class TableRefresh:
       spec: the bucket's ``jax_attn.batch.SpecInfo`` (or None), for a planner call of its step.
       mask: tree verify: the capture hook's ``spec_info.custom_mask`` (or None).
       loc: tree draft decode: every draft step's slots, ``[bs, topk, num_steps]`` flattened (or None: zeros).
+      swa_mapping: an ``SWAKVPool``'s ``full_to_swa_index_mapping`` (``key.swa_pool``): the graph reads it, as
+        the engine updates it in place.
     """
 
     def __init__(self, key: PlanKey, step, rows: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
                  capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None,
-                 loc: Optional[torch.Tensor] = None):
+                 loc: Optional[torch.Tensor] = None, swa_mapping: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
+        if key.swa_pool and (swa_mapping is None or swa_mapping.dim() != 1 or swa_mapping.device != dev):
+            raise ValueError(f"{key} plans an SWAKVPool: pass its full_to_swa_index_mapping (1-D, on {dev})")
+        self.swa_mapping = swa_mapping if key.swa_pool else None
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
         self.rows_per_tile, self.block_q, self.config = tile_rows(config.block_q, latent=False), config.block_q, config
         self.rows, self.lens = rows, lens  # the graph reads these tensors
@@ -186,6 +200,7 @@ class TableRefresh:
         self.tie = (b - 1 - torch.arange(b, dtype=torch.int32, device=dev))  # earlier index first among equals
         self.index = torch.arange(b, dtype=torch.int64, device=dev)
         self.capacity = int(capacity)
+        self.pool_flag = 0 if self.swa_mapping is None else SWA_TABLES  # the SWA pool's tables are written too
         why = reason(key, step, False, capacity)
         if why is not None:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
@@ -240,7 +255,9 @@ class TableRefresh:
         order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        return Parts(table, safe, order, rank, expand, swa)
+        pool = None if self.swa_mapping is None else swa_pool_table(
+            self.swa_mapping, table, safe, self.first_pos, key.page_size, key.num_swa_slots)
+        return Parts(table, safe, order, rank, expand, swa, pool)
 
     def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
@@ -248,7 +265,8 @@ class TableRefresh:
         one = parts.expand if flags & EXPAND_TABLES else parts.swa if flags & TREE_SWA_TABLES else None
         if one is not None:  # a page-size-1 pass: one query per row
             return one[1], one[0], 1
-        return parts.lens, parts.table, self.key.q_len_per_req
+        table = parts.swa_pool if flags & SWA_TABLES else parts.table  # (an SWAKVPool's sliding-window layers)
+        return parts.lens, table, self.key.q_len_per_req
 
     def _mosaic(self, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Mosaic tile table's changing columns: tile sequence, keys and query offset."""
@@ -292,7 +310,7 @@ class TableRefresh:
                 if src is not None:
                     dst.copy_(src)
             return
-        tables.args[0].copy_(parts.table)
+        tables.args[0].copy_(self._pass(heads, parts)[1])
         if tables.num_splits > 1:
             for dst, src in zip(tables.args[2:], self._split(heads, tables, parts)):
                 dst.copy_(src)
@@ -311,7 +329,7 @@ class TableRefresh:
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
             rows = lens.shape[0]
-            if (len(heads) != 3 or flags not in TRITON_FLAGS[self.cascade] or lay.batch != rows
+            if (len(heads) != 3 or flags & ~self.pool_flag not in TRITON_FLAGS[self.cascade] or lay.batch != rows
                     or lay.num_tokens != rows * per or lay.max_q_len != per):
                 return False
             cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * per  # fixed within the bucket
@@ -319,17 +337,18 @@ class TableRefresh:
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
-        if (flags & ~LATENT_TABLES != MOSAIC_FLAGS[self.cascade] or (latent and self.cascade)  # local / SWA tables
-                or qpr * tables.pack > tile_rows(self.block_q, latent)):
+        if (flags & ~(LATENT_TABLES | self.pool_flag) != MOSAIC_FLAGS[self.cascade]  # local / encoder tables
+                or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
+        table = self._pass(heads, parts)[1]
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index
-            want = [parts.table, cu, *self._split(heads, tables, parts)]
+            want = [table, cu, *self._split(heads, tables, parts)]
             return len(tables.args) == len(want) and all(
                 g.shape == w.shape and torch.equal(g, w) for g, w in zip(tables.args, want))
         if tables.num_tiles != b:
             return False
-        table, (seq, k_len, q_start) = parts.table, (x.to(torch.int32) for x in self._mosaic(parts))
+        seq, k_len, q_start = (x.to(torch.int32) for x in self._mosaic(parts))
         info = torch.zeros((b, TILE_INFO_WORDS), dtype=torch.int32, device=dev)
         for name, col in (("seq", seq), ("k_len", k_len), ("q_start", q_start), ("q_len", qpr), ("seq_splits", 1)):
             info[:, TILE_INFO_COLUMNS.index(name)] = col  # first_row and split stay 0: one tile per sequence

@@ -452,8 +452,12 @@ class StepPlanner:
         r2t = self.model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
             return
+        mapping = getattr(self.model_runner.token_to_kv_pool, "full_to_swa_index_mapping", None) if key.swa_pool \
+            else None  # (an SWAKVPool's: the graph reads it)
+        if key.swa_pool and (mapping is None or mapping.dim() != 1 or mapping.device != self.device):
+            return
         r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec,
-                                      mask, loc)
+                                      mask, loc, mapping)
         if r.verify():
             self.step.refresh = r
             self.refreshes[(mode, bs)] = r

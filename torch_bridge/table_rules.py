@@ -68,6 +68,20 @@ def guarded(table: torch.Tensor, lens: torch.Tensor, num_slots: int) -> Tuple[to
     return table, lens.clamp(0, table.shape[1]).to(torch.int32)
 
 
+def swa_pool_table(mapping: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, first_pos: torch.Tensor, page: int,
+                   num_swa_slots: int) -> torch.Tensor:  # -> i64[B, P]
+    """``jax_attn.planner.with_swa_pool``'s ``swa_page_table``: each used page's first slot (``table * page``, the
+    guarded page table; ``lens``: the guarded lengths; ``first_pos``: each column's first position) translated
+    through an ``SWAKVPool``'s ``full_to_swa_index_mapping`` (int64 entries narrowed as the planner narrows them:
+    outside int32, -1 below and ``num_swa_slots`` above), then to SWA pages clipped into the SWA pool."""
+    n = mapping.shape[0]
+    swa = mapping[wrap32(table.to(torch.int64) * page).clamp(0, n - 1)].to(torch.int64)
+    fits = (swa >= -(1 << 31)) & (swa < (1 << 31))
+    swa = torch.where(fits, swa, torch.where(swa < 0, -1, num_swa_slots))
+    pages = torch.div(swa, page, rounding_mode="floor").clamp(0, max(num_swa_slots // page, 1) - 1)
+    return torch.where(first_pos < lens[:, None], pages, 0)
+
+
 def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int, latent: bool = False) -> np.ndarray:
     """``jax_attn.kernels.mosaic_split.lse_index`` (i64[n * hq]) of a sequence of ``n`` tokens that is tile 0's
     alone (one tile per sequence, ``heads`` head rows per tile): where the kernel puts each (token, query head)
