@@ -5,7 +5,8 @@ the JAX planner, and the first layer (inside the engine's graph: every replay) r
   for bit, over random and bad input (rows outside the table, lengths negative, past the capacity,
   outside int32, ties, a ``req_to_token`` page id past the pool or below 0), page sizes 8 / 16 / 64,
   decode, chain verify and chain draft decode, batch buckets padded to their class; over SGLang's ``SWAKVPool``
-  the sliding-window layers' tables too (translated through a mapping with bad entries);
+  the sliding-window layers' tables too (translated through a mapping with bad entries), and a local-attention
+  model's chunked layers' decode tables;
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output
   matches the reference, and whatever reads the plan words (a JAX-path layer, ``check``) gets the
   planner's words for the new inputs;
@@ -33,7 +34,7 @@ from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
 from torch_bridge import graph_tables, table_rules
-from torch_bridge.mosaic_path import SWA_TABLES, TRITON_TABLES, MosaicPath
+from torch_bridge.mosaic_path import LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, MosaicPath
 from torch_bridge.triton_path import Layout
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
@@ -48,12 +49,13 @@ SWA_PAGES = 24  # pages of the SWA pool of ``make(swa_pool=True)``
 
 def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
          topk: int = 0, window: Optional[int] = None, mosaic_config: Optional[MosaicConfig] = None,
-         swa_pool: bool = False):
+         swa_pool: bool = False, chunk: int = 0):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
     (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables;
     ``mosaic_config``: the CPU launch path's Mosaic config; ``swa_pool``: SGLang's hybrid ``SWAKVPool``, layer 0
     full and layer 1 in an SWA pool of ``SWA_PAGES`` pages, its ``full_to_swa_index_mapping`` random with about
-    one entry in six bad: -1, past the SWA pool, or outside int32 either way)."""
+    one entry in six bad: -1, past the SWA pool, or outside int32 either way; ``chunk``: a local-attention model,
+    Llama 4's, with chunks of that many tokens)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
     if swa_pool:
         from tests.sglang_contract.engine import MHATokenToKVPool as EnginePool
@@ -77,6 +79,8 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
     config = ModelConfig(MAX_CTX)
     config.hf_text_config = types.SimpleNamespace(num_attention_heads=HQ)
     config.get_num_kv_heads = lambda tp: HKV
+    if chunk:
+        config.is_local_attention_model, config.attention_chunk_size = True, chunk
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, config, page_size=page,
                          device=str(device))
     runner.sliding_window_size = window
@@ -187,6 +191,33 @@ def test_refresh_rewrites_the_swa_pool_tables_bit_for_bit(page, name, bs):
     assert r.verified == {full, swa} and r.swa_mapping is runner.token_to_kv_pool.full_to_swa_index_mapping
     for heads, pages in ((swa, SWA_PAGES), (full, None)):
         refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page, num_pages=pages)
+
+
+@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (1, "decode", 3), (8, "draft", 2), (1, "draft", 2),
+                                            (4, "decode", 3)])
+def test_refresh_rewrites_the_local_attention_tables_bit_for_bit(page, name, bs):
+    """A local-attention model (Llama 4: chunks of 32 tokens): a decode bucket's chunked layers read its local
+    virtual batch (``jax_attn.local.plan_local``: each row's current chunk, its pages and keys; a row without keys
+    has no query, which moves the work tiles), and the refresh writes those tables too
+    (``table_rules.local_decode_parts``, ``mosaic_tile_table``). Catches a chunk start off by one chunk, a local
+    page table cut from the wrong columns, or tiles given to rows without a query, for valid and bad input. A
+    verify bucket of the same model (queries may straddle two chunks) keeps the planner."""
+    mode, per_req, spec, step_id = MODES[name]
+    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, chunk=32)
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    r = backend.planner.refreshes[(mode, bs)]
+    triton = () if page % 8 == 0 else (TRITON_TABLES,)
+    full, local = (HQ, HKV) + triton, (HQ, HKV, LOCAL_TABLES | sum(triton))
+    assert r.verified == {full, local}
+    for heads in (local, full):
+        refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
+    _, _, verifying = make(page, chunk=32)
+    verifying.init_cuda_graph_state(8, 8 * N_DRAFT)
+    mode, per_req, spec, _ = MODES["verify"]
+    verifying.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    assert not verifying.planner.refreshes
 
 
 def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int,
@@ -318,27 +349,32 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
     refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
 
 
+@pytest.mark.parametrize("kind", ["swa_pool", "local"])
 @pytest.mark.parametrize("page", [16, 1])
-def test_swa_pool_bucket_replays_without_the_planner(page, monkeypatch):
-    """An ``SWAKVPool`` decode bucket recorded (a capture simulated on the CPU): each replay hook skips the planner,
-    and its full layer and its sliding-window layer (tables translated into the SWA pool from the mapping as the
-    engine left it: entries are remapped between steps) give bit for bit what an eager step of the same inputs
-    gives through another backend (the planner's tables). Catches a refresh that translates with the mapping of
-    the capture, writes the full page table into the SWA layer's tables, or leaves them to the capture's step."""
+def test_recorded_bucket_replays_equal_eager_steps(kind, page, monkeypatch):
+    """A decode bucket recorded (a capture simulated on the CPU) over an ``SWAKVPool`` (a full layer and a
+    sliding-window layer, whose tables the graph translates into the SWA pool from the mapping as the engine left
+    it: entries are remapped between steps) or of a local-attention model (a full layer and a chunked one, chunks
+    of 32 tokens): each replay hook skips the planner, and each layer gives bit for bit what an eager step of the
+    same inputs gives through another backend (the planner's tables). Catches a refresh that translates with the
+    capture's mapping, gives the SWA or chunked layer the full page table, or leaves its tables to the capture's
+    step."""
     rng = np.random.default_rng(11)
-    runner, table, backend = make(page, seed=4, swa_pool=True)
+    runner, table, backend = make(page, seed=4, swa_pool=kind == "swa_pool", chunk=32 if kind == "local" else 0,
+                                  layers=2)
     pool = runner.token_to_kv_pool
-    for sub in (pool.full_kv_pool, pool.swa_kv_pool):
+    subs = (pool.full_kv_pool, pool.swa_kv_pool) if kind == "swa_pool" else (pool,)
+    for sub in subs:
         for buf in sub.k_buffer + sub.v_buffer:  # every slot a distinct finite value: any other key changes the output
             buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape)).astype(np.float32)))
-    mapping = pool.full_to_swa_index_mapping
     eager = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
                                                                   make_triton=InterpretedTriton))
     planner, bs = backend.planner, 3
     backend.init_cuda_graph_state(4, 4)
     rows, lens, loc = torch.tensor([1, 2, 3]), torch.tensor([9, 30, 17]), torch.zeros(bs, dtype=torch.int64)
     backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
-    layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, sliding_window_size=5)]
+    second = dict(sliding_window_size=5) if kind == "swa_pool" else dict(use_irope=True)
+    layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, **second)]
     fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=pool)
 
     def qkv():
@@ -353,13 +389,16 @@ def test_swa_pool_bucket_replays_without_the_planner(page, monkeypatch):
         for lay in layers:
             backend.forward(q, k, v, lay, fb)
     r = planner.refreshes[(ForwardMode.DECODE, bs)]
-    assert r.recorded and any(len(h) == 3 and h[2] & SWA_TABLES for h in r.verified)
+    flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
+    assert r.recorded and any(len(h) == 3 and h[2] & flag for h in r.verified)
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
-    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [12, 12, 90])):
-        remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1))
-        mapping[:-1] = torch.where(torch.rand(remap.shape) < 0.5, remap, mapping[:-1])  # the engine's in-place edits
+    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [12, 32, 90])):
+        if kind == "swa_pool":  # the engine's in-place edits of the mapping
+            mapping = pool.full_to_swa_index_mapping
+            remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1))
+            mapping[:-1] = torch.where(torch.rand(remap.shape) < 0.5, remap, mapping[:-1])
         rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens))
         loc.copy_(torch.tensor([table[r_, n - 1] for r_, n in zip(step_rows, step_lens)], dtype=torch.int64))
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)

@@ -3,7 +3,7 @@ CUDA graph.
 
 The replay hook of a graph bucket normally runs the step planner: one compiled JAX call, an export
 and a table copy, 150-250 us of host time per step on the H100 hosts. On the launch path a uniform
-bucket (decode, chain draft decode, chain verify: topk 1, no encoder, no local tables) has
+bucket (decode, chain draft decode, chain verify: topk 1, no encoder; local-attention tables of decode only) has
 tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` and
 ``req_to_token``, so ``TableRefresh`` writes them with a few torch ops instead. The first attention
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
@@ -20,8 +20,10 @@ depends on every draft step's slots (SGLang's ``out_cache_loc``): the replay hoo
 graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pass's tables and its expand pass's
 (each branch's slots of draft steps ``0..step_id``, clipped into the pool). Over SGLang's ``SWAKVPool`` a uniform
 bucket's sliding-window layers read the page table translated into the SWA pool: the graph translates it through
-the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). An ``SWAKVPool``'s tree
-steps, a tree draft step's SWA table and local-attention (chunked) tables keep the planner (``reason``).
+the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). A local-attention
+model's (Llama 4's) decode bucket writes its chunked layers' virtual batch too. An ``SWAKVPool``'s tree steps, a
+tree draft step's SWA table and the local virtual batch of several queries per request (verify: queries may
+straddle two chunks) keep the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -48,7 +50,12 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
 * over an ``SWAKVPool``, the SWA layers' page table ``[B, P]``: each used page's first slot (page id times the page
   size, int32) looked up in ``full_to_swa_index_mapping`` (entries outside int32: -1 below, the SWA pool's size
   above), divided by the page size (floor) and clipped into the SWA pool's pages; 0 past the length
-  (``table_rules.swa_pool_table``).
+  (``table_rules.swa_pool_table``);
+* a local-attention decode bucket's chunked layers (``jax_attn.local.plan_local`` of one query per row): each row's
+  current chunk, from ``start = (max(length - 1, 0) // C) * C``: its keys ``min(length, start + C) - start``, its
+  queries (1, or 0 for a row without keys), its ``L`` pages from column ``start / page`` (0 past its keys), and the
+  work tiles and query offsets of those queries (``table_rules.local_decode_parts``, ``mosaic_tile_table``; the
+  Mosaic kernel's unsplit tables only).
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
 queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
@@ -71,7 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -81,14 +88,15 @@ from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_paged import MosaicConfig
+from jax_attn.local import local_pages
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import copy_front, zero_range
-from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, PREFIX_TABLES, SWA_TABLES, TREE_SWA_TABLES,
-                                      TRITON_TABLES, TableKey, Tables, key_flags)
-from torch_bridge.table_rules import (expand_parts, guarded, lse_pattern, mosaic_split_tables, swa_parts,
-                                      swa_pool_table, tree_mask, triton_schedule)
+from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
+                                      TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
+from torch_bridge.table_rules import (expand_parts, guarded, local_decode_parts, lse_pattern, mosaic_split_tables,
+                                      mosaic_tile_table, swa_parts, swa_pool_table, tree_mask, triton_schedule)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -119,8 +127,8 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
         return "a tree draft step's SWA table comes from the planner"
     if key.swa_pool and key.topk > 1:
         return "a tree step's tables over an SWAKVPool's SWA pool come from the planner"
-    if plans_local(key) or step.layout.local:
-        return "local-attention tables come from the planner"
+    if (plans_local(key) or step.layout.local) and not (plans_local(key) and key.q_len_per_req == 1):
+        return "local-attention tables of several queries per request come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
@@ -146,6 +154,8 @@ class Parts(NamedTuple):
     expand: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     swa: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # its SWA table: i32[B * N, C + N], i32[B * N] keys
     swa_pool: Optional[torch.Tensor] = None  # i32[B, P]: the page table translated into an SWAKVPool's SWA pool
+    # a local-attention (chunked) decode step's virtual batch: i32[B, L] its chunks' pages, i32[B] keys, i64[B] queries
+    local: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
 class TableRefresh:
@@ -201,6 +211,8 @@ class TableRefresh:
         self.index = torch.arange(b, dtype=torch.int64, device=dev)
         self.capacity = int(capacity)
         self.pool_flag = 0 if self.swa_mapping is None else SWA_TABLES  # the SWA pool's tables are written too
+        self.chunk = key.attention_chunk_size if plans_local(key) else 0  # local-attention (chunked) decode tables
+        self.local_width = local_pages(chunk_size=self.chunk, page_size=page, max_pages=p) if self.chunk else 0
         why = reason(key, step, False, capacity)
         if why is not None:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
@@ -257,14 +269,19 @@ class TableRefresh:
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
         pool = None if self.swa_mapping is None else swa_pool_table(
             self.swa_mapping, table, safe, self.first_pos, key.page_size, key.num_swa_slots)
-        return Parts(table, safe, order, rank, expand, swa, pool)
+        local = None if not self.chunk else local_decode_parts(table, safe, chunk=self.chunk, page=key.page_size,
+                                                               width=self.local_width)
+        return Parts(table, safe, order, rank, expand, swa, pool, local)
 
-    def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]:
         """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
         flags = key_flags(heads)
         one = parts.expand if flags & EXPAND_TABLES else parts.swa if flags & TREE_SWA_TABLES else None
         if one is not None:  # a page-size-1 pass: one query per row
             return one[1], one[0], 1
+        if flags & LOCAL_TABLES:  # the local virtual batch: one query per row, or none
+            table, lens, q = parts.local
+            return lens, table, q
         table = parts.swa_pool if flags & SWA_TABLES else parts.table  # (an SWAKVPool's sliding-window layers)
         return parts.lens, table, self.key.q_len_per_req
 
@@ -297,11 +314,29 @@ class TableRefresh:
         """The heads of the Mosaic kernel's row view (its CTAs per tile)."""
         return heads[0] if tables.pack == 1 else heads[1]
 
-    def _triton(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
-        """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (fixed)."""
+    def _triton(self, heads: TableKey, tables: Tables, parts: Parts) -> List[Optional[torch.Tensor]]:
+        """The Triton-lowered kernel's tables in ``triton_path.table_parts`` order, but ``cu_seqlens_q`` (None: fixed
+        within the bucket; a local virtual batch's follow its queries)."""
         lens, table, per = self._pass(heads, parts)
         tiles = triton_schedule(lens, tables.layout, heads[1], per)
-        return tiles + [lens, None, table.reshape(-1)]
+        return tiles + [lens, self._cu(per), table.reshape(-1)]
+
+    @staticmethod
+    def _cu(per) -> Optional[torch.Tensor]:
+        """The query offsets of a pass whose rows' queries vary (a tensor ``per``: the local virtual batch), or
+        None."""
+        if not isinstance(per, torch.Tensor):
+            return None
+        return torch.cat([per.new_zeros(1), torch.cumsum(per, 0)]).to(torch.int32)
+
+    def _local_mosaic(self, tables: Tables, parts: Parts) -> List[torch.Tensor]:
+        """The Mosaic kernel's unsplit tables of the local virtual batch: its page table, query offsets and tile
+        table (``table_rules.mosaic_tile_table``)."""
+        table, lens, q = parts.local
+        cu, info = mosaic_tile_table(lens, q, num_tiles=tables.num_tiles, rows_per_tile=self.rows_per_tile,
+                                     pack=tables.pack, config=self.config,
+                                     max_keys=self.local_width * self.key.page_size)
+        return [table, cu, info]
 
     def write(self, heads: TableKey, tables: Tables, parts: Parts) -> None:
         """The refresh's values into ``tables`` (the copies narrow int64 to the tables' int32)."""
@@ -309,6 +344,10 @@ class TableRefresh:
             for dst, src in zip(tables.args, self._triton(heads, tables, parts)):
                 if src is not None:
                     dst.copy_(src)
+            return
+        if key_flags(heads) & LOCAL_TABLES:
+            for dst, src in zip(tables.args, self._local_mosaic(tables, parts)):
+                dst.copy_(src.reshape(dst.shape))
             return
         tables.args[0].copy_(self._pass(heads, parts)[1])
         if tables.num_splits > 1:
@@ -326,20 +365,28 @@ class TableRefresh:
     def matches(self, heads: TableKey, tables: Tables, parts: Parts) -> bool:
         """Whether ``tables`` (the planner's, for the current inputs) hold what a refresh writes (a sync)."""
         b, qpr, flags, dev = self.key.batch_size, self.key.q_len_per_req, key_flags(heads), parts.table.device
-        if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not local / SWA / ...)
+        extra = self.pool_flag | (LOCAL_TABLES if self.chunk else 0)  # tables this bucket's refresh writes too
+        if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not encoder / ...)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
-            rows = lens.shape[0]
-            if (len(heads) != 3 or flags & ~self.pool_flag not in TRITON_FLAGS[self.cascade] or lay.batch != rows
-                    or lay.num_tokens != rows * per or lay.max_q_len != per):
+            rows, q = lens.shape[0], 1 if isinstance(per, torch.Tensor) else per
+            if (len(heads) != 3 or flags & ~extra not in TRITON_FLAGS[self.cascade] or lay.batch != rows
+                    or lay.num_tokens != rows * q or lay.max_q_len != q):
                 return False
-            cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * per  # fixed within the bucket
+            cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * q  # fixed within the bucket
             want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
             return len(want) == len(tables.args) and all(
                 got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
-        if (flags & ~(LATENT_TABLES | self.pool_flag) != MOSAIC_FLAGS[self.cascade]  # local / encoder tables
+        if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # encoder tables
                 or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
+        if flags & LOCAL_TABLES:  # the local virtual batch: unsplit tables only
+            if tables.num_splits != 1 or latent:
+                return False
+            want = self._local_mosaic(tables, parts)
+            return len(tables.args) == len(want) and all(
+                g.numel() == w.numel() and torch.equal(g, w.reshape(g.shape).to(g.dtype))
+                for g, w in zip(tables.args, want))
         table = self._pass(heads, parts)[1]
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index

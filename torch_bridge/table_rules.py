@@ -11,7 +11,7 @@ import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
 from jax_attn.kernels.config import cdiv, kv_heads_per_program
-from jax_attn.kernels.mosaic_kernel import TILE_INFO_WORDS, tile_rows
+from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_split import stored_rows
 
 
@@ -98,23 +98,31 @@ def lse_pattern(n: int, hq: int, heads: int, pack: int, block_q: int, latent: bo
     return index
 
 
-def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, block_q: int,
+def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len, block_q: int,
                       programs: int, num_sms: int, split_waves: int, min_kv_per_split: int) -> dict:
     """``jax_attn.kernels.schedule.build_schedule`` of a uniform bucket (every sequence ``q_len`` queries, or
-    rows of the row view; ``programs`` CTAs per tile for the split heuristic), its rules in int32: each tile's
+    rows of the row view; or ``q_len`` a tensor of each sequence's: a local virtual batch, whose rows hold one
+    query or none; ``programs`` CTAs per tile for the split heuristic), its rules in int32: each tile's
     sequence, query block and split before the sort (``seq``, ``q_block``, ``split``, ``valid``), the sort
     (``order``: tiles longest first, stable), kv splits per sequence (``splits``) and each sequence's first
     tile (``starts``)."""
     b, n, s = batch, num_tiles, max_splits
     dev, i32 = lens.device, torch.int32
-    qb = cdiv(q_len, block_q)
+    ragged = isinstance(q_len, torch.Tensor)
+    qb = torch.div(q_len + (block_q - 1), block_q, rounding_mode="floor") if ragged else cdiv(q_len, block_q)
     if s == 1:
         splits = torch.ones(b, dtype=i32, device=dev)
     else:
-        base = max(b * qb * programs, 1)
-        want = 1 if base >= num_sms else max(num_sms * split_waves // base, 1)
         by_len = torch.div(lens + (min_kv_per_split - 1), min_kv_per_split, rounding_mode="floor")
-        splits = by_len.clamp(max=want).clamp(1, s).to(i32)
+        if ragged:  # the query blocks of this step
+            blocks = (qb.sum() * programs).clamp(min=1)
+            per_seq = torch.where(blocks >= num_sms, 1,
+                                  torch.div(num_sms * split_waves, blocks, rounding_mode="floor").clamp(min=1))
+            splits = torch.minimum(by_len, per_seq).clamp(1, s).to(i32)
+        else:
+            base = max(b * qb * programs, 1)
+            want = 1 if base >= num_sms else max(num_sms * split_waves // base, 1)
+            splits = by_len.clamp(max=want).clamp(1, s).to(i32)
     counts = splits * qb
     ends = torch.cumsum(counts, 0).to(i32)
     starts = ends - counts
@@ -124,19 +132,21 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
     seq_c = seq.clamp(max=b - 1)
     local = tile - starts[seq_c]
     ns = splits[seq_c]
-    q_block = (qb - 1) - torch.div(local, ns, rounding_mode="floor")
+    q_block = ((qb[seq_c] if ragged else qb) - 1) - torch.div(local, ns, rounding_mode="floor")
     split = torch.remainder(local, ns)
     k_len = lens[seq_c]
-    cost = torch.div(torch.minimum(k_len, k_len - q_len + (q_block + 1) * block_q), ns, rounding_mode="floor")
+    q_seq = q_len[seq_c] if ragged else q_len
+    cost = torch.div(torch.minimum(k_len, k_len - q_seq + (q_block + 1) * block_q), ns, rounding_mode="floor")
     cost = torch.where(valid, cost.clamp(min=0), -1)
     order = torch.argsort(-cost, stable=True)
     return dict(seq=seq_c, q_block=q_block, split=split, valid=valid, order=order, splits=splits, starts=starts)
 
 
-def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> List[torch.Tensor]:
+def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req) -> List[torch.Tensor]:
     """``jax_attn.kernels.schedule.plan_schedule``'s tables for a uniform bucket (every sequence
-    ``q_len_per_req`` queries) of layout ``lay`` (``triton_path.Layout``) over ``lens``: tile sequence, query
-    block and split, then kv splits per sequence (the planner's default config, its rules in int32)."""
+    ``q_len_per_req`` queries, or a tensor of each sequence's) of layout ``lay`` (``triton_path.Layout``) over
+    ``lens``: tile sequence, query block and split, then kv splits per sequence (the planner's default config,
+    its rules in int32)."""
     cfg = TRITON_CONFIG
     programs = hkv // kv_heads_per_program(cfg, hkv, decode=lay.max_q_len <= 1, split=True)
     t = _uniform_schedule(lens, batch=lay.batch, num_tiles=lay.num_tiles, max_splits=lay.max_splits,
@@ -145,6 +155,45 @@ def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req: int) -> Li
     neg = torch.full_like(t["seq"], -1)
     return [torch.where(t["valid"], t[x].to(torch.int32), neg)[t["order"]] for x in ("seq", "q_block", "split")] + [
         t["splits"]]
+
+
+def tile_info(t: dict, k_lens: torch.Tensor, cu: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
+    """``jax_attn.kernels.mosaic_paged.tile_table`` (``i32[N, TILE_INFO_WORDS]``) of schedule ``t``
+    (``_uniform_schedule``), each tile's keys from ``k_lens`` and its queries from the offsets ``cu``."""
+    seq, q_block, split = (torch.where(t["valid"], t[x].to(torch.int64), -1)[t["order"]]
+                           for x in ("seq", "q_block", "split"))
+    seq0 = seq.clamp(min=0)
+    cols = dict(seq=seq, first_row=q_block * rows_per_tile, split=split, k_len=k_lens[seq0].to(torch.int64),
+                q_start=cu[seq0], q_len=cu[seq0 + 1] - cu[seq0], seq_splits=t["splits"][seq0].to(torch.int64))
+    pad = [torch.zeros_like(seq)] * (TILE_INFO_WORDS - len(TILE_INFO_COLUMNS))
+    return torch.stack([cols[c] for c in TILE_INFO_COLUMNS] + pad, 1).to(torch.int32)
+
+
+def mosaic_tile_table(lens: torch.Tensor, q_lens: torch.Tensor, *, num_tiles: int, rows_per_tile: int, pack: int,
+                      config, max_keys: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``plan_mosaic_schedule``'s unsplit tile table (``num_splits=1``) of a ragged bucket whose sequences fit one
+    row block (``q_lens * pack <= rows_per_tile``): ``(cu_seqlens_q i32[B + 1], tile table i32[N, TILE_INFO_WORDS])``,
+    keys clipped to ``max_keys`` (the plan's page table)."""
+    t = _uniform_schedule(lens, batch=lens.shape[0], num_tiles=num_tiles, max_splits=1, q_len=q_lens * pack,
+                          block_q=rows_per_tile, programs=1, num_sms=config.num_sms, split_waves=config.split_waves,
+                          min_kv_per_split=config.min_kv_per_split)
+    cu = torch.cat([q_lens.new_zeros(1), torch.cumsum(q_lens, 0)]).to(torch.int64)
+    return cu.to(torch.int32), tile_info(t, lens.clamp(max=max_keys), cu, rows_per_tile)
+
+
+def local_decode_parts(table: torch.Tensor, lens: torch.Tensor, *, chunk: int, page: int, width: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``jax_attn.local.plan_local`` of a decode plan (one query per row: one virtual row per row) from its guarded
+    page table ``[B, P]`` and lengths: the chunk's page table ``[B, width]`` (0 past its keys), its keys and its
+    queries per row (1, or 0 for a row without keys)."""
+    first = torch.div((lens - 1).clamp(min=0), chunk, rounding_mode="floor")
+    start = first * chunk
+    k_local = torch.minimum(lens, start + chunk) - start
+    q_local = (k_local + start - torch.maximum(lens - 1, start)).clamp(min=0)
+    j = torch.arange(width, dtype=torch.int64, device=lens.device)
+    cols = (torch.div(start, page, rounding_mode="floor")[:, None] + j[None, :]).clamp(0, table.shape[1] - 1)
+    pages = torch.gather(table, 1, cols)
+    return torch.where(j[None, :] * page < k_local[:, None], pages, 0), k_local, q_local
 
 
 def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, pack: int,
@@ -159,13 +208,7 @@ def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_s
                           block_q=rows_per_tile, programs=heads, num_sms=config.num_sms,
                           split_waves=config.split_waves, min_kv_per_split=config.min_kv_per_split)
     order, splits = t["order"], t["splits"]
-    seq, q_block, split = (torch.where(t["valid"], t[x].to(torch.int64), -1)[order]
-                           for x in ("seq", "q_block", "split"))
-    seq0 = seq.clamp(min=0)
-    cols = [seq, q_block * rows_per_tile, split, lens[seq0], seq0 * q_len, torch.full_like(seq, q_len),
-            splits[seq0].to(torch.int64)]
-    cols += [torch.zeros_like(seq)] * (TILE_INFO_WORDS - len(cols))
-    info = torch.stack(cols, 1).to(torch.int32)
+    info = tile_info(t, lens, torch.arange(batch + 1, dtype=torch.int64, device=lens.device) * q_len, rows_per_tile)
     n = order.shape[0]
     place = torch.empty_like(order).scatter_(0, order, torch.arange(n, dtype=order.dtype, device=order.device))
     s = torch.arange(max_splits, dtype=torch.int64, device=lens.device)[:, None]  # [S, 1]
