@@ -136,20 +136,27 @@ def edited(req_to_token: torch.Tensor, edit):
         req_to_token[row, pos] = old
 
 
+def captured(page: int, name: str, bs: int, **make_kw):
+    """``make``'s runner and backend with a graph bucket of ``bs`` requests of mode ``name`` captured (rows 0,
+    lengths 1), and that bucket's refresh (None: none): ``(runner, backend, refresh, rows, lens, mode, spec, triton)``,
+    ``triton`` the flags of the tables' kernel (``TRITON_TABLES`` at pages the Mosaic kernel does not take, else 0)."""
+    mode, per_req, spec, step_id = MODES[name]
+    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, **make_kw)
+    backend.init_cuda_graph_state(8, 8 * per_req)
+    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    triton = 0 if page % 8 == 0 else TRITON_TABLES
+    return runner, backend, backend.planner.refreshes.get((mode, bs)), rows, lens, mode, spec, triton
+
+
 @pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "decode", 3), (64, "verify", 4), (16, "draft", 2),
                                             (8, "verify", 3), (1, "decode", 4), (1, "verify", 3), (4, "decode", 3),
                                             (1, "draft", 2)])
 def test_refresh_rewrites_the_planners_tables_bit_for_bit(page, name, bs):
     """Pages 1 and 4: the Triton-lowered kernel's tables (lengths, page table, the work schedule and, with
     split-KV, each row's split count)."""
-    mode, per_req, spec, step_id = MODES[name]
-    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0)
-    planner = backend.planner
-    backend.init_cuda_graph_state(8, 8 * per_req)
-    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    r = planner.refreshes[(mode, bs)]
-    heads = (HQ, HKV) if page % 8 == 0 else (HQ, HKV, TRITON_TABLES)
+    runner, backend, r, rows, lens, mode, spec, triton = captured(page, name, bs)
+    heads = (HQ, HKV) + ((triton,) if triton else ())
     assert r.verified == {heads} and not r.recorded
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
 
@@ -160,64 +167,40 @@ def test_refresh_rewrites_the_mosaic_split_tables_bit_for_bit(page, name, bs):
     schedule's tile table (kv splits per sequence by length, tiles longest first) and the merge's LSE index as
     the planner does (a config that splits the 128-key bound into up to 8). Catches a split count, a tile order
     or an LSE index that differs from the planner's for any input, bad ones included."""
-    mode, per_req, spec, step_id = MODES[name]
-    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0,
-                              mosaic_config=MosaicConfig(min_kv_per_split=16))
-    backend.init_cuda_graph_state(8, 8 * per_req)
-    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    r = backend.planner.refreshes[(mode, bs)]
+    runner, backend, r, rows, lens, mode, spec, _ = captured(page, name, bs,
+                                                             mosaic_config=MosaicConfig(min_kv_per_split=16))
     heads = (HQ, HKV)
     assert r.verified == {heads} and r.step.tables[heads].num_splits > 1
     refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
 
 
-@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (1, "decode", 3), (16, "verify", 3), (1, "draft", 2),
-                                            (8, "draft", 2)])
-def test_refresh_rewrites_the_swa_pool_tables_bit_for_bit(page, name, bs):
-    """SGLang's ``SWAKVPool``: its sliding-window layers read the step's page table translated into the SWA pool
-    (``table_rules.swa_pool_table``, the planner's ``with_swa_pool``), and the refresh writes those tables too.
-    Catches a translation that reads the mapping somewhere else than each page's first slot, narrows its int64
-    entries otherwise than the planner (-1 below int32, the SWA pool's size above), or leaves an SWA page id
-    outside the SWA pool, for valid and bad input."""
-    mode, per_req, spec, step_id = MODES[name]
-    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, swa_pool=True)
-    backend.init_cuda_graph_state(8, 8 * per_req)
-    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    r = backend.planner.refreshes[(mode, bs)]
-    triton = () if page % 8 == 0 else (TRITON_TABLES,)
-    full, swa = (HQ, HKV) + triton, (HQ, HKV, SWA_TABLES | sum(triton))
-    assert r.verified == {full, swa} and r.swa_mapping is runner.token_to_kv_pool.full_to_swa_index_mapping
-    for heads, pages in ((swa, SWA_PAGES), (full, None)):
+@pytest.mark.parametrize("kind, page, name, bs", [
+    ("swa_pool", 16, "decode", 4), ("swa_pool", 1, "decode", 3), ("swa_pool", 16, "verify", 3),
+    ("swa_pool", 1, "draft", 2), ("swa_pool", 8, "draft", 2),
+    ("local", 16, "decode", 4), ("local", 1, "decode", 3), ("local", 8, "draft", 2), ("local", 1, "draft", 2),
+    ("local", 4, "decode", 3)])
+def test_refresh_rewrites_swa_pool_and_local_tables_bit_for_bit(kind, page, name, bs):
+    """``swa_pool``: SGLang's ``SWAKVPool``, whose sliding-window layers read the step's page table translated
+    into the SWA pool (``table_rules.swa_pool_table``, the planner's ``with_swa_pool``). Catches a translation that
+    reads the mapping somewhere else than each page's first slot, narrows its int64 entries otherwise than the
+    planner (-1 below int32, the SWA pool's size above), or leaves an SWA page id outside the SWA pool.
+    ``local``: a local-attention model (Llama 4, chunks of 32 tokens), whose decode bucket's chunked layers read its
+    local virtual batch (``jax_attn.local.plan_local``: each row's current chunk, its pages and keys; a row without
+    keys has no query, which moves the work tiles; ``table_rules.local_decode_parts``, ``mosaic_tile_table``).
+    Catches a chunk start off by one chunk, a local page table cut from the wrong columns, or tiles given to rows
+    without a query. Both for valid and bad input; the refresh writes those tables as well as the full layers'.
+    A verify bucket of the local model (queries may straddle two chunks) keeps the planner."""
+    kw = dict(swa_pool=True) if kind == "swa_pool" else dict(chunk=32)
+    runner, backend, r, rows, lens, mode, spec, triton = captured(page, name, bs, **kw)
+    flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
+    full, other = (HQ, HKV) + ((triton,) if triton else ()), (HQ, HKV, flag | triton)
+    assert r.verified == {full, other}
+    if kind == "swa_pool":
+        assert r.swa_mapping is runner.token_to_kv_pool.full_to_swa_index_mapping
+    for heads, pages in ((other, SWA_PAGES if kind == "swa_pool" else None), (full, None)):
         refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page, num_pages=pages)
-
-
-@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (1, "decode", 3), (8, "draft", 2), (1, "draft", 2),
-                                            (4, "decode", 3)])
-def test_refresh_rewrites_the_local_attention_tables_bit_for_bit(page, name, bs):
-    """A local-attention model (Llama 4: chunks of 32 tokens): a decode bucket's chunked layers read its local
-    virtual batch (``jax_attn.local.plan_local``: each row's current chunk, its pages and keys; a row without keys
-    has no query, which moves the work tiles), and the refresh writes those tables too
-    (``table_rules.local_decode_parts``, ``mosaic_tile_table``). Catches a chunk start off by one chunk, a local
-    page table cut from the wrong columns, or tiles given to rows without a query, for valid and bad input. A
-    verify bucket of the same model (queries may straddle two chunks) keeps the planner."""
-    mode, per_req, spec, step_id = MODES[name]
-    runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, chunk=32)
-    backend.init_cuda_graph_state(8, 8 * per_req)
-    rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    r = backend.planner.refreshes[(mode, bs)]
-    triton = () if page % 8 == 0 else (TRITON_TABLES,)
-    full, local = (HQ, HKV) + triton, (HQ, HKV, LOCAL_TABLES | sum(triton))
-    assert r.verified == {full, local}
-    for heads in (local, full):
-        refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page)
-    _, _, verifying = make(page, chunk=32)
-    verifying.init_cuda_graph_state(8, 8 * N_DRAFT)
-    mode, per_req, spec, _ = MODES["verify"]
-    verifying.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    assert not verifying.planner.refreshes
+    if kind == "local":
+        assert captured(page, "verify", bs, chunk=32)[2] is None
 
 
 def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int,
