@@ -178,18 +178,19 @@ def test_refresh_rewrites_the_mosaic_split_tables_bit_for_bit(page, name, bs):
     ("swa_pool", 16, "decode", 4), ("swa_pool", 1, "decode", 3), ("swa_pool", 16, "verify", 3),
     ("swa_pool", 1, "draft", 2), ("swa_pool", 8, "draft", 2),
     ("local", 16, "decode", 4), ("local", 1, "decode", 3), ("local", 8, "draft", 2), ("local", 1, "draft", 2),
-    ("local", 4, "decode", 3)])
+    ("local", 4, "decode", 3), ("local", 16, "verify", 3), ("local", 1, "verify", 4), ("local", 8, "verify", 2)])
 def test_refresh_rewrites_swa_pool_and_local_tables_bit_for_bit(kind, page, name, bs):
     """``swa_pool``: SGLang's ``SWAKVPool``, whose sliding-window layers read the step's page table translated
     into the SWA pool (``table_rules.swa_pool_table``, the planner's ``with_swa_pool``). Catches a translation that
     reads the mapping somewhere else than each page's first slot, narrows its int64 entries otherwise than the
     planner (-1 below int32, the SWA pool's size above), or leaves an SWA page id outside the SWA pool.
-    ``local``: a local-attention model (Llama 4, chunks of 32 tokens), whose decode bucket's chunked layers read its
-    local virtual batch (``jax_attn.local.plan_local``: each row's current chunk, its pages and keys; a row without
-    keys has no query, which moves the work tiles; ``table_rules.local_decode_parts``, ``mosaic_tile_table``).
-    Catches a chunk start off by one chunk, a local page table cut from the wrong columns, or tiles given to rows
-    without a query. Both for valid and bad input; the refresh writes those tables as well as the full layers'.
-    A verify bucket of the local model (queries may straddle two chunks) keeps the planner."""
+    ``local``: a local-attention model (Llama 4, chunks of 32 tokens), whose chunked layers read its local virtual
+    batch (``jax_attn.local.plan_local``: a row per chunk that holds a request's queries, so a verify request's
+    queries may take two rows; each row's pages, keys and queries; a row without keys has no query, which moves the
+    work tiles; ``table_rules.local_parts``, ``mosaic_tile_table``). Catches a chunk start off by one chunk, a
+    request's queries that cross a chunk boundary left in one row, a local page table cut from the wrong columns,
+    or tiles given to rows without a query. Both for valid and bad input; the refresh writes those tables as well
+    as the full layers'."""
     kw = dict(swa_pool=True) if kind == "swa_pool" else dict(chunk=32)
     runner, backend, r, rows, lens, mode, spec, triton = captured(page, name, bs, **kw)
     flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
@@ -199,8 +200,6 @@ def test_refresh_rewrites_swa_pool_and_local_tables_bit_for_bit(kind, page, name
         assert r.swa_mapping is runner.token_to_kv_pool.full_to_swa_index_mapping
     for heads, pages in ((other, SWA_PAGES if kind == "swa_pool" else None), (full, None)):
         refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page, num_pages=pages)
-    if kind == "local":
-        assert captured(page, "verify", bs, chunk=32)[2] is None
 
 
 def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int,
@@ -332,16 +331,17 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
     refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
 
 
-@pytest.mark.parametrize("kind", ["swa_pool", "local"])
+@pytest.mark.parametrize("kind, name", [("swa_pool", "decode"), ("local", "decode"), ("local", "verify")])
 @pytest.mark.parametrize("page", [16, 1])
-def test_recorded_bucket_replays_equal_eager_steps(kind, page, monkeypatch):
+def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch):
     """A decode bucket recorded (a capture simulated on the CPU) over an ``SWAKVPool`` (a full layer and a
     sliding-window layer, whose tables the graph translates into the SWA pool from the mapping as the engine left
     it: entries are remapped between steps) or of a local-attention model (a full layer and a chunked one, chunks
-    of 32 tokens): each replay hook skips the planner, and each layer gives bit for bit what an eager step of the
-    same inputs gives through another backend (the planner's tables). Catches a refresh that translates with the
-    capture's mapping, gives the SWA or chunked layer the full page table, or leaves its tables to the capture's
-    step."""
+    of 32 tokens; ``verify``: chain target verify of 3 draft tokens, whose queries cross a chunk boundary in the
+    second step's first request): each replay hook skips the planner, and each layer gives bit for bit what an
+    eager step of the same inputs gives through another backend (the planner's tables). Catches a refresh that
+    translates with the capture's mapping, gives the SWA or chunked layer the full page table, or leaves its tables
+    to the capture's step."""
     rng = np.random.default_rng(11)
     runner, table, backend = make(page, seed=4, swa_pool=kind == "swa_pool", chunk=32 if kind == "local" else 0,
                                   layers=2)
@@ -352,16 +352,18 @@ def test_recorded_bucket_replays_equal_eager_steps(kind, page, monkeypatch):
             buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape)).astype(np.float32)))
     eager = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
                                                                   make_triton=InterpretedTriton))
+    mode, per_req, spec, _ = MODES[name]
+    offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
     planner, bs = backend.planner, 3
-    backend.init_cuda_graph_state(4, 4)
-    rows, lens, loc = torch.tensor([1, 2, 3]), torch.tensor([9, 30, 17]), torch.zeros(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs, rows, lens, None, ForwardMode.DECODE, None)
+    backend.init_cuda_graph_state(4, 4 * per_req)
+    rows, lens, loc = torch.tensor([1, 2, 3]), torch.tensor([9, 30, 17]), torch.zeros(bs * per_req, dtype=torch.int64)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
     second = dict(sliding_window_size=5) if kind == "swa_pool" else dict(use_irope=True)
     layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, **second)]
-    fb = ForwardBatch(ForwardMode.DECODE, bs, rows, lens, loc, token_to_kv_pool=pool)
+    fb = ForwardBatch(mode, bs, rows, lens, loc, token_to_kv_pool=pool, spec_info=spec)
 
     def qkv():
-        return [torch.from_numpy(rng.standard_normal((bs, h * D)).astype(np.float32)).to(torch.bfloat16)
+        return [torch.from_numpy(rng.standard_normal((bs * per_req, h * D)).astype(np.float32)).to(torch.bfloat16)
                 for h in (HQ, HKV, HKV)]
 
     q, k, v = qkv()
@@ -371,24 +373,26 @@ def test_recorded_bucket_replays_equal_eager_steps(kind, page, monkeypatch):
         m.setattr(graph_tables, "capturing", lambda: True)
         for lay in layers:
             backend.forward(q, k, v, lay, fb)
-    r = planner.refreshes[(ForwardMode.DECODE, bs)]
+    r = planner.refreshes[(mode, bs)]
     flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
     assert r.recorded and any(len(h) == 3 and h[2] & flag for h in r.verified)
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
-    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [12, 32, 90])):
+    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [65, 32, 90])):
         if kind == "swa_pool":  # the engine's in-place edits of the mapping
             mapping = pool.full_to_swa_index_mapping
             remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1))
             mapping[:-1] = torch.where(torch.rand(remap.shape) < 0.5, remap, mapping[:-1])
-        rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens))
-        loc.copy_(torch.tensor([table[r_, n - 1] for r_, n in zip(step_rows, step_lens)], dtype=torch.int64))
-        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, ForwardMode.DECODE, None, None)
+        rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens) - offset)
+        loc.copy_(torch.tensor(np.concatenate([table[r_, n - per_req:n] for r_, n in zip(step_rows, step_lens)]),
+                               dtype=torch.int64))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
         assert not runs, "the replay hook of a recorded bucket must not run the planner"
         q, k, v = qkv()
         got = [backend.forward(q, k, v, lay, fb).float().numpy() for lay in layers]
-        fb_eager = ForwardBatch(ForwardMode.DECODE, bs, rows.clone(), lens.clone(), loc.clone(), token_to_kv_pool=pool)
+        fb_eager = ForwardBatch(mode, bs, rows.clone(), lens.clone(), loc.clone(), token_to_kv_pool=pool,
+                                spec_info=spec)
         eager.init_forward_metadata(fb_eager)
         want = [eager.forward(q, k, v, lay, fb_eager).float().numpy() for lay in layers]
         for i, (g, w) in enumerate(zip(got, want)):

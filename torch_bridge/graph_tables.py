@@ -3,7 +3,7 @@ CUDA graph.
 
 The replay hook of a graph bucket normally runs the step planner: one compiled JAX call, an export
 and a table copy, 150-250 us of host time per step on the H100 hosts. On the launch path a uniform
-bucket (decode, chain draft decode, chain verify: topk 1, no encoder; local-attention tables of decode only) has
+bucket (decode, chain draft decode, chain verify: topk 1, no encoder) has
 tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` and
 ``req_to_token``, so ``TableRefresh`` writes them with a few torch ops instead. The first attention
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
@@ -21,9 +21,9 @@ graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pas
 (each branch's slots of draft steps ``0..step_id``, clipped into the pool). Over SGLang's ``SWAKVPool`` a uniform
 bucket's sliding-window layers read the page table translated into the SWA pool: the graph translates it through
 the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). A local-attention
-model's (Llama 4's) decode bucket writes its chunked layers' virtual batch too. An ``SWAKVPool``'s tree steps, a
-tree draft step's SWA table and the local virtual batch of several queries per request (verify: queries may
-straddle two chunks) keep the planner (``reason``).
+model's (Llama 4's) uniform bucket writes its chunked layers' virtual batch too (the Mosaic kernel's unsplit
+tables; its split tables keep the planner). An ``SWAKVPool``'s tree steps and a tree draft step's SWA table keep
+the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -51,11 +51,12 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   size, int32) looked up in ``full_to_swa_index_mapping`` (entries outside int32: -1 below, the SWA pool's size
   above), divided by the page size (floor) and clipped into the SWA pool's pages; 0 past the length
   (``table_rules.swa_pool_table``);
-* a local-attention decode bucket's chunked layers (``jax_attn.local.plan_local`` of one query per row): each row's
-  current chunk, from ``start = (max(length - 1, 0) // C) * C``: its keys ``min(length, start + C) - start``, its
-  queries (1, or 0 for a row without keys), its ``L`` pages from column ``start / page`` (0 past its keys), and the
-  work tiles and query offsets of those queries (``table_rules.local_decode_parts``, ``mosaic_tile_table``; the
-  Mosaic kernel's unsplit tables only).
+* a local-attention bucket's chunked layers (``jax_attn.local.plan_local`` of ``q`` queries per request): a
+  virtual row per chunk holding a request's queries (chunks ``max(length - q, 0) // C`` to
+  ``max(length - 1, 0) // C``; verify queries may take two), in request order, rows past the last padding: each
+  row's keys ``min(length, start + C) - start`` from its chunk's ``start``, its queries (0 for a request without
+  keys), its ``L`` pages from column ``start / page`` (0 past its keys), and the work tiles and query offsets of
+  those queries (``table_rules.local_parts``, ``mosaic_tile_table``).
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
 queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
@@ -88,14 +89,14 @@ from jax_attn.plan_key import PlanKey
 from jax_attn.kernels.config import cdiv
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_paged import MosaicConfig
-from jax_attn.local import local_pages
+from jax_attn.local import local_pages, max_virtual_rows
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import copy_front, zero_range
 from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
                                       TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
-from torch_bridge.table_rules import (expand_parts, guarded, local_decode_parts, lse_pattern, mosaic_split_tables,
+from torch_bridge.table_rules import (expand_parts, guarded, local_parts, lse_pattern, mosaic_split_tables,
                                       mosaic_tile_table, swa_parts, swa_pool_table, tree_mask, triton_schedule)
 from torch_bridge.translate import UNIFORM
 
@@ -127,8 +128,8 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
         return "a tree draft step's SWA table comes from the planner"
     if key.swa_pool and key.topk > 1:
         return "a tree step's tables over an SWAKVPool's SWA pool come from the planner"
-    if (plans_local(key) or step.layout.local) and not (plans_local(key) and key.q_len_per_req == 1):
-        return "local-attention tables of several queries per request come from the planner"
+    if step.layout.local and not plans_local(key):
+        return "local-attention tables of this step come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
@@ -211,8 +212,10 @@ class TableRefresh:
         self.index = torch.arange(b, dtype=torch.int64, device=dev)
         self.capacity = int(capacity)
         self.pool_flag = 0 if self.swa_mapping is None else SWA_TABLES  # the SWA pool's tables are written too
-        self.chunk = key.attention_chunk_size if plans_local(key) else 0  # local-attention (chunked) decode tables
+        self.chunk = key.attention_chunk_size if plans_local(key) else 0  # local-attention (chunked) tables
         self.local_width = local_pages(chunk_size=self.chunk, page_size=page, max_pages=p) if self.chunk else 0
+        self.local_rows = max_virtual_rows(chunk_size=self.chunk, batch_size=b, num_tokens=key.num_tokens,
+                                           max_kv_len=p * page, q_len_per_req=key.q_len_per_req) if self.chunk else 0
         why = reason(key, step, False, capacity)
         if why is not None:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
@@ -269,8 +272,9 @@ class TableRefresh:
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
         pool = None if self.swa_mapping is None else swa_pool_table(
             self.swa_mapping, table, safe, self.first_pos, key.page_size, key.num_swa_slots)
-        local = None if not self.chunk else local_decode_parts(table, safe, chunk=self.chunk, page=key.page_size,
-                                                               width=self.local_width)
+        local = None if not self.chunk else local_parts(table, safe, q_len=key.q_len_per_req, chunk=self.chunk,
+                                                        page=key.page_size, width=self.local_width,
+                                                        rows=self.local_rows)
         return Parts(table, safe, order, rank, expand, swa, pool, local)
 
     def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]:
@@ -368,9 +372,11 @@ class TableRefresh:
         extra = self.pool_flag | (LOCAL_TABLES if self.chunk else 0)  # tables this bucket's refresh writes too
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not encoder / ...)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
-            rows, q = lens.shape[0], 1 if isinstance(per, torch.Tensor) else per
+            rows = lens.shape[0]
+            tokens, q = (self.key.num_tokens, min(self.key.q_len_per_req, self.chunk)) if isinstance(
+                per, torch.Tensor) else (rows * per, per)  # (the local virtual batch's: the step's token axis)
             if (len(heads) != 3 or flags & ~extra not in TRITON_FLAGS[self.cascade] or lay.batch != rows
-                    or lay.num_tokens != rows * q or lay.max_q_len != q):
+                    or lay.num_tokens != tokens or lay.max_q_len != q):
                 return False
             cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * q  # fixed within the bucket
             want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]

@@ -181,19 +181,31 @@ def mosaic_tile_table(lens: torch.Tensor, q_lens: torch.Tensor, *, num_tiles: in
     return cu.to(torch.int32), tile_info(t, lens.clamp(max=max_keys), cu, rows_per_tile)
 
 
-def local_decode_parts(table: torch.Tensor, lens: torch.Tensor, *, chunk: int, page: int, width: int
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``jax_attn.local.plan_local`` of a decode plan (one query per row: one virtual row per row) from its guarded
-    page table ``[B, P]`` and lengths: the chunk's page table ``[B, width]`` (0 past its keys), its keys and its
-    queries per row (1, or 0 for a row without keys)."""
-    first = torch.div((lens - 1).clamp(min=0), chunk, rounding_mode="floor")
-    start = first * chunk
-    k_local = torch.minimum(lens, start + chunk) - start
-    q_local = (k_local + start - torch.maximum(lens - 1, start)).clamp(min=0)
-    j = torch.arange(width, dtype=torch.int64, device=lens.device)
+def local_parts(table: torch.Tensor, lens: torch.Tensor, *, q_len: int, chunk: int, page: int, width: int,
+                rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``jax_attn.local.plan_local`` of a uniform plan (``q_len`` queries a row: decode, chain verify) from its
+    guarded page table ``[B, P]`` and lengths: ``rows`` virtual rows (``max_virtual_rows``), one per chunk that
+    holds a row's queries, in row order (rows past the last: no query, one key, page 0): their page tables
+    ``[rows, width]`` (0 past the keys), keys, and queries (0 for a row without keys)."""
+    b, dev = lens.shape[0], lens.device
+    first = torch.div((lens - max(q_len, 1)).clamp(min=0), chunk, rounding_mode="floor")  # the first query's chunk
+    last = torch.div((lens - 1).clamp(min=0), chunk, rounding_mode="floor")
+    n = (last - first + 1).clamp(min=1)
+    ends = torch.cumsum(n, 0)
+    cum = ends - n  # each row's first virtual row
+    v = torch.arange(rows, dtype=torch.int64, device=dev)
+    seq = ((ends[None, :] <= v[:, None]).sum(1)).clamp(max=b - 1)  # searchsorted(cum, v, "right") - 1, clipped
+    valid = v < ends[-1]
+    start = (first[seq] + v - cum[seq]) * chunk
+    k = lens[seq]
+    k_local = torch.minimum(k, start + chunk) - start
+    q_local = (k_local + start - torch.maximum(k - q_len, start)).clamp(min=0)
+    start, q_local, k_local = (torch.where(valid, x, fill) for x, fill in ((start, 0), (q_local, 0), (k_local, 1)))
+    j = torch.arange(width, dtype=torch.int64, device=dev)
     cols = (torch.div(start, page, rounding_mode="floor")[:, None] + j[None, :]).clamp(0, table.shape[1] - 1)
-    pages = torch.gather(table, 1, cols)
-    return torch.where(j[None, :] * page < k_local[:, None], pages, 0), k_local, q_local
+    pages = table[seq[:, None], cols]
+    used = valid[:, None] & (j[None, :] * page < k_local[:, None])
+    return torch.where(used, pages, 0), k_local, q_local
 
 
 def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, pack: int,
