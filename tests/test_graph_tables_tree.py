@@ -7,7 +7,7 @@ passes' tables.
   for bit: random trees with all-False (padded) rows, masks shorter or longer than the planner's bound or of
   another dtype, bad rows and lengths, page ids and draft slots outside the pool; pages 1, 4 and 16 (the
   prefix pass on the Triton-lowered kernel or, with its LSE index, the Mosaic one), 4 x 8 trees among them,
-  and sliding-window models' SWA table;
+  and sliding-window models' SWA table (over an ``SWAKVPool`` too, translated into its SWA pool);
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output matches the
   float64 oracle and the planner path, and the NaN pool is untouched but for the written slots;
 * on a GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh bitwise as the eager step.
@@ -20,10 +20,12 @@ import torch
 from jax_attn.safety import INT32_MAX, INT32_MIN
 
 from tests.test_bridge_launch import HKV, HQ, D, fill
-from tests.test_graph_tables import MAX_CTX, REQS, bad_inputs, edited, make, refuses_new_table_and_flags_bad_input
+from tests.test_graph_tables import (MAX_CTX, REQS, SWA_PAGES, bad_inputs, edited, make,
+                                     refuses_new_table_and_flags_bad_input)
 from torch_bridge import ForwardBatch, ForwardMode, RadixAttention, SpecInfo
 from torch_bridge import graph_tables
-from torch_bridge.mosaic_path import EXPAND_TABLES, PREFIX_TABLES, TREE_SWA_TABLES, TRITON_TABLES, key_flags
+from torch_bridge.mosaic_path import (EXPAND_TABLES, PREFIX_TABLES, SWA_TABLES, TREE_SWA_TABLES, TRITON_TABLES,
+                                      key_flags)
 
 pytestmark = pytest.mark.usefixtures("engine_grad_mode")
 
@@ -61,25 +63,28 @@ def capture_tree(backend, bs: int, topk: int, n: int, rows, lens, mask=None):
     return backend.planner.refreshes[(VERIFY, bs)]
 
 
-@pytest.mark.parametrize("page, topk, n, bs, window", [(16, 4, 8, 3, None), (1, 4, 8, 2, None), (16, 2, 5, 4, 7),
-                                                        (1, 2, 3, 5, 0), (4, 2, 5, 3, None), (1, 4, 8, 3, 16)])
-def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs, window):
+@pytest.mark.parametrize("page, topk, n, bs, window, pool", [
+    (16, 4, 8, 3, None, False), (1, 4, 8, 2, None, False), (16, 2, 5, 4, 7, False), (1, 2, 3, 5, 0, False),
+    (4, 2, 5, 3, None, False), (1, 4, 8, 3, 16, False), (16, 2, 5, 4, 7, True), (1, 4, 8, 3, 16, True)])
+def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs, window, pool):
     """Page 16: the prefix pass's Mosaic tables with the LSE index; pages 1 and 4: the Triton-lowered kernel's;
     the expand pass's always the Triton-lowered kernel's. ``window``: a sliding-window model, whose tree steps
-    carry the SWA table too (committed then draft slots per row, the Triton-lowered kernel's)."""
-    runner, _, backend = make(page, topk=topk, window=window)
+    carry the SWA table too (committed then draft slots per row, the Triton-lowered kernel's); ``pool``: over
+    SGLang's ``SWAKVPool``, that table translated slot by slot into the SWA pool (a mapping with bad entries:
+    catches a translation that is not the planner's, or an SWA slot outside the SWA pool)."""
+    runner, _, backend = make(page, topk=topk, window=window, swa_pool=pool)
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
     r = capture_tree(backend, bs, topk, n, rows, lens, torch.ones(bs * n * 40, dtype=torch.bool))
     prefix = PREFIX_TABLES if page % 8 == 0 else TRITON_TABLES | PREFIX_TABLES  # Mosaic at pages of 8k
     want_keys = {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
     if window is not None:
-        want_keys.add((HQ, HKV, TRITON_TABLES | TREE_SWA_TABLES))
+        want_keys.add((HQ, HKV, TRITON_TABLES | TREE_SWA_TABLES | (SWA_TABLES if pool else 0)))
     assert r.tree and r.verified == set(r.step.tables) == want_keys and not r.recorded
     tables = dict(r.step.tables)
     rng = np.random.default_rng(page * 10 + n)
     capacity = backend.jax_backend.capacity
     r2t = runner.req_to_token_pool.req_to_token
-    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    num_slots = runner.token_to_kv_pool.get_key_buffer(0).shape[0]
     size = r.mask.shape[0]
 
     def planned(values, mask):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
@@ -115,8 +120,8 @@ def test_tree_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, n, bs
                 assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
             for h in tables:
                 if key_flags(h) & (EXPAND_TABLES | TREE_SWA_TABLES):
-                    slots = tables[h].args[6]
-                    assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, f"{h}: slots outside the pool"
+                    slots, bound = tables[h].args[6], SWA_PAGES * page if key_flags(h) & SWA_TABLES else num_slots
+                    assert 0 <= int(slots.min()) and int(slots.max()) < bound, f"{h}: slots outside the pool"
     assert drafts >= 4, "the trials must include draft slots outside the pool"
 
 

@@ -22,8 +22,8 @@ graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pas
 bucket's sliding-window layers read the page table translated into the SWA pool: the graph translates it through
 the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). A local-attention
 model's (Llama 4's) uniform bucket writes its chunked layers' virtual batch too (the Mosaic kernel's unsplit
-tables; its split tables keep the planner). An ``SWAKVPool``'s tree steps and a tree draft step's SWA table keep
-the planner (``reason``).
+tables; its split tables keep the planner). A tree verify bucket over an ``SWAKVPool`` translates its SWA table
+slot by slot the same way. A tree draft step's SWA table keeps the planner (``reason``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -126,8 +126,8 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
         return "only uniform steps without encoder (decode, draft decode, verify)"
     if tree_draft(key) and key.with_swa:
         return "a tree draft step's SWA table comes from the planner"
-    if key.swa_pool and key.topk > 1:
-        return "a tree step's tables over an SWAKVPool's SWA pool come from the planner"
+    if key.swa_pool and tree_draft(key):
+        return "a tree draft step's tables over an SWAKVPool come from the planner"
     if step.layout.local and not plans_local(key):
         return "local-attention tables of this step come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
@@ -154,7 +154,8 @@ class Parts(NamedTuple):
     # tree verify's expand pass: i32[B * N, N] draft slots, allowed ones first; i32[B * N] allowed per row
     expand: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     swa: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # its SWA table: i32[B * N, C + N], i32[B * N] keys
-    swa_pool: Optional[torch.Tensor] = None  # i32[B, P]: the page table translated into an SWAKVPool's SWA pool
+    # the page table translated into an SWAKVPool's SWA pool: i32[B, P] (a tree step's SWA table: i32[B * N, C + N])
+    swa_pool: Optional[torch.Tensor] = None
     # a local-attention (chunked) decode step's virtual batch: i32[B, L] its chunks' pages, i32[B] keys, i64[B] queries
     local: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
@@ -270,8 +271,12 @@ class TableRefresh:
         order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
-        pool = None if self.swa_mapping is None else swa_pool_table(
-            self.swa_mapping, table, safe, self.first_pos, key.page_size, key.num_swa_slots)
+        pool = None
+        if self.swa_mapping is not None and swa is not None:  # a tree step's SWA table, slot by slot (page size 1)
+            cols = torch.arange(swa[0].shape[1], dtype=torch.int32, device=swa[0].device)[None, :]
+            pool = swa_pool_table(self.swa_mapping, swa[0], swa[1], cols, 1, key.num_swa_slots)
+        elif self.swa_mapping is not None:
+            pool = swa_pool_table(self.swa_mapping, table, safe, self.first_pos, key.page_size, key.num_swa_slots)
         local = None if not self.chunk else local_parts(table, safe, q_len=key.q_len_per_req, chunk=self.chunk,
                                                         page=key.page_size, width=self.local_width,
                                                         rows=self.local_rows)
@@ -281,8 +286,8 @@ class TableRefresh:
         """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
         flags = key_flags(heads)
         one = parts.expand if flags & EXPAND_TABLES else parts.swa if flags & TREE_SWA_TABLES else None
-        if one is not None:  # a page-size-1 pass: one query per row
-            return one[1], one[0], 1
+        if one is not None:  # a page-size-1 pass: one query per row (a tree's SWA table over an SWAKVPool: translated)
+            return one[1], parts.swa_pool if flags & TREE_SWA_TABLES and flags & SWA_TABLES else one[0], 1
         if flags & LOCAL_TABLES:  # the local virtual batch: one query per row, or none
             table, lens, q = parts.local
             return lens, table, q
