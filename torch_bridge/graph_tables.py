@@ -156,7 +156,7 @@ class Parts(NamedTuple):
     swa: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # its SWA table: i32[B * N, C + N], i32[B * N] keys
     # the page table translated into an SWAKVPool's SWA pool: i32[B, P] (a tree step's SWA table: i32[B * N, C + N])
     swa_pool: Optional[torch.Tensor] = None
-    # a local-attention (chunked) decode step's virtual batch: i32[B, L] its chunks' pages, i32[B] keys, i64[B] queries
+    # a local-attention (chunked) step's virtual batch of V rows: i32[V, L] its chunks' pages, keys, queries per row
     local: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
