@@ -7,7 +7,8 @@ passes' tables.
   for bit: random trees with all-False (padded) rows, masks shorter or longer than the planner's bound or of
   another dtype, bad rows and lengths, page ids and draft slots outside the pool; pages 1, 4 and 16 (the
   prefix pass on the Triton-lowered kernel or, with its LSE index, the Mosaic one), 4 x 8 trees among them,
-  and sliding-window models' SWA table (over an ``SWAKVPool`` too, translated into its SWA pool);
+  and sliding-window models' SWA table (over an ``SWAKVPool`` too, translated into its SWA pool), in tree
+  verify and tree draft decode;
 * after a recorded capture (simulated on CPU) the replay hook runs no planner, the step's output matches the
   float64 oracle and the planner path, and the NaN pool is untouched but for the written slots;
 * on a GPU (``gpu``), a real ``torch.cuda.graph`` replays the refresh bitwise as the eager step.
@@ -315,28 +316,35 @@ def test_tree_refresh_replays_inside_a_torch_cuda_graph(page, topk, n, window):
         runs.clear()
 
 
-@pytest.mark.parametrize("page, topk, step, bs", [(16, 2, 1, 3), (1, 4, 0, 2), (4, 2, 2, 4)])
-def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, step, bs):
+@pytest.mark.parametrize("page, topk, step, bs, window, pool", [
+    (16, 2, 1, 3, None, False), (1, 4, 0, 2, None, False), (4, 2, 2, 4, None, False), (16, 2, 2, 3, 7, False),
+    (1, 4, 1, 2, 16, True), (8, 2, 0, 3, 5, True)])
+def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk, step, bs, window, pool):
     """Tree draft decode (topk > 1, draft step ``step`` of 3): the refresh writes the prefix pass's tables (each
     branch's query over the committed keys: Mosaic at page 16, the Triton-lowered kernel's at pages 1 and 4) and
     the expand pass's (each branch's slots of draft steps 0..step, read from the slots the replay hook copies
     into the graph's buffer) exactly as the planner does, over bad rows and lengths, page ids outside the pool,
     and draft slots outside the pool, below 0 or past int32. Catches another branch's or step's slots, slots
-    left unclipped, and stale slots."""
+    left unclipped, and stale slots. ``window``: a sliding-window model, whose draft steps carry an SWA table too
+    (each branch's committed slots, then its draft slots; ``pool``: translated into an ``SWAKVPool``'s SWA pool):
+    catches a branch given another request's committed slots or another branch's draft slots."""
     steps = 3
-    runner, _, backend = make(page, topk=topk, step_id=step, num_steps=steps)
+    runner, _, backend = make(page, topk=topk, step_id=step, num_steps=steps, window=window, swa_pool=pool)
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
     backend.init_cuda_graph_state(bs, bs * topk)
     spec = SpecInfo(topk=topk)
     backend.init_forward_metadata_capture_cuda_graph(bs, bs * topk, rows, lens, None, ForwardMode.DECODE, spec)
     r = backend.planner.refreshes[(ForwardMode.DECODE, bs)]
     prefix = PREFIX_TABLES if page % 8 == 0 else TRITON_TABLES | PREFIX_TABLES
-    assert r.draft and r.verified == set(r.step.tables) == {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
+    want_keys = {(HQ, HKV, prefix), (HQ, HKV, TRITON_TABLES | EXPAND_TABLES)}
+    if window is not None:
+        want_keys.add((HQ, HKV, TRITON_TABLES | TREE_SWA_TABLES | (SWA_TABLES if pool else 0)))
+    assert r.draft and r.verified == set(r.step.tables) == want_keys
     tables = dict(r.step.tables)
     rng = np.random.default_rng(page * 10 + topk + step)
     capacity = backend.jax_backend.capacity
     r2t = runner.req_to_token_pool.req_to_token
-    num_slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    num_slots = runner.token_to_kv_pool.get_key_buffer(0).shape[0]
 
     def planned(values, loc):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
         rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
@@ -365,8 +373,10 @@ def test_tree_draft_refresh_rewrites_the_planners_tables_bit_for_bit(page, topk,
             r.before_layer(0)
             for h, t in tables.items():
                 assert torch.equal(t.flat, after[h]), f"trial {trial} {h}: {rows.tolist()=} {lens.tolist()=}"
-            slots = tables[(HQ, HKV, TRITON_TABLES | EXPAND_TABLES)].args[6]
-            assert 0 <= int(slots.min()) and int(slots.max()) < num_slots, "draft slots outside the pool"
+            for h, t in tables.items():
+                if key_flags(h) & (EXPAND_TABLES | TREE_SWA_TABLES):
+                    bound = SWA_PAGES * page if key_flags(h) & SWA_TABLES else num_slots
+                    assert 0 <= int(t.args[6].min()) and int(t.args[6].max()) < bound, f"{h}: slots outside the pool"
 
 
 def draft_inputs(runner, table, rng, step_rows, committed, topk: int, step: int, steps: int):

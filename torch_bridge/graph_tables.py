@@ -23,7 +23,8 @@ bucket's sliding-window layers read the page table translated into the SWA pool:
 the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). A local-attention
 model's (Llama 4's) uniform bucket writes its chunked layers' virtual batch too (the Mosaic kernel's unsplit
 tables; its split tables keep the planner). A tree verify bucket over an ``SWAKVPool`` translates its SWA table
-slot by slot the same way. A tree draft step's SWA table keeps the planner (``reason``).
+slot by slot the same way, and a tree draft decode bucket of a sliding-window model writes its SWA table too (each
+branch's committed slots, then its draft slots of steps ``0..step_id``).
 
 The step planner stays the definition of the tables. A refresh writes exactly the planner's values
 (``tests/test_graph_tables.py`` compares them bit for bit over random and bad input), and every
@@ -124,10 +125,6 @@ def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
         return "validation mode reads each step's error flag from the planner"
     if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key) or tree_draft(key)):
         return "only uniform steps without encoder (decode, draft decode, verify)"
-    if tree_draft(key) and key.with_swa:
-        return "a tree draft step's SWA table comes from the planner"
-    if key.swa_pool and tree_draft(key):
-        return "a tree draft step's tables over an SWAKVPool come from the planner"
     if step.layout.local and not plans_local(key):
         return "local-attention tables of this step come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
@@ -257,8 +254,11 @@ class TableRefresh:
             expand = guarded(table, counts, key.num_slots)
         elif self.draft:  # each branch's slots of draft steps 0..step_id, all of them attended
             table = self.loc.view(-1, key.num_steps)[:, :key.step_id + 1]
-            expand = guarded(table, torch.full((table.shape[0],), key.step_id + 1, device=table.device),
-                             key.num_slots)
+            counts = torch.full((table.shape[0],), key.step_id + 1, device=table.device)
+            if key.with_swa:  # per branch: its request's committed slots, then its draft slots
+                swa = guarded(*swa_parts(self.r2t, rows, lens, table, counts, key.max_pages * key.page_size,
+                                         group=key.topk), key.num_slots)
+            expand = guarded(table, counts, key.num_slots)
         if self.kv_offset:
             lens = lens + self.kv_offset
         lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does

@@ -49,13 +49,15 @@ def expand_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, mask
 
 
 def swa_parts(r2t: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, expand: torch.Tensor, counts: torch.Tensor,
-              width: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The tree's SWA table and lengths (``jax_attn.spec._swa_md``, before the guard): per draft row, its request's
-    slots of positions ``[0, seq_len)`` (``width`` columns at most) then its ``expand`` slots (unclipped)."""
+              width: int, group: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The tree's SWA table and lengths (``jax_attn.spec._swa_md``, before the guard): per draft row (``group`` a
+    request: its N draft tokens in verify, the default, or its topk branches in draft decode), its request's slots
+    of positions ``[0, seq_len)`` (``width`` columns at most) then its ``expand`` slots (unclipped)."""
     b, n = lens.shape[0], expand.shape[1]
-    base = lens[:, None].expand(b, n).reshape(-1)  # [B * N]
+    g = group or n
+    base = lens[:, None].expand(b, g).reshape(-1)  # [B * G]
     col = torch.arange(width + n, dtype=torch.int64, device=lens.device)[None, :]
-    pre = r2t[rows[:, None].expand(b, n).reshape(-1, 1), col.clamp(0, r2t.shape[1] - 1)]
+    pre = r2t[rows[:, None].expand(b, g).reshape(-1, 1), col.clamp(0, r2t.shape[1] - 1)]
     post = torch.gather(expand, 1, wrap32(col - base[:, None]).clamp(0, n - 1))
     return torch.where(col < base[:, None], pre, post), wrap32(base + counts)
 
