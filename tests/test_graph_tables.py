@@ -608,7 +608,7 @@ def test_buckets_the_refresh_does_not_cover_keep_the_planner():
     validating.init_forward_metadata_capture_cuda_graph(4, 4, z, z + 1, None, ForwardMode.DECODE, None)
     assert not validating.planner.refreshes  # validation reads each step's error flag from the planner
     key = backend.planner.graph_keys[(ForwardMode.DECODE, 4)]
-    assert graph_tables.reason(key, backend.step, True, backend.jax_backend.capacity)
+    assert graph_tables.reason(key, True, backend.jax_backend.capacity)
 
 
 @pytest.mark.gpu

@@ -98,7 +98,8 @@ from torch_bridge.launcher import copy_front, zero_range
 from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
                                       TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
 from torch_bridge.table_rules import (expand_parts, guarded, local_parts, lse_pattern, mosaic_split_tables,
-                                      mosaic_tile_table, swa_parts, swa_pool_table, tree_mask, triton_schedule)
+                                      mosaic_tile_table, offsets, swa_parts, swa_pool_table, tree_mask,
+                                      triton_schedule)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -118,15 +119,13 @@ def tree_draft(key: PlanKey) -> bool:
     return key.topk > 1 and key.mode == ForwardMode.DECODE
 
 
-def reason(key: PlanKey, step, validate: bool, capacity: int) -> Optional[str]:
-    """None when the launch tables of ``step`` (a graph bucket's, planned by the capture hook) may be
+def reason(key: PlanKey, validate: bool, capacity: int) -> Optional[str]:
+    """None when the launch tables of a graph bucket of ``key`` (planned by the capture hook) may be
     refreshed inside the graph, else why not (each table key is checked too: ``TableRefresh.verify``)."""
     if validate:
         return "validation mode reads each step's error flag from the planner"
     if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key) or tree_draft(key)):
         return "only uniform steps without encoder (decode, draft decode, verify)"
-    if step.layout.local and not plans_local(key):
-        return "local-attention tables of this step come from the planner"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
@@ -214,7 +213,7 @@ class TableRefresh:
         self.local_width = local_pages(chunk_size=self.chunk, page_size=page, max_pages=p) if self.chunk else 0
         self.local_rows = max_virtual_rows(chunk_size=self.chunk, batch_size=b, num_tokens=key.num_tokens,
                                            max_kv_len=p * page, q_len_per_req=key.q_len_per_req) if self.chunk else 0
-        why = reason(key, step, False, capacity)
+        why = reason(key, False, capacity)
         if why is not None:
             raise ValueError(f"no in-graph refresh for {key}: {why}")
         if self.tree:
@@ -334,9 +333,7 @@ class TableRefresh:
     def _cu(per) -> Optional[torch.Tensor]:
         """The query offsets of a pass whose rows' queries vary (a tensor ``per``: the local virtual batch), or
         None."""
-        if not isinstance(per, torch.Tensor):
-            return None
-        return torch.cat([per.new_zeros(1), torch.cumsum(per, 0)]).to(torch.int32)
+        return offsets(per).to(torch.int32) if isinstance(per, torch.Tensor) else None
 
     def _local_mosaic(self, tables: Tables, parts: Parts) -> List[torch.Tensor]:
         """The Mosaic kernel's unsplit tables of the local virtual batch: its page table, query offsets and tile

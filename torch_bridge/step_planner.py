@@ -446,8 +446,7 @@ class StepPlanner:
         tree draft decode's slots of every draft step, as planned)."""
         self.refreshes.pop((mode, bs), None)
         capacity = self.jax_backend.capacity
-        if self.mosaic_path is None or graph_tables.reason(key, self.step, self.jax_backend.validate,
-                                                          capacity) is not None:
+        if self.mosaic_path is None or graph_tables.reason(key, self.jax_backend.validate, capacity) is not None:
             return
         r2t = self.model_runner.req_to_token_pool.req_to_token
         if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
-from jax_attn.kernels.config import cdiv, kv_heads_per_program
+from jax_attn.kernels.config import kv_heads_per_program
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_split import stored_rows
 
@@ -110,21 +110,17 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
     tile (``starts``)."""
     b, n, s = batch, num_tiles, max_splits
     dev, i32 = lens.device, torch.int32
-    ragged = isinstance(q_len, torch.Tensor)
-    qb = torch.div(q_len + (block_q - 1), block_q, rounding_mode="floor") if ragged else cdiv(q_len, block_q)
+    if not isinstance(q_len, torch.Tensor):
+        q_len = torch.full((b,), q_len, dtype=torch.int64, device=dev)
+    qb = torch.div(q_len + (block_q - 1), block_q, rounding_mode="floor")
     if s == 1:
         splits = torch.ones(b, dtype=i32, device=dev)
-    else:
+    else:  # the split heuristic over the step's query blocks
         by_len = torch.div(lens + (min_kv_per_split - 1), min_kv_per_split, rounding_mode="floor")
-        if ragged:  # the query blocks of this step
-            blocks = (qb.sum() * programs).clamp(min=1)
-            per_seq = torch.where(blocks >= num_sms, 1,
-                                  torch.div(num_sms * split_waves, blocks, rounding_mode="floor").clamp(min=1))
-            splits = torch.minimum(by_len, per_seq).clamp(1, s).to(i32)
-        else:
-            base = max(b * qb * programs, 1)
-            want = 1 if base >= num_sms else max(num_sms * split_waves // base, 1)
-            splits = by_len.clamp(max=want).clamp(1, s).to(i32)
+        blocks = (qb.sum() * programs).clamp(min=1)
+        want = torch.where(blocks >= num_sms, 1,
+                           torch.div(num_sms * split_waves, blocks, rounding_mode="floor").clamp(min=1))
+        splits = torch.minimum(by_len, want).clamp(1, s).to(i32)
     counts = splits * qb
     ends = torch.cumsum(counts, 0).to(i32)
     starts = ends - counts
@@ -134,11 +130,10 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
     seq_c = seq.clamp(max=b - 1)
     local = tile - starts[seq_c]
     ns = splits[seq_c]
-    q_block = ((qb[seq_c] if ragged else qb) - 1) - torch.div(local, ns, rounding_mode="floor")
+    q_block = (qb[seq_c] - 1) - torch.div(local, ns, rounding_mode="floor")
     split = torch.remainder(local, ns)
     k_len = lens[seq_c]
-    q_seq = q_len[seq_c] if ragged else q_len
-    cost = torch.div(torch.minimum(k_len, k_len - q_seq + (q_block + 1) * block_q), ns, rounding_mode="floor")
+    cost = torch.div(torch.minimum(k_len, k_len - q_len[seq_c] + (q_block + 1) * block_q), ns, rounding_mode="floor")
     cost = torch.where(valid, cost.clamp(min=0), -1)
     order = torch.argsort(-cost, stable=True)
     return dict(seq=seq_c, q_block=q_block, split=split, valid=valid, order=order, splits=splits, starts=starts)
@@ -157,6 +152,11 @@ def triton_schedule(lens: torch.Tensor, lay, hkv: int, q_len_per_req) -> List[to
     neg = torch.full_like(t["seq"], -1)
     return [torch.where(t["valid"], t[x].to(torch.int32), neg)[t["order"]] for x in ("seq", "q_block", "split")] + [
         t["splits"]]
+
+
+def offsets(counts: torch.Tensor) -> torch.Tensor:  # i64[B] -> i64[B + 1]
+    """The exclusive cumulative sum of ``counts`` with its total (query offsets from queries per sequence)."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int64)
 
 
 def tile_info(t: dict, k_lens: torch.Tensor, cu: torch.Tensor, rows_per_tile: int) -> torch.Tensor:
@@ -179,7 +179,7 @@ def mosaic_tile_table(lens: torch.Tensor, q_lens: torch.Tensor, *, num_tiles: in
     t = _uniform_schedule(lens, batch=lens.shape[0], num_tiles=num_tiles, max_splits=1, q_len=q_lens * pack,
                           block_q=rows_per_tile, programs=1, num_sms=config.num_sms, split_waves=config.split_waves,
                           min_kv_per_split=config.min_kv_per_split)
-    cu = torch.cat([q_lens.new_zeros(1), torch.cumsum(q_lens, 0)]).to(torch.int64)
+    cu = offsets(q_lens)
     return cu.to(torch.int32), tile_info(t, lens.clamp(max=max_keys), cu, rows_per_tile)
 
 
