@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -154,6 +154,13 @@ class Parts(NamedTuple):
     swa_pool: Optional[torch.Tensor] = None
     # a local-attention (chunked) step's virtual batch of V rows: i32[V, L] its chunks' pages, keys, queries per row
     local: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+
+def _same(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
+    """Whether the planner's table parts ``got`` hold the values ``want`` (same count, shapes and values; ``want``
+    is compared in ``got``'s integer type, as a refresh's copies narrow it)."""
+    return len(got) == len(want) and all(g.shape == w.shape and torch.equal(g, w.to(g.dtype))
+                                         for g, w in zip(got, want))
 
 
 class TableRefresh:
@@ -353,7 +360,7 @@ class TableRefresh:
             return
         if key_flags(heads) & LOCAL_TABLES:
             for dst, src in zip(tables.args, self._local_mosaic(tables, parts)):
-                dst.copy_(src.reshape(dst.shape))
+                dst.copy_(src)
             return
         tables.args[0].copy_(self._pass(heads, parts)[1])
         if tables.num_splits > 1:
@@ -381,9 +388,7 @@ class TableRefresh:
                     or lay.num_tokens != tokens or lay.max_q_len != q):
                 return False
             cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * q  # fixed within the bucket
-            want = [cu if x is None else x.to(torch.int32) for x in self._triton(heads, tables, parts)]
-            return len(want) == len(tables.args) and all(
-                got.shape == x.shape and torch.equal(got, x) for got, x in zip(tables.args, want))
+            return _same(tables.args, [cu if x is None else x for x in self._triton(heads, tables, parts)])
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
         if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # encoder tables
                 or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
@@ -391,16 +396,11 @@ class TableRefresh:
         if flags & LOCAL_TABLES:  # the local virtual batch: unsplit tables only
             if tables.num_splits != 1 or latent:
                 return False
-            want = self._local_mosaic(tables, parts)
-            return len(tables.args) == len(want) and all(
-                g.numel() == w.numel() and torch.equal(g, w.reshape(g.shape).to(g.dtype))
-                for g, w in zip(tables.args, want))
+            return _same(tables.args, self._local_mosaic(tables, parts))
         table = self._pass(heads, parts)[1]
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index
-            want = [table, cu, *self._split(heads, tables, parts)]
-            return len(tables.args) == len(want) and all(
-                g.shape == w.shape and torch.equal(g, w) for g, w in zip(tables.args, want))
+            return _same(tables.args, [table, cu, *self._split(heads, tables, parts)])
         if tables.num_tiles != b:
             return False
         seq, k_len, q_start = (x.to(torch.int32) for x in self._mosaic(parts))
@@ -413,9 +413,8 @@ class TableRefresh:
             with torch.inference_mode(False):
                 pattern = torch.from_numpy(lse_pattern(qpr, heads[0], h, tables.pack, self.block_q)).to(dev)
             self.lse[heads] = pattern, h * self.rows_per_tile
-            want.append(self._lse(heads, parts).to(torch.int32).reshape(-1))
-        got = tables.args
-        return len(got) == len(want) and all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+            want.append(self._lse(heads, parts).reshape(-1))
+        return _same(tables.args, want)
 
     # ---- when it runs ------------------------------------------------------------------------
     def verify(self, heads: Optional[TableKey] = None) -> bool:
