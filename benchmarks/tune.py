@@ -93,6 +93,14 @@ MOSAIC_POINTS = {  # name: (kind, batch, q_len, kv_len, page_size[, kv heads, de
     "decode_8x32768_kv1": ("decode", 8, 1, 32768, 16, 1),
     "decode_2x32768_kv4": ("decode", 2, 1, 32768, 16, 4),
     "decode_1x32768_p64": ("decode", 1, 1, 32768, 64),  # a quarter of the TMA copies, four times the size
+    # the small decode buckets of a model step (bench_jax_step.py --baseline): under one wave of CTAs unsplit
+    "decode_8x4096": ("decode", 8, 1, 4096, 16),
+    "decode_4x2048": ("decode", 4, 1, 2048, 16),
+    "decode_16x2048": ("decode", 16, 1, 2048, 16),
+    "decode_1x4096": ("decode", 1, 1, 4096, 16),
+    "decode_1x512": ("decode", 1, 1, 512, 16),
+    "decode_8x512": ("decode", 8, 1, 512, 16),
+    "decode_64x512": ("decode", 64, 1, 512, 16),
 }
 MOSAIC_VARIANTS = {
     "default": MosaicConfig(),  # early_k_wait for one-head rows (prefill) only
@@ -108,6 +116,9 @@ MOSAIC_VARIANTS = {
     "solo64x6": MosaicConfig(solo_block_kv=64, solo_stages=6, split_decode_stages=6),  # 64-key x 6-stage rings
     "split128x2": MosaicConfig(split_decode_block_kv=128, split_decode_stages=2),  # split decode: the 128-key ring
     "solo64x2": MosaicConfig(solo_block_kv=64, solo_stages=2),  # unsplit solo calls: a 64-key x 2-stage ring too
+    "fill1": MosaicConfig(split_below_fill=1),  # split whenever the unsplit CTAs fit one wave
+    "fill1_kv256": MosaicConfig(split_below_fill=1, min_kv_per_split=256),  # ... into splits of 256 keys or more
+    "kv128": MosaicConfig(min_kv_per_split=128),  # splits of 128 keys or more
 }
 
 def mosaic_amount(kind, p) -> float:
@@ -123,13 +134,17 @@ def print_kernels(name: str, run, sync) -> None:
 
 
 def mosaic_point(name: str, variants: list[str], rounds: int, calls: int, kernels: bool = False,
-                 device: str = "cuda", points=None, heads=(32, 128)) -> list[tuple[str, str, float, float]]:
+                 device: str = "cuda", points=None, heads=(32, 128),
+                 triton: bool = False) -> list[tuple[str, str, float, float]]:
     """(point, peer, value, rel. error) rows of one point (``kernels``: also each peer's kernel list);
-    ``points`` (default ``MOSAIC_POINTS``) names it, ``heads`` = (query heads, head dim)."""
+    ``points`` (default ``MOSAIC_POINTS``) names it, ``heads`` = (query heads, head dim), ``triton``: decode
+    points also time the Triton-lowered kernel."""
     kind, b, q_len, kv_len, ps, *kv_heads = (points or MOSAIC_POINTS)[name]
     p = peers.make_problem(b, q_len, kv_len, ps, device=device, num_q_heads=heads[0],
                            num_kv_heads=(kv_heads or [8])[0], head_dim=heads[1])
     runs = [peers.sdpa(p)] + [peers.ours_mosaic(p, MOSAIC_VARIANTS[v], name=f"mosaic[{v}]") for v in variants]
+    if kind == "decode" and triton:
+        runs.append(peers.ours(p))  # the Triton-lowered kernel, the other choice of auto's decode rule
     if kind == "prefill":
         runs.append(peers.jax_mosaic(p))
     ref = runs[0].to_tokens(runs[0].call()).clone()
@@ -166,7 +181,7 @@ def main_mosaic(a) -> int:
     rows = []
     for name in (n for n in a.points.split(",") if n):
         rows += mosaic_point(name, variants, a.rounds, a.calls, a.kernels, device="cuda" if on_gpu else "cpu",
-                             **(dict(points=MOSAIC_SMOKE_POINTS, heads=(8, 64)) if a.smoke else {}))
+                             triton=a.triton, **(dict(points=MOSAIC_SMOKE_POINTS, heads=(8, 64)) if a.smoke else {}))
     device = torch.cuda.get_device_name() if on_gpu else "cpu (smoke run: numbers meaningless)"
     print(f"\ndevice: {device}\n\n| point | peer | value | / SDPA |\n|---|---|---|---|")
     base = {r[0]: r[2] for r in rows if r[1].startswith("sdpa")}
@@ -461,6 +476,7 @@ def parse_args(argv=None):
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--calls", type=int, default=10)
     m.add_argument("--kernels", action="store_true", help="print each peer's kernels (name, us) of one call")
+    m.add_argument("--triton", action="store_true", help="decode points: also time the Triton-lowered kernel")
     ap_t = sub.add_parser("triton-decode", help="decode knobs of the Triton kernel, time per kernel")
     ap_t.add_argument("--full", action="store_true", help="every config at every point of its group")
     ap_t.add_argument("--top", type=int, default=4, help="best page-16 configs re-run at page 1")

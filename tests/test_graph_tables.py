@@ -331,7 +331,10 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
     refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
 
 
-@pytest.mark.parametrize("kind, name", [("swa_pool", "decode"), ("local", "decode"), ("local", "verify")])
+REPLAY_KINDS = [("swa_pool", "decode"), ("local", "decode"), ("local", "verify")]
+
+
+@pytest.mark.parametrize("kind, name", REPLAY_KINDS)
 @pytest.mark.parametrize("page", [16, 1])
 def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch):
     """A decode bucket recorded (a capture simulated on the CPU) over an ``SWAKVPool`` (a full layer and a
@@ -342,37 +345,63 @@ def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch
     eager step of the same inputs gives through another backend (the planner's tables). Catches a refresh that
     translates with the capture's mapping, gives the SWA or chunked layer the full page table, or leaves its tables
     to the capture's step."""
+    replays_equal_eager(kind, name, page, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, name", REPLAY_KINDS)
+@pytest.mark.parametrize("page", [16, 1])
+def test_recorded_bucket_replays_equal_eager_steps_in_a_torch_cuda_graph(kind, name, page, monkeypatch):
+    """The same steps with both layers captured in a real ``torch.cuda.graph`` and replayed: the graph's outputs
+    equal an eager backend's bit for bit (page 16: the Mosaic kernel, Hopper; page 1: the Triton-lowered one)."""
+    if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("needs a CUDA GPU (Hopper for page 16)")
+    replays_equal_eager(kind, name, page, "cuda", monkeypatch)
+
+
+def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatch):
+    """The two tests above: on the CPU the capture is simulated (the refresh recorded, layers run after each
+    replay hook); on ``cuda`` both layers' forwards are captured in one ``torch.cuda.graph`` and replayed."""
     rng = np.random.default_rng(11)
-    runner, table, backend = make(page, seed=4, swa_pool=kind == "swa_pool", chunk=32 if kind == "local" else 0,
-                                  layers=2)
+    runner, table, backend = make(page, device=device, seed=4, swa_pool=kind == "swa_pool",
+                                  chunk=32 if kind == "local" else 0, layers=2)
     pool = runner.token_to_kv_pool
     subs = (pool.full_kv_pool, pool.swa_kv_pool) if kind == "swa_pool" else (pool,)
     for sub in subs:
         for buf in sub.k_buffer + sub.v_buffer:  # every slot a distinct finite value: any other key changes the output
             buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape)).astype(np.float32)))
-    eager = FlashAttentionBackend(runner, mosaic_path=MosaicPath(make_kernel=InterpretedKernel,
-                                                                  make_triton=InterpretedTriton))
+    cpu = device == "cpu"
+    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if cpu else None
+    eager = FlashAttentionBackend(runner, mosaic_path=path)
     mode, per_req, spec, _ = MODES[name]
     offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
     planner, bs = backend.planner, 3
     backend.init_cuda_graph_state(4, 4 * per_req)
-    rows, lens, loc = torch.tensor([1, 2, 3]), torch.tensor([9, 30, 17]), torch.zeros(bs * per_req, dtype=torch.int64)
+    rows, lens = torch.tensor([1, 2, 3], device=device), torch.tensor([9, 30, 17], device=device)
+    loc = torch.zeros(bs * per_req, dtype=torch.int64, device=device)
     backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
     second = dict(sliding_window_size=5) if kind == "swa_pool" else dict(use_irope=True)
     layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, **second)]
     fb = ForwardBatch(mode, bs, rows, lens, loc, token_to_kv_pool=pool, spec_info=spec)
+    q, k, v = (torch.zeros(bs * per_req, h * D, dtype=torch.bfloat16, device=device) for h in (HQ, HKV, HKV))
 
-    def qkv():
-        return [torch.from_numpy(rng.standard_normal((bs * per_req, h * D)).astype(np.float32)).to(torch.bfloat16)
-                for h in (HQ, HKV, HKV)]
+    def new_qkv():  # written into the captured inputs
+        for x, h in ((q, HQ), (k, HKV), (v, HKV)):
+            x.copy_(torch.from_numpy(rng.standard_normal((bs * per_req, h * D)).astype(np.float32)))
 
-    q, k, v = qkv()
+    new_qkv()
     for lay in layers:
         backend.forward(q, k, v, lay, fb)  # warm-up
-    with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
-        m.setattr(graph_tables, "capturing", lambda: True)
-        for lay in layers:
-            backend.forward(q, k, v, lay, fb)
+    graph = None
+    if cpu:
+        with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
+            m.setattr(graph_tables, "capturing", lambda: True)
+            for lay in layers:
+                backend.forward(q, k, v, lay, fb)
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [backend.forward(q, k, v, lay, fb) for lay in layers]
     r = planner.refreshes[(mode, bs)]
     flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
     assert r.recorded and any(len(h) == 3 and h[2] & flag for h in r.verified)
@@ -382,19 +411,23 @@ def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch
     for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [65, 32, 90])):
         if kind == "swa_pool":  # the engine's in-place edits of the mapping
             mapping = pool.full_to_swa_index_mapping
-            remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1))
-            mapping[:-1] = torch.where(torch.rand(remap.shape) < 0.5, remap, mapping[:-1])
+            remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1)).to(device)
+            mapping[:-1] = torch.where(torch.rand(remap.shape, device=device) < 0.5, remap, mapping[:-1])
         rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens) - offset)
         loc.copy_(torch.tensor(np.concatenate([table[r_, n - per_req:n] for r_, n in zip(step_rows, step_lens)]),
                                dtype=torch.int64))
         backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
         assert not runs, "the replay hook of a recorded bucket must not run the planner"
-        q, k, v = qkv()
-        got = [backend.forward(q, k, v, lay, fb).float().numpy() for lay in layers]
+        new_qkv()
+        if graph is None:
+            got = [backend.forward(q, k, v, lay, fb).float().cpu().numpy() for lay in layers]
+        else:
+            graph.replay()
+            got = [o.float().cpu().numpy() for o in outs]
         fb_eager = ForwardBatch(mode, bs, rows.clone(), lens.clone(), loc.clone(), token_to_kv_pool=pool,
                                 spec_info=spec)
         eager.init_forward_metadata(fb_eager)
-        want = [eager.forward(q, k, v, lay, fb_eager).float().numpy() for lay in layers]
+        want = [eager.forward(q, k, v, lay, fb_eager).float().cpu().numpy() for lay in layers]
         for i, (g, w) in enumerate(zip(got, want)):
             assert np.isfinite(w).all(), "the eager step must read finite keys"
             np.testing.assert_array_equal(g, w, err_msg=f"layer {i} (rows {step_rows}, lens {step_lens})")

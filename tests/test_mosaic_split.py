@@ -81,11 +81,13 @@ def _uniform_md(batch: int, ctx: int, page_size: int = 16, q_len: int = 1) -> At
 
 @pytest.mark.parametrize("batch,ctx,num_splits,want_bound,want_seq", [
     (1, 32768, None, 16, 16),  # 8 CTAs per split: 16 splits fill 128 of 132 multiprocessors
-    (8, 8192, None, 1, 1),  # 64 CTAs fill half the GPU: splitting costs more than it gains
+    (8, 8192, None, 2, 2),  # 64 CTAs leave half the GPU idle: 2 splits fill 128 of 132 multiprocessors
     (4, 8192, None, 4, 4),  # 32 CTAs: 4 splits fill 128 of 132 multiprocessors
+    (17, 4096, None, 1, 1),  # 136 CTAs: more than one wave unsplit
     (64, 4096, None, 1, 1),  # 512 CTAs already fill the GPU
-    (1, 500, None, 1, 1),  # no split under 2 x 512 keys
-    (1, 600, None, 2, 2),
+    (1, 100, None, 1, 1),  # no split under 2 x 128 keys
+    (1, 300, None, 3, 3),  # splits of at least 128 keys: 3
+    (1, 5000, None, 16, 16),  # 16 splits of 313 keys (the 132 / 8 CTA bound)
     (1, 32768, 1, 1, 1),  # 1 = the unsplit kernel
     (2, 100, 4, 4, 4),  # explicit: exactly 4 per sequence, however short
 ])

@@ -51,7 +51,14 @@ class MosaicConfig:
       num_sms: multiprocessors the split heuristic tries to fill (one CTA each: the kernel's
         shared memory allows one per multiprocessor).
       split_below_fill: the heuristic splits only when the unsplit CTAs fill at most
-        ``1 / split_below_fill`` of the multiprocessors.
+        ``1 / split_below_fill`` of the multiprocessors. With the defaults (1, and splits of 128 keys or
+        more) every decode bucket that leaves multiprocessors idle splits towards one full wave. On an H200
+        (``benchmarks/tune.py mosaic --triton``, 32/8 heads, d 128, page 16, 2026-11-29, thirty-seventh
+        session), against cuDNN, the old defaults (4 and 512) against these: 8 x 4096 (64 CTAs, unsplit
+        before) 0.82x -> 0.96x, 8 x 8192 0.79x -> 0.96x, 1 x 4096 (8 splits before, 16 now) 0.74x -> 0.95x,
+        1 x 512 (unsplit before) 0.81x -> 1.01x; the Triton-lowered kernel read 0.93x, 0.95x, 0.67x, 0.65x.
+        (On the H100, where these were set before, 64 unsplit CTAs read 0.97x at 8 x 8192: its lower
+        bandwidth needs fewer bytes in flight.)
       split_waves: CTAs per multiprocessor the split heuristic aims for (rounded down to whole
         waves of ``num_sms`` CTAs).
       latent_split_below_fill: ``split_below_fill`` for a latent (MLA) cache: its decode reads one row
@@ -95,10 +102,10 @@ class MosaicConfig:
     stages: int = 2
     pack_max_q_len: int = 16
     max_splits: int = 16
-    min_kv_per_split: int = 512
+    min_kv_per_split: int = 128
     num_sms: int = HOPPER_NUM_SMS
     split_waves: int = 1
-    split_below_fill: int = 4
+    split_below_fill: int = 1
     latent_split_below_fill: int = 1
     early_k_wait: bool = True
     solo: bool = True
