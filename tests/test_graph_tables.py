@@ -52,7 +52,7 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
          swa_pool: bool = False, chunk: int = 0):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
     (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables;
-    ``mosaic_config``: the CPU launch path's Mosaic config; ``swa_pool``: SGLang's hybrid ``SWAKVPool``, layer 0
+    ``mosaic_config``: the launch path's Mosaic config; ``swa_pool``: SGLang's hybrid ``SWAKVPool``, layer 0
     full and layer 1 in an SWA pool of ``SWA_PAGES`` pages, its ``full_to_swa_index_mapping`` random with about
     one entry in six bad: -1, past the SWA pool, or outside int32 either way; ``chunk``: a local-attention model,
     Llama 4's, with chunks of that many tokens)."""
@@ -85,7 +85,7 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
                          device=str(device))
     runner.sliding_window_size = window
     # on the CPU both kernels interpreted: the Mosaic kernel at pages of 8k, the Triton-lowered one at others
-    path = None
+    path = None if mosaic_config is None else MosaicPath(config=mosaic_config)
     if device == "cpu":
         path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton,
                           config=mosaic_config or DEFAULT_MOSAIC_CONFIG)
@@ -193,6 +193,26 @@ def test_refresh_rewrites_swa_pool_and_local_tables_bit_for_bit(kind, page, name
     as the full layers'."""
     kw = dict(swa_pool=True) if kind == "swa_pool" else dict(chunk=32)
     runner, backend, r, rows, lens, mode, spec, triton = captured(page, name, bs, **kw)
+    check_swa_pool_and_local(kind, page, bs, runner, backend, r, rows, lens, mode, spec, triton)
+
+
+@pytest.mark.parametrize("page, name, bs", [(16, "decode", 4), (8, "verify", 3), (16, "draft", 2)])
+def test_refresh_rewrites_local_split_tables_bit_for_bit(page, name, bs):
+    """A local-attention model's chunked layers on the Mosaic split kernel (a config that splits the 128-key bound
+    into up to 8): the virtual batch's split schedule (rows without a query get no tile; a verify request's
+    queries may take two rows) and the merge's LSE index at each row's query offset in the step's token axis.
+    Catches an LSE entry put at the row's index instead of its query offset, a row without queries given tiles or
+    LSE entries, or keys left unclipped to the local page table."""
+    runner, backend, r, rows, lens, mode, spec, triton = captured(
+        page, name, bs, chunk=32, mosaic_config=MosaicConfig(min_kv_per_split=16))
+    local = (HQ, HKV, LOCAL_TABLES)
+    assert backend.step.tables[local].num_splits > 1
+    check_swa_pool_and_local("local", page, bs, runner, backend, r, rows, lens, mode, spec, triton)
+
+
+def check_swa_pool_and_local(kind, page, bs, runner, backend, r, rows, lens, mode, spec, triton):
+    """The two tests above: the refresh writes both kinds of tables (the full layers' and the SWA / chunked
+    layers'), over valid and bad input (``refresh_trials``)."""
     flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
     full, other = (HQ, HKV) + ((triton,) if triton else ()), (HQ, HKV, flag | triton)
     assert r.verified == {full, other}
@@ -349,29 +369,35 @@ def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind, name", REPLAY_KINDS)
+@pytest.mark.parametrize("kind, name, split", [(k, n, False) for k, n in REPLAY_KINDS] + [("local", "decode", True)])
 @pytest.mark.parametrize("page", [16, 1])
-def test_recorded_bucket_replays_equal_eager_steps_in_a_torch_cuda_graph(kind, name, page, monkeypatch):
+def test_recorded_bucket_replays_equal_eager_steps_in_a_torch_cuda_graph(kind, name, split, page, monkeypatch):
     """The same steps with both layers captured in a real ``torch.cuda.graph`` and replayed: the graph's outputs
-    equal an eager backend's bit for bit (page 16: the Mosaic kernel, Hopper; page 1: the Triton-lowered one)."""
+    equal an eager backend's bit for bit (page 16: the Mosaic kernel, Hopper; page 1: the Triton-lowered one;
+    ``split``: both backends split every chunk of more than 16 keys, so a page-16 bucket's chunked layer runs the
+    Mosaic split kernel on its virtual batch)."""
     if not torch.cuda.is_available() or (page % 8 == 0 and torch.cuda.get_device_capability() != (9, 0)):
         pytest.skip("needs a CUDA GPU (Hopper for page 16)")
-    replays_equal_eager(kind, name, page, "cuda", monkeypatch)
+    replays_equal_eager(kind, name, page, "cuda", monkeypatch,
+                        mosaic_config=MosaicConfig(min_kv_per_split=16) if split else None)
 
 
-def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatch):
+def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatch,
+                        mosaic_config: Optional[MosaicConfig] = None):
     """The two tests above: on the CPU the capture is simulated (the refresh recorded, layers run after each
     replay hook); on ``cuda`` both layers' forwards are captured in one ``torch.cuda.graph`` and replayed."""
     rng = np.random.default_rng(11)
     runner, table, backend = make(page, device=device, seed=4, swa_pool=kind == "swa_pool",
-                                  chunk=32 if kind == "local" else 0, layers=2)
+                                  chunk=32 if kind == "local" else 0, layers=2, mosaic_config=mosaic_config)
     pool = runner.token_to_kv_pool
     subs = (pool.full_kv_pool, pool.swa_kv_pool) if kind == "swa_pool" else (pool,)
     for sub in subs:
         for buf in sub.k_buffer + sub.v_buffer:  # every slot a distinct finite value: any other key changes the output
             buf.copy_(torch.from_numpy(rng.standard_normal(tuple(buf.shape)).astype(np.float32)))
     cpu = device == "cpu"
-    path = MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton) if cpu else None
+    config = mosaic_config or DEFAULT_MOSAIC_CONFIG
+    path = (MosaicPath(make_kernel=InterpretedKernel, make_triton=InterpretedTriton, config=config) if cpu
+            else MosaicPath(config=config))
     eager = FlashAttentionBackend(runner, mosaic_path=path)
     mode, per_req, spec, _ = MODES[name]
     offset = per_req if mode == ForwardMode.TARGET_VERIFY else 0  # verify: seq_lens are the committed lengths
@@ -405,6 +431,8 @@ def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatc
     r = planner.refreshes[(mode, bs)]
     flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
     assert r.recorded and any(len(h) == 3 and h[2] & flag for h in r.verified)
+    if mosaic_config is not None and page % 8 == 0:
+        assert backend.step.tables[(HQ, HKV, LOCAL_TABLES)].num_splits > 1
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))

@@ -21,8 +21,8 @@ graph reads (``TableRefresh.load_loc``), and the graph recomputes its prefix pas
 (each branch's slots of draft steps ``0..step_id``, clipped into the pool). Over SGLang's ``SWAKVPool`` a uniform
 bucket's sliding-window layers read the page table translated into the SWA pool: the graph translates it through
 the pool's ``full_to_swa_index_mapping`` itself (the engine edits that tensor in place). A local-attention
-model's (Llama 4's) uniform bucket writes its chunked layers' virtual batch too (the Mosaic kernel's unsplit
-tables; its split tables keep the planner). A tree verify bucket over an ``SWAKVPool`` translates its SWA table
+model's (Llama 4's) uniform bucket writes its chunked layers' virtual batch too (the Mosaic kernel's tables,
+split-KV ones included). A tree verify bucket over an ``SWAKVPool`` translates its SWA table
 slot by slot the same way, and a tree draft decode bucket of a sliding-window model writes its SWA table too (each
 branch's committed slots, then its draft slots of steps ``0..step_id``).
 
@@ -57,7 +57,9 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   ``max(length - 1, 0) // C``; verify queries may take two), in request order, rows past the last padding: each
   row's keys ``min(length, start + C) - start`` from its chunk's ``start``, its queries (0 for a request without
   keys), its ``L`` pages from column ``start / page`` (0 past its keys), and the work tiles and query offsets of
-  those queries (``table_rules.local_parts``, ``mosaic_tile_table``).
+  those queries (``table_rules.local_parts``, ``mosaic_tile_table``); with split-KV the split schedule of those
+  rows and the merge's LSE index, each row's entries at its query offset in the step's token axis
+  (``mosaic_split_tables`` of each row's queries).
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
 queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
@@ -311,18 +313,23 @@ class TableRefresh:
         return torch.where(pattern >= 0, parts.rank[:, None] * stride + pattern, -1)
 
     def _split(self, heads: TableKey, tables: Tables, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``)."""
+        """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``), of
+        the step's sequences or (``LOCAL_TABLES``) of its local virtual batch's rows."""
         latent, row_heads = bool(key_flags(heads) & LATENT_TABLES), self._row_heads(heads, tables)
+        local = bool(key_flags(heads) & LOCAL_TABLES)
+        most = min(self.key.q_len_per_req, self.chunk) if local else self.key.q_len_per_req  # queries a row holds
         pattern = self.split_lse.get(heads)
         if pattern is None:
             with torch.inference_mode(False):
                 pattern = self.split_lse[heads] = torch.from_numpy(lse_pattern(
-                    self.key.q_len_per_req, heads[0], row_heads, tables.pack, self.block_q, latent)
-                ).to(parts.table.device)
-        return mosaic_split_tables(
-            parts.lens, batch=self.key.batch_size, num_tiles=tables.num_tiles, max_splits=tables.num_splits,
-            q_len=self.key.q_len_per_req, pack=tables.pack, heads=row_heads,
-            rows_per_tile=tile_rows(self.block_q, latent), config=self.config, pattern=pattern)
+                    most, heads[0], row_heads, tables.pack, self.block_q, latent)).to(parts.table.device)
+        common = dict(num_tiles=tables.num_tiles, max_splits=tables.num_splits, pack=tables.pack, heads=row_heads,
+                      rows_per_tile=tile_rows(self.block_q, latent), config=self.config, pattern=pattern)
+        if local:
+            _, lens, q = parts.local
+            return mosaic_split_tables(lens, batch=lens.shape[0], q_len=q, num_tokens=self.key.num_tokens,
+                                       q_heads=heads[0], max_keys=self.local_width * self.key.page_size, **common)
+        return mosaic_split_tables(parts.lens, batch=self.key.batch_size, q_len=self.key.q_len_per_req, **common)
 
     @staticmethod
     def _row_heads(heads: TableKey, tables: Tables) -> int:
@@ -342,10 +349,12 @@ class TableRefresh:
         None."""
         return offsets(per).to(torch.int32) if isinstance(per, torch.Tensor) else None
 
-    def _local_mosaic(self, tables: Tables, parts: Parts) -> List[torch.Tensor]:
-        """The Mosaic kernel's unsplit tables of the local virtual batch: its page table, query offsets and tile
-        table (``table_rules.mosaic_tile_table``)."""
+    def _local_mosaic(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
+        """The Mosaic kernel's tables of the local virtual batch: its page table, query offsets and tile table
+        (``table_rules.mosaic_tile_table``), and with split-KV the merge's LSE index (``_split``)."""
         table, lens, q = parts.local
+        if tables.num_splits > 1:
+            return [table, offsets(q).to(torch.int32), *self._split(heads, tables, parts)]
         cu, info = mosaic_tile_table(lens, q, num_tiles=tables.num_tiles, rows_per_tile=self.rows_per_tile,
                                      pack=tables.pack, config=self.config,
                                      max_keys=self.local_width * self.key.page_size)
@@ -359,7 +368,7 @@ class TableRefresh:
                     dst.copy_(src)
             return
         if key_flags(heads) & LOCAL_TABLES:
-            for dst, src in zip(tables.args, self._local_mosaic(tables, parts)):
+            for dst, src in zip(tables.args, self._local_mosaic(heads, tables, parts)):
                 dst.copy_(src)
             return
         tables.args[0].copy_(self._pass(heads, parts)[1])
@@ -393,10 +402,8 @@ class TableRefresh:
         if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # encoder tables
                 or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
-        if flags & LOCAL_TABLES:  # the local virtual batch: unsplit tables only
-            if tables.num_splits != 1 or latent:
-                return False
-            return _same(tables.args, self._local_mosaic(tables, parts))
+        if flags & LOCAL_TABLES:  # the local virtual batch
+            return not latent and _same(tables.args, self._local_mosaic(heads, tables, parts))
         table = self._pass(heads, parts)[1]
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index

@@ -4,7 +4,7 @@ table refresh runs them on the GPU inside the engine's CUDA graph."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -210,24 +210,39 @@ def local_parts(table: torch.Tensor, lens: torch.Tensor, *, q_len: int, chunk: i
     return torch.where(used, pages, 0), k_local, q_local
 
 
-def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int, q_len: int, pack: int,
-                        heads: int, rows_per_tile: int, config, pattern: torch.Tensor
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_splits: int,
+                        q_len: Union[int, torch.Tensor], pack: int, heads: int, rows_per_tile: int, config,
+                        pattern: torch.Tensor, num_tokens: int = 0, q_heads: int = 0,
+                        max_keys: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``jax_attn.kernels.mosaic_paged.plan_mosaic_schedule``'s split schedule (``num_splits=None``) of a uniform
     bucket whose sequences fit one row block (``q_len * pack <= rows_per_tile``): its tile table
-    ``i32[N, TILE_INFO_WORDS]`` (``tile_table``) and ``mosaic_split.lse_index`` ``i32[S, B * q_len * Hq]``.
-    ``heads``: the row view's heads; ``pattern``: ``lse_pattern`` of one sequence; ``config``: the
-    ``MosaicConfig``."""
+    ``i32[N, TILE_INFO_WORDS]`` (``tile_table``) and ``mosaic_split.lse_index`` ``i32[S, T * Hq]``.
+    ``heads``: the row view's heads; ``pattern``: ``lse_pattern`` of one sequence of the most queries a sequence
+    holds; ``config``: the ``MosaicConfig``. ``q_len`` a tensor (a local virtual batch: each row's queries, in
+    the order of the step's ``num_tokens`` tokens of ``q_heads`` query heads): a row's LSE entries follow its
+    query offset; ``max_keys`` clips the tile table's keys (the plan's page table)."""
+    dev = lens.device
     t = _uniform_schedule(lens, batch=batch, num_tiles=num_tiles, max_splits=max_splits, q_len=q_len * pack,
                           block_q=rows_per_tile, programs=heads, num_sms=config.num_sms,
                           split_waves=config.split_waves, min_kv_per_split=config.min_kv_per_split)
     order, splits = t["order"], t["splits"]
-    info = tile_info(t, lens, torch.arange(batch + 1, dtype=torch.int64, device=lens.device) * q_len, rows_per_tile)
+    ragged = isinstance(q_len, torch.Tensor)
+    cu = offsets(q_len) if ragged else torch.arange(batch + 1, dtype=torch.int64, device=dev) * q_len
+    info = tile_info(t, lens if max_keys is None else lens.clamp(max=max_keys), cu, rows_per_tile)
     n = order.shape[0]
     place = torch.empty_like(order).scatter_(0, order, torch.arange(n, dtype=order.dtype, device=order.device))
-    s = torch.arange(max_splits, dtype=torch.int64, device=lens.device)[:, None]  # [S, 1]
+    s = torch.arange(max_splits, dtype=torch.int64, device=dev)[:, None]  # [S, 1]
     at = place[(t["starts"].to(torch.int64)[None, :] + s).clamp(max=n - 1)]  # [S, B]: each split's tile, sorted
     stride = heads * rows_per_tile  # a tile's LSE rows
-    index = torch.where((s < splits[None, :])[:, :, None] & (pattern >= 0)[None, None, :],
-                        at[:, :, None] * stride + pattern[None, None, :], -1)
-    return info, index.reshape(max_splits, -1).to(torch.int32)
+    ok = (s < splits[None, :])[:, :, None] & (pattern >= 0)[None, None, :]  # [S, B, entries of a sequence]
+    value = at[:, :, None] * stride + pattern[None, None, :]
+    if not ragged:
+        return info, torch.where(ok, value, -1).reshape(max_splits, -1).to(torch.int32)
+    # each row's entries (token-major: token j's query heads) at its tokens' places in the step's token axis
+    e = torch.arange(pattern.shape[0], dtype=torch.int64, device=dev)
+    ok = ok & (torch.div(e, q_heads, rounding_mode="floor")[None, None, :] < q_len[None, :, None])
+    size = max_splits * num_tokens * q_heads
+    dest = torch.where(ok, s[:, :, None] * (num_tokens * q_heads) + cu[:-1][None, :, None] * q_heads + e, size)
+    index = torch.full((size + 1,), -1, dtype=torch.int64, device=dev)
+    index.scatter_(0, dest.reshape(-1), value.reshape(-1))
+    return info, index[:size].reshape(max_splits, -1).to(torch.int32)
