@@ -99,7 +99,11 @@ class StepRunner:
         into the same buffers. Every buffer of a replay then keeps its address, so XLA's command
         buffers (CUDA graphs) replay without being updated. Token outputs returned for a full
         bucket *are* those buffers: they stay valid until the next replay of that bucket (copy
-        them, e.g. to the host, before it), as with SGLang's graph outputs.
+        them, e.g. to the host, before it), as with SGLang's graph outputs. The write waits on the host
+        for the bucket's previous step to finish (its buffers are donated while that step reads them),
+        so a loop that queues steps ahead loses its overlap: on an H200 (``benchmarks/RESULTS.md``,
+        2026-11-29, 1B-class step at batch 64) that write returned after 4.7 ms, the previous step's
+        time, when issued behind it, and after 0.4 ms in a blocking loop. Use it for blocking loops.
     """
 
     def __init__(self, backend: FlashAttentionBackend, step_fn: Callable, *,
