@@ -34,7 +34,7 @@ from tests.test_triton_launch import InterpretedTriton
 from torch_bridge import (FlashAttentionBackend, ForwardBatch, ForwardMode, MHATokenToKVPool, ModelConfig,
                           ModelRunner, RadixAttention, ReqToTokenPool, SpecInfo)
 from torch_bridge import graph_tables, table_rules
-from torch_bridge.mosaic_path import LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, MosaicPath
+from torch_bridge.mosaic_path import CROSS_TABLES, LOCAL_TABLES, SWA_TABLES, TRITON_TABLES, MosaicPath
 from torch_bridge.triton_path import Layout
 
 # engine calls under plain / no_grad / inference mode (tests/conftest.py: JAX_ATTN_GRAD_MODES)
@@ -49,13 +49,14 @@ SWA_PAGES = 24  # pages of the SWA pool of ``make(swa_pool=True)``
 
 def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: int = 0, layers: int = 1,
          topk: int = 0, window: Optional[int] = None, mosaic_config: Optional[MosaicConfig] = None,
-         swa_pool: bool = False, chunk: int = 0):
+         swa_pool: bool = False, chunk: int = 0, encoder: int = 0):
     """A runner whose model config names the heads (the launch tables come with every plan) and a backend
     (``topk`` > 1: tree speculative steps; ``window``: the model's sliding window, for their SWA tables;
     ``mosaic_config``: the launch path's Mosaic config; ``swa_pool``: SGLang's hybrid ``SWAKVPool``, layer 0
     full and layer 1 in an SWA pool of ``SWA_PAGES`` pages, its ``full_to_swa_index_mapping`` random with about
     one entry in six bad: -1, past the SWA pool, or outside int32 either way; ``chunk``: a local-attention model,
-    Llama 4's, with chunks of that many tokens)."""
+    Llama 4's, with chunks of that many tokens; ``encoder``: an encoder-decoder model's bound on encoder lengths,
+    ``model_config.max_encoder_len``)."""
     table, num_slots = shuffled_table(REQS, MAX_CTX, page, seed)
     if swa_pool:
         from tests.sglang_contract.engine import MHATokenToKVPool as EnginePool
@@ -81,6 +82,8 @@ def make(page: int, device="cpu", step_id: int = 0, num_steps: int = 0, seed: in
     config.get_num_kv_heads = lambda tp: HKV
     if chunk:
         config.is_local_attention_model, config.attention_chunk_size = True, chunk
+    if encoder:
+        config.max_encoder_len = encoder
     runner = ModelRunner(ReqToTokenPool(torch.from_numpy(table).to(device).clone()), pool, config, page_size=page,
                          device=str(device))
     runner.sliding_window_size = window
@@ -141,10 +144,13 @@ def captured(page: int, name: str, bs: int, **make_kw):
     lengths 1), and that bucket's refresh (None: none): ``(runner, backend, refresh, rows, lens, mode, spec, triton)``,
     ``triton`` the flags of the tables' kernel (``TRITON_TABLES`` at pages the Mosaic kernel does not take, else 0)."""
     mode, per_req, spec, step_id = MODES[name]
+    enc = make_kw.pop("encoder_lens", None)  # an encoder-decoder model's bucket: the capture hook's encoder_lens
     runner, _, backend = make(page, step_id=step_id or 0, num_steps=2 if step_id else 0, **make_kw)
+    if enc is not None:  # its cross layers' tables come with each plan (after a first cross layer, in an engine)
+        backend.planner.launch_heads.add((HQ, HKV, CROSS_TABLES | (0 if page % 8 == 0 else TRITON_TABLES)))
     backend.init_cuda_graph_state(8, 8 * per_req)
     rows, lens = torch.zeros(bs, dtype=torch.int64), torch.ones(bs, dtype=torch.int64)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, enc, mode, spec)
     triton = 0 if page % 8 == 0 else TRITON_TABLES
     return runner, backend, backend.planner.refreshes.get((mode, bs)), rows, lens, mode, spec, triton
 
@@ -210,6 +216,29 @@ def test_refresh_rewrites_local_split_tables_bit_for_bit(page, name, bs):
     check_swa_pool_and_local("local", page, bs, runner, backend, r, rows, lens, mode, spec, triton)
 
 
+@pytest.mark.parametrize("page, name, bs, split", [(16, "decode", 4, False), (1, "decode", 3, False),
+                                                   (8, "verify", 3, False), (16, "decode", 2, True),
+                                                   (4, "verify", 2, False)])
+def test_refresh_rewrites_encoder_tables_bit_for_bit(page, name, bs, split):
+    """A cross-attention (encoder-decoder) bucket: its decoder tables read each request's positions after its
+    encoder tokens (``jax_attn.planner._assemble``: the page table shifted by ``encoder_lens``, the capacity
+    ``W - encoder_lens``), and its cross layers' tables the encoder tokens (page size 1: their slots, the encoder
+    lengths unclipped, as ``cross_metadata`` leaves them; ``split``: the Mosaic split kernel's). Catches a decoder
+    table read from column 0, an int32 shift or capacity that wraps otherwise than the planner's, encoder slots
+    past a request's encoder length, or tiles ordered by clipped encoder lengths."""
+    enc = torch.full((bs,), 4, dtype=torch.int64)
+    runner, backend, r, rows, lens, mode, spec, triton = captured(
+        page, name, bs, encoder=16, encoder_lens=enc,
+        mosaic_config=MosaicConfig(min_kv_per_split=4) if split else None)
+    full, cross = (HQ, HKV) + ((triton,) if triton else ()), (HQ, HKV, CROSS_TABLES | (TRITON_TABLES if page < 8
+                                                                                      else 0))
+    assert r is not None and r.verified == {full, cross}, r and r.verified
+    if split:
+        assert r.step.tables[cross].num_splits > 1
+    for heads, pages in ((cross, 0), (full, None)):
+        refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs, page, num_pages=pages, enc=enc)
+
+
 def check_swa_pool_and_local(kind, page, bs, runner, backend, r, rows, lens, mode, spec, triton):
     """The two tests above: the refresh writes both kinds of tables (the full layers' and the SWA / chunked
     layers'), over valid and bad input (``refresh_trials``)."""
@@ -223,11 +252,12 @@ def check_swa_pool_and_local(kind, page, bs, runner, backend, r, rows, lens, mod
 
 
 def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, page: int,
-                   num_pages: Optional[int] = None):
+                   num_pages: Optional[int] = None, enc: Optional[torch.Tensor] = None):
     """Twelve trials of valid and bad inputs (rows, lengths, page ids outside the pool): after the planner's
     tables of one input, the refresh of the next must write exactly the planner's tables of that one
     (``rows`` / ``lens``: the capture hook's buffers; ``r``: the bucket's ``TableRefresh``; ``num_pages``: the
-    pages the tables' page ids must stay within, default the KV pool's)."""
+    pages the tables' page ids must stay within, default the KV pool's, 0: not checked (an encoder's slots are
+    not clipped into the pool); ``enc``: the capture hook's ``encoder_lens``, given valid and bad values too)."""
     tables = r.step.tables[heads]
     rng = np.random.default_rng(page + bs)
     capacity = backend.jax_backend.capacity
@@ -238,18 +268,30 @@ def refresh_trials(runner, backend, r, heads, rows, lens, mode, spec, bs: int, p
 
     def planned(values):  # the planner's tables for these inputs (the hook runs it: the bucket is not recorded)
         rows.copy_(torch.from_numpy(values[0])), lens.copy_(torch.from_numpy(values[1]))
-        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
+        if enc is not None:
+            enc.copy_(torch.from_numpy(values[3]))
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, enc, mode, spec, None)
         assert backend.step.tables[heads] is tables
         pt = tables.args[0 if tables.layout is None else 6]  # the page table (Mosaic / Triton tables)
-        assert 0 <= int(pt.min()) and int(pt.max()) < num_pages, "page ids outside the pool"
+        assert not num_pages or (0 <= int(pt.min()) and int(pt.max()) < num_pages), "page ids outside the pool"
         return tables.flat.clone()
+
+    def inputs(trial):
+        values = bad_inputs(rng, bs, capacity, trial, page, num_slots)
+        if enc is None:
+            return values
+        most = backend.jax_backend.max_encoder_len  # encoder lengths: valid, or (every third trial) one bad
+        lengths = rng.integers(0, most + 1, bs)
+        if trial % 3 == 2:
+            lengths[int(rng.integers(0, bs))] = rng.choice([-3, most + 5, r2t.shape[1] + 9, 1 << 40, -(1 << 40)])
+        return (*values, lengths)
 
     edits = 0
     for trial in range(12):
-        values = bad_inputs(rng, bs, capacity, trial, page, num_slots)
+        values = inputs(trial)
         with edited(r2t, values[2]):
             before = planned(values)
-        values = bad_inputs(rng, bs, capacity, trial + 1, page, num_slots)
+        values = inputs(trial + 1)
         edits += values[2] is not None
         with edited(r2t, values[2]):
             after = planned(values)
@@ -354,17 +396,19 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
 REPLAY_KINDS = [("swa_pool", "decode"), ("local", "decode"), ("local", "verify")]
 
 
-@pytest.mark.parametrize("kind, name", REPLAY_KINDS)
+@pytest.mark.parametrize("kind, name", REPLAY_KINDS + [("encoder", "decode"), ("encoder", "verify")])
 @pytest.mark.parametrize("page", [16, 1])
 def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch):
     """A decode bucket recorded (a capture simulated on the CPU) over an ``SWAKVPool`` (a full layer and a
     sliding-window layer, whose tables the graph translates into the SWA pool from the mapping as the engine left
-    it: entries are remapped between steps) or of a local-attention model (a full layer and a chunked one, chunks
+    it: entries are remapped between steps), of a local-attention model (a full layer and a chunked one, chunks
     of 32 tokens; ``verify``: chain target verify of 3 draft tokens, whose queries cross a chunk boundary in the
-    second step's first request): each replay hook skips the planner, and each layer gives bit for bit what an
-    eager step of the same inputs gives through another backend (the planner's tables). Catches a refresh that
-    translates with the capture's mapping, gives the SWA or chunked layer the full page table, or leaves its tables
-    to the capture's step."""
+    second step's first request) or of an encoder-decoder model (a self-attention layer over the positions after
+    each request's encoder tokens and a cross-attention layer over those; the encoder lengths change between
+    steps): each replay hook skips the planner, and each layer gives bit for bit what an eager step of the same
+    inputs gives through another backend (the planner's tables). Catches a refresh that translates with the
+    capture's mapping, gives the SWA, chunked or cross layer the full page table, reads the capture's encoder
+    lengths, or leaves its tables to the capture's step."""
     replays_equal_eager(kind, name, page, "cpu", monkeypatch)
 
 
@@ -388,7 +432,8 @@ def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatc
     replay hook); on ``cuda`` both layers' forwards are captured in one ``torch.cuda.graph`` and replayed."""
     rng = np.random.default_rng(11)
     runner, table, backend = make(page, device=device, seed=4, swa_pool=kind == "swa_pool",
-                                  chunk=32 if kind == "local" else 0, layers=2, mosaic_config=mosaic_config)
+                                  chunk=32 if kind == "local" else 0, layers=2, mosaic_config=mosaic_config,
+                                  encoder=16 if kind == "encoder" else 0)
     pool = runner.token_to_kv_pool
     subs = (pool.full_kv_pool, pool.swa_kv_pool) if kind == "swa_pool" else (pool,)
     for sub in subs:
@@ -404,11 +449,18 @@ def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatc
     planner, bs = backend.planner, 3
     backend.init_cuda_graph_state(4, 4 * per_req)
     rows, lens = torch.tensor([1, 2, 3], device=device), torch.tensor([9, 30, 17], device=device)
+    enc = torch.tensor([4, 16, 0], device=device) if kind == "encoder" else None  # the engine's static buffer
     loc = torch.zeros(bs * per_req, dtype=torch.int64, device=device)
-    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, None, mode, spec)
-    second = dict(sliding_window_size=5) if kind == "swa_pool" else dict(use_irope=True)
+    backend.init_forward_metadata_capture_cuda_graph(bs, bs * per_req, rows, lens, enc, mode, spec)
+    second = dict(sliding_window_size=5) if kind == "swa_pool" else dict(is_cross_attention=True) \
+        if kind == "encoder" else dict(use_irope=True)
     layers = [RadixAttention(HQ, D, D**-0.5, HKV, 0), RadixAttention(HQ, D, D**-0.5, HKV, 1, **second)]
-    fb = ForwardBatch(mode, bs, rows, lens, loc, token_to_kv_pool=pool, spec_info=spec)
+    fb = ForwardBatch(mode, bs, rows, lens, loc, token_to_kv_pool=pool, spec_info=spec, encoder_lens=enc)
+
+    def forward(b, lay, batch):  # a cross layer reads the encoder's K/V, written by the request's first step
+        if lay.is_cross_attention:
+            return b.forward(q, None, None, lay, batch, save_kv_cache=False)
+        return b.forward(q, k, v, lay, batch)
     q, k, v = (torch.zeros(bs * per_req, h * D, dtype=torch.bfloat16, device=device) for h in (HQ, HKV, HKV))
 
     def new_qkv():  # written into the captured inputs
@@ -417,45 +469,51 @@ def replays_equal_eager(kind: str, name: str, page: int, device: str, monkeypatc
 
     new_qkv()
     for lay in layers:
-        backend.forward(q, k, v, lay, fb)  # warm-up
+        forward(backend, lay, fb)  # warm-up
     graph = None
     if cpu:
         with monkeypatch.context() as m:  # the capture's forward (on CPU: the refresh is recorded, nothing else)
             m.setattr(graph_tables, "capturing", lambda: True)
             for lay in layers:
-                backend.forward(q, k, v, lay, fb)
+                forward(backend, lay, fb)
     else:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [backend.forward(q, k, v, lay, fb) for lay in layers]
+            outs = [forward(backend, lay, fb) for lay in layers]
     r = planner.refreshes[(mode, bs)]
-    flag = SWA_TABLES if kind == "swa_pool" else LOCAL_TABLES
+    flag = {"swa_pool": SWA_TABLES, "local": LOCAL_TABLES, "encoder": CROSS_TABLES}[kind]
     assert r.recorded and any(len(h) == 3 and h[2] & flag for h in r.verified)
     if mosaic_config is not None and page % 8 == 0:
         assert backend.step.tables[(HQ, HKV, LOCAL_TABLES)].num_splits > 1
     runs = []
     real_run = planner._run
     monkeypatch.setattr(planner, "_run", lambda *a: runs.append(a) or real_run(*a))
-    for step_rows, step_lens in (([5, 1, 6], [70, 33, 128]), ([2, 4, 3], [65, 32, 90])):
+    steps = (([5, 1, 6], [70, 33, 128], [0, 0, 0]), ([2, 4, 3], [65, 32, 90], [0, 0, 0]))
+    if kind == "encoder":  # each request's encoder tokens come first in its row
+        steps = (([5, 1, 6], [70, 33, 100], [9, 16, 1]), ([2, 4, 3], [65, 32, 90], [16, 0, 5]))
+    for step_rows, step_lens, step_enc in steps:
         if kind == "swa_pool":  # the engine's in-place edits of the mapping
             mapping = pool.full_to_swa_index_mapping
             remap = torch.from_numpy(rng.integers(0, SWA_PAGES * page, mapping.shape[0] - 1)).to(device)
             mapping[:-1] = torch.where(torch.rand(remap.shape, device=device) < 0.5, remap, mapping[:-1])
         rows.copy_(torch.tensor(step_rows)), lens.copy_(torch.tensor(step_lens) - offset)
-        loc.copy_(torch.tensor(np.concatenate([table[r_, n - per_req:n] for r_, n in zip(step_rows, step_lens)]),
+        if enc is not None:
+            enc.copy_(torch.tensor(step_enc))
+        loc.copy_(torch.tensor(np.concatenate([table[r_, e + n - per_req:e + n]
+                                               for r_, n, e in zip(step_rows, step_lens, step_enc)]),
                                dtype=torch.int64))
-        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, None, mode, spec, None)
+        backend.init_forward_metadata_replay_cuda_graph(bs, rows, lens, None, enc, mode, spec, None)
         assert not runs, "the replay hook of a recorded bucket must not run the planner"
         new_qkv()
         if graph is None:
-            got = [backend.forward(q, k, v, lay, fb).float().cpu().numpy() for lay in layers]
+            got = [forward(backend, lay, fb).float().cpu().numpy() for lay in layers]
         else:
             graph.replay()
             got = [o.float().cpu().numpy() for o in outs]
         fb_eager = ForwardBatch(mode, bs, rows.clone(), lens.clone(), loc.clone(), token_to_kv_pool=pool,
-                                spec_info=spec)
+                                spec_info=spec, encoder_lens=None if enc is None else enc.clone())
         eager.init_forward_metadata(fb_eager)
-        want = [eager.forward(q, k, v, lay, fb_eager).float().cpu().numpy() for lay in layers]
+        want = [forward(eager, lay, fb_eager).float().cpu().numpy() for lay in layers]
         for i, (g, w) in enumerate(zip(got, want)):
             assert np.isfinite(w).all(), "the eager step must read finite keys"
             np.testing.assert_array_equal(g, w, err_msg=f"layer {i} (rows {step_rows}, lens {step_lens})")

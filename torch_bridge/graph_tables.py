@@ -3,9 +3,10 @@ CUDA graph.
 
 The replay hook of a graph bucket normally runs the step planner: one compiled JAX call, an export
 and a table copy, 150-250 us of host time per step on the H100 hosts. On the launch path a uniform
-bucket (decode, chain draft decode, chain verify: topk 1, no encoder) has
+bucket (decode, chain draft decode, chain verify: topk 1) has
 tables that depend on the step only through ``req_pool_indices``, ``seq_lens`` and
-``req_to_token``, so ``TableRefresh`` writes them with a few torch ops instead. The first attention
+``req_to_token`` (and an encoder-decoder model's ``encoder_lens``), so ``TableRefresh`` writes them with a few
+torch ops instead. The first attention
 layer of the captured forward runs those ops, so they become part of the engine's graph and read the
 tensors the capture hook was given (SGLang's static input buffers). From then on the replay hook
 only selects the bucket's step; the graph recomputes the tables on the GPU before its first layer. Each step
@@ -59,7 +60,14 @@ width, R x W: ``req_to_token``), with the planner's rules (``jax_attn.planner._p
   keys), its ``L`` pages from column ``start / page`` (0 past its keys), and the work tiles and query offsets of
   those queries (``table_rules.local_parts``, ``mosaic_tile_table``); with split-KV the split schedule of those
   rows and the merge's LSE index, each row's entries at its query offset in the step's token axis
-  (``mosaic_split_tables`` of each row's queries).
+  (``mosaic_split_tables`` of each row's queries);
+* an encoder-decoder bucket (``encoder_lens``, ``jax_attn.planner._assemble``): the page table reads each row's
+  columns after its encoder tokens (``p * page + encoder_len``, int32, clipped into the row), lengths are clipped
+  to ``min(capacity, W - encoder_len)`` (``plan_key.guard_plan``), and the cross layers' tables
+  (``CROSS_TABLES``, ``jax_attn.backend.cross_metadata``: page size 1) hold each row's first ``E`` slots below
+  its encoder length (0 past it; not clipped into the pool, as the planner leaves them), the encoder lengths
+  as given, and the tiles the planner's schedule gives those lengths (``mosaic_tile_table``,
+  ``mosaic_split_tables``, ``triton_schedule``; ``E``: ``max_encoder_len``).
 
 A tree verify bucket (N draft tokens per request) writes its prefix pass's tables as a uniform bucket of N
 queries per request with no KV offset (the Mosaic kernel's carry the LSE index of ``LsePass`` too: where each
@@ -97,11 +105,11 @@ from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import copy_front, zero_range
-from torch_bridge.mosaic_path import (EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES, SWA_TABLES,
-                                      TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
+from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES,
+                                      SWA_TABLES, TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
 from torch_bridge.table_rules import (expand_parts, guarded, local_parts, lse_pattern, mosaic_split_tables,
                                       mosaic_tile_table, offsets, swa_parts, swa_pool_table, tree_mask,
-                                      triton_schedule)
+                                      triton_schedule, wrap32)
 from torch_bridge.translate import UNIFORM
 
 SEQ, K_LEN, Q_START = (TILE_INFO_COLUMNS.index(c) for c in ("seq", "k_len", "q_start"))
@@ -126,8 +134,10 @@ def reason(key: PlanKey, validate: bool, capacity: int) -> Optional[str]:
     refreshed inside the graph, else why not (each table key is checked too: ``TableRefresh.verify``)."""
     if validate:
         return "validation mode reads each step's error flag from the planner"
-    if key.mode not in UNIFORM or key.has_encoder or not (key.topk == 1 or tree_verify(key) or tree_draft(key)):
-        return "only uniform steps without encoder (decode, draft decode, verify)"
+    if key.mode not in UNIFORM or not (key.topk == 1 or tree_verify(key) or tree_draft(key)):
+        return "only uniform steps (decode, draft decode, verify)"
+    if key.has_encoder and (key.topk > 1 or key.attention_chunk_size or key.swa_pool):
+        return "cross attention only in chain steps without local attention or an SWAKVPool"
     if not 0 <= capacity <= key.max_pages * key.page_size or (capacity + 1) * key.batch_size > INT32_MAX:
         return f"capacity {capacity}: the tile order's int32 key needs capacity * batch within int32"
     return None
@@ -156,6 +166,8 @@ class Parts(NamedTuple):
     swa_pool: Optional[torch.Tensor] = None
     # a local-attention (chunked) step's virtual batch of V rows: i32[V, L] its chunks' pages, keys, queries per row
     local: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # a cross-attention step's encoder pass (page size 1): i32[B, E] encoder slots, i32[B] encoder lengths, queries
+    cross: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
 def _same(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
@@ -181,14 +193,20 @@ class TableRefresh:
       loc: tree draft decode: every draft step's slots, ``[bs, topk, num_steps]`` flattened (or None: zeros).
       swa_mapping: an ``SWAKVPool``'s ``full_to_swa_index_mapping`` (``key.swa_pool``): the graph reads it, as
         the engine updates it in place.
+      encoder_lens: cross attention (``key.has_encoder``): the capture hook's ``encoder_lens`` (the engine's static
+        buffer): the graph reads it.
     """
 
     def __init__(self, key: PlanKey, step, rows: torch.Tensor, lens: torch.Tensor, req_to_token: torch.Tensor,
                  capacity: int, config: MosaicConfig, spec=None, mask: Optional[torch.Tensor] = None,
-                 loc: Optional[torch.Tensor] = None, swa_mapping: Optional[torch.Tensor] = None):
+                 loc: Optional[torch.Tensor] = None, swa_mapping: Optional[torch.Tensor] = None,
+                 encoder_lens: Optional[torch.Tensor] = None):
         b, dev = key.batch_size, req_to_token.device
         if key.swa_pool and (swa_mapping is None or swa_mapping.dim() != 1 or swa_mapping.device != dev):
             raise ValueError(f"{key} plans an SWAKVPool: pass its full_to_swa_index_mapping (1-D, on {dev})")
+        if key.has_encoder != (encoder_lens is not None) or (encoder_lens is not None and encoder_lens.device != dev):
+            raise ValueError(f"{key}: pass encoder_lens (on {dev}) exactly when the bucket plans cross attention")
+        self.enc = encoder_lens  # the graph reads it (cross attention)
         self.swa_mapping = swa_mapping if key.swa_pool else None
         self.key, self.step, self.r2t, self.spec = key, step, req_to_token, spec
         self.rows_per_tile, self.block_q, self.config = tile_rows(config.block_q, latent=False), config.block_q, config
@@ -202,6 +220,9 @@ class TableRefresh:
             # engine's n entries in front
             self._rows = torch.zeros(b, dtype=torch.int64, device=dev)
             self._lens = torch.full((b,), jbatch.SEQ_LEN_FILL_VALUE, dtype=torch.int64, device=dev)
+            self._enc = torch.zeros(b, dtype=torch.int64, device=dev)  # (padding requests: no encoder tokens)
+            # cross attention: the encoder positions [1, E] each request's encoder slots are read at
+            self.enc_pos = torch.arange(key.max_encoder_len, dtype=torch.int64, device=dev)[None, :]
             # tree verify: the flat mask bytes the planner reads (``mask_bytes``), filled by the replay hook
             self.mask = torch.zeros(mask_bytes(key, capacity), dtype=torch.bool, device=dev) if self.tree else None
             # tree draft decode: every draft step's slots ``[B, topk, num_steps]``, filled by the replay hook
@@ -245,10 +266,13 @@ class TableRefresh:
         """The ``Parts`` of the current ``rows`` / ``lens`` (and ``mask``) (torch ops on the GPU, recorded into
         a graph when capturing)."""
         key, n = self.key, self.n
-        rows, lens = self.rows, self.lens
-        if n < key.batch_size or rows.shape[0] != n or lens.shape[0] != n:
+        rows, lens, enc = self.rows, self.lens, self.enc
+        if n < key.batch_size or rows.shape[0] != n or lens.shape[0] != n or (enc is not None and enc.shape[0] != n):
             self._rows[:n].copy_(rows[:n])
             self._lens[:n].copy_(lens[:n])
+            if enc is not None:
+                self._enc[:n].copy_(enc[:n])
+                enc = self._enc
             rows, lens = self._rows, self._lens
         rows = rows.clamp(0, self.r2t.shape[0] - 1)
         lens = lens.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
@@ -270,13 +294,26 @@ class TableRefresh:
         if self.kv_offset:
             lens = lens + self.kv_offset
         lens = lens.to(torch.int32)  # wraps as the planner's int32 sum does
-        slots = self.r2t[rows[:, None], self.pos]  # [B, P]
+        cross, pos, cap = None, self.pos, None
+        if enc is not None:  # a request's decoder positions follow its encoder tokens (jax_attn.planner._assemble)
+            enc = enc.to(torch.int64).clamp(INT32_MIN, INT32_MAX)  # (narrowed as the planner's input is)
+            width = self.r2t.shape[1]
+            pos = wrap32(self.first_pos + enc[:, None]).clamp(0, width - 1)  # [B, P]
+            # plan_key.guard_plan's per-row capacity
+            cap = torch.minimum(wrap32(width - enc), torch.tensor(self.capacity, device=enc.device)).to(torch.int32)
+            enc = enc.to(torch.int32)
+            eslots = self.r2t[rows[:, None], self.enc_pos.clamp(max=width - 1)]  # [B, E] (a gather clamps, as JAX's)
+            cross = (torch.where(self.enc_pos < enc[:, None], eslots, 0), enc,
+                     torch.full_like(enc, key.q_len_per_req))
+        slots = self.r2t[rows[:, None], pos]  # [B, P]
         pages = torch.div(slots, key.page_size, rounding_mode="floor") if key.page_size > 1 else slots
         table = torch.where(self.first_pos < lens[:, None], pages, 0)
         if self.num_pages:
             table = table.clamp(0, self.num_pages - 1)
-        safe = lens.clamp(0, self.capacity)  # also the tiles' keys: the capacity is within the page table
-        order_key = safe * key.batch_size + self.tie  # longest first, then batch order (fits int32: checked)
+        # also the tiles' keys: the capacity is within the page table (an encoder's capacity may fall below 0)
+        safe = lens.clamp(0, self.capacity) if cap is None else torch.clamp(lens, min=torch.zeros_like(lens), max=cap)
+        # longest first, then batch order (fits int32: checked); a length below 0 sorts as 0, as the tiles' cost
+        order_key = safe.clamp(min=0) * key.batch_size + self.tie
         rank = (order_key[None, :] > order_key[:, None]).sum(1)
         order = torch.empty_like(rank).scatter_(0, rank, self.index)  # order[rank[i]] = i
         pool = None
@@ -288,7 +325,7 @@ class TableRefresh:
         local = None if not self.chunk else local_parts(table, safe, q_len=key.q_len_per_req, chunk=self.chunk,
                                                         page=key.page_size, width=self.local_width,
                                                         rows=self.local_rows)
-        return Parts(table, safe, order, rank, expand, swa, pool, local)
+        return Parts(table, safe, order, rank, expand, swa, pool, local, cross)
 
     def _pass(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]:
         """(lengths, page table, queries per sequence) of the plan ``heads``'s tables describe."""
@@ -299,6 +336,8 @@ class TableRefresh:
         if flags & LOCAL_TABLES:  # the local virtual batch: one query per row, or none
             table, lens, q = parts.local
             return lens, table, q
+        if flags & CROSS_TABLES:  # the encoder tokens (page size 1)
+            return parts.cross[1], parts.cross[0], self.key.q_len_per_req
         table = parts.swa_pool if flags & SWA_TABLES else parts.table  # (an SWAKVPool's sliding-window layers)
         return parts.lens, table, self.key.q_len_per_req
 
@@ -316,6 +355,7 @@ class TableRefresh:
         """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``), of
         the step's sequences or (``LOCAL_TABLES``) of its local virtual batch's rows."""
         latent, row_heads = bool(key_flags(heads) & LATENT_TABLES), self._row_heads(heads, tables)
+        ragged = bool(key_flags(heads) & (LOCAL_TABLES | CROSS_TABLES))
         local = bool(key_flags(heads) & LOCAL_TABLES)
         most = min(self.key.q_len_per_req, self.chunk) if local else self.key.q_len_per_req  # queries a row holds
         pattern = self.split_lse.get(heads)
@@ -323,12 +363,13 @@ class TableRefresh:
             with torch.inference_mode(False):
                 pattern = self.split_lse[heads] = torch.from_numpy(lse_pattern(
                     most, heads[0], row_heads, tables.pack, self.block_q, latent)).to(parts.table.device)
-        common = dict(num_tiles=tables.num_tiles, max_splits=tables.num_splits, pack=tables.pack, heads=row_heads,
-                      rows_per_tile=tile_rows(self.block_q, latent), config=self.config, pattern=pattern)
-        if local:
-            _, lens, q = parts.local
+        common: Dict[str, Any] = dict(num_tiles=tables.num_tiles, max_splits=tables.num_splits, pack=tables.pack,
+                                      heads=row_heads, rows_per_tile=tile_rows(self.block_q, latent),
+                                      config=self.config, pattern=pattern)
+        if ragged:
+            _, lens, q, max_keys = self._ragged(heads, parts)
             return mosaic_split_tables(lens, batch=lens.shape[0], q_len=q, num_tokens=self.key.num_tokens,
-                                       q_heads=heads[0], max_keys=self.local_width * self.key.page_size, **common)
+                                       q_heads=heads[0], max_keys=max_keys, **common)
         return mosaic_split_tables(parts.lens, batch=self.key.batch_size, q_len=self.key.q_len_per_req, **common)
 
     @staticmethod
@@ -349,15 +390,21 @@ class TableRefresh:
         None."""
         return offsets(per).to(torch.int32) if isinstance(per, torch.Tensor) else None
 
-    def _local_mosaic(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
-        """The Mosaic kernel's tables of the local virtual batch: its page table, query offsets and tile table
+    def _ragged(self, heads: TableKey, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(page table, keys, queries per row, the page table's keys) of a pass planned apart from the step's
+        sequences: the local virtual batch (``LOCAL_TABLES``) or the encoder tokens (``CROSS_TABLES``)."""
+        if key_flags(heads) & LOCAL_TABLES:
+            return (*parts.local, self.local_width * self.key.page_size)
+        return (*parts.cross, self.key.max_encoder_len)
+
+    def _ragged_mosaic(self, heads: TableKey, tables: Tables, parts: Parts) -> List[torch.Tensor]:
+        """The Mosaic kernel's tables of such a pass (``_ragged``): its page table, query offsets and tile table
         (``table_rules.mosaic_tile_table``), and with split-KV the merge's LSE index (``_split``)."""
-        table, lens, q = parts.local
+        table, lens, q, max_keys = self._ragged(heads, parts)
         if tables.num_splits > 1:
             return [table, offsets(q).to(torch.int32), *self._split(heads, tables, parts)]
         cu, info = mosaic_tile_table(lens, q, num_tiles=tables.num_tiles, rows_per_tile=self.rows_per_tile,
-                                     pack=tables.pack, config=self.config,
-                                     max_keys=self.local_width * self.key.page_size)
+                                     pack=tables.pack, config=self.config, max_keys=max_keys)
         return [table, cu, info]
 
     def write(self, heads: TableKey, tables: Tables, parts: Parts) -> None:
@@ -367,8 +414,8 @@ class TableRefresh:
                 if src is not None:
                     dst.copy_(src)
             return
-        if key_flags(heads) & LOCAL_TABLES:
-            for dst, src in zip(tables.args, self._local_mosaic(heads, tables, parts)):
+        if key_flags(heads) & (LOCAL_TABLES | CROSS_TABLES):
+            for dst, src in zip(tables.args, self._ragged_mosaic(heads, tables, parts)):
                 dst.copy_(src)
             return
         tables.args[0].copy_(self._pass(heads, parts)[1])
@@ -387,7 +434,8 @@ class TableRefresh:
     def matches(self, heads: TableKey, tables: Tables, parts: Parts) -> bool:
         """Whether ``tables`` (the planner's, for the current inputs) hold what a refresh writes (a sync)."""
         b, qpr, flags, dev = self.key.batch_size, self.key.q_len_per_req, key_flags(heads), parts.table.device
-        extra = self.pool_flag | (LOCAL_TABLES if self.chunk else 0)  # tables this bucket's refresh writes too
+        # tables this bucket's refresh writes too
+        extra = self.pool_flag | (LOCAL_TABLES if self.chunk else 0) | (CROSS_TABLES if self.enc is not None else 0)
         if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not encoder / ...)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
             rows = lens.shape[0]
@@ -402,8 +450,8 @@ class TableRefresh:
         if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # encoder tables
                 or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
-        if flags & LOCAL_TABLES:  # the local virtual batch
-            return not latent and _same(tables.args, self._local_mosaic(heads, tables, parts))
+        if flags & (LOCAL_TABLES | CROSS_TABLES):  # the local virtual batch, the encoder tokens
+            return not latent and _same(tables.args, self._ragged_mosaic(heads, tables, parts))
         table = self._pass(heads, parts)[1]
         cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * qpr
         if tables.num_splits > 1:  # split-KV: the split schedule's tiles and the merge's LSE index
@@ -476,14 +524,19 @@ class TableRefresh:
         zero_range(self.loc, n, int(self.loc.shape[0]))
 
     def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None,
-             loc: Optional[torch.Tensor] = None):
+             loc: Optional[torch.Tensor] = None, encoder_lens: Optional[torch.Tensor] = None):
         """The replay hook's inputs for a recorded bucket: SGLang passes the captured tensors themselves;
         other tensors have their values copied into those (the graph reads them); tree verify's ``mask`` is
         copied into ``self.mask``, tree draft decode's ``loc`` into ``self.loc``. Returns the step."""
         n = min(int(rows.shape[0]), int(lens.shape[0]), self.key.batch_size)
         if n > self.n:
             raise ValueError(f"{self.key.mode.name} bucket was captured with {self.n} requests; its replay got {n}")
-        for src, dst, fill in ((rows, self.rows, 0), (lens, self.lens, jbatch.SEQ_LEN_FILL_VALUE)):
+        inputs = [(rows, self.rows, 0), (lens, self.lens, jbatch.SEQ_LEN_FILL_VALUE)]
+        if self.enc is not None:
+            if encoder_lens is None:
+                raise ValueError(f"{self.key.mode.name} bucket was captured with encoder_lens; pass them")
+            inputs.append((encoder_lens, self.enc, 0))
+        for src, dst, fill in inputs:
             if src is dst or (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
                               and src.stride() == dst.stride()):
                 continue

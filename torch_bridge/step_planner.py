@@ -428,7 +428,8 @@ class StepPlanner:
             self.prebuilt_kernels += prebuild_classes(self, key, spec)
         self.graph_keys[(mode, bs)] = key
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, None, capturing=True)
-        self.make_refresh(mode, bs, key, spec, req_pool_indices, seq_lens, getattr(spec_info, "custom_mask", None))
+        self.make_refresh(mode, bs, key, spec, req_pool_indices, seq_lens, getattr(spec_info, "custom_mask", None),
+                          encoder_lens=encoder_lens)
         # The engine captures next. Nothing of this step may still run on the GPU, and no kernel compile may
         # load modules. In CUDA's global capture mode an unsafe call from *any* thread invalidates the
         # capture: SGLang's 36 warm-up captures on an H100 failed at a random bucket in 4 of 8 runs in that
@@ -440,23 +441,25 @@ class StepPlanner:
         gc.collect()
         kernel_cache.wait_ahead()  # no kernel compile of a JAX-path layer may load modules during the capture
 
-    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens, mask=None, loc=None) -> None:
+    def make_refresh(self, mode: ForwardMode, bs: int, key: PlanKey, spec, rows, lens, mask=None, loc=None,
+                     encoder_lens=None) -> None:
         """Give bucket ``bs`` an in-graph table refresh when its tables allow one and the refresh writes
         what the planner just wrote (``torch_bridge.graph_tables``; ``mask``: tree verify's custom mask; ``loc``:
-        tree draft decode's slots of every draft step, as planned)."""
+        tree draft decode's slots of every draft step, as planned; ``encoder_lens``: cross attention's)."""
         self.refreshes.pop((mode, bs), None)
         capacity = self.jax_backend.capacity
         if self.mosaic_path is None or graph_tables.reason(key, self.jax_backend.validate, capacity) is not None:
             return
         r2t = self.model_runner.req_to_token_pool.req_to_token
-        if r2t.dtype != torch.int32 or rows.device != self.device or lens.device != self.device:
+        inputs = (rows, lens, encoder_lens)
+        if r2t.dtype != torch.int32 or any(x is not None and x.device != self.device for x in inputs):
             return
         mapping = getattr(self.model_runner.token_to_kv_pool, "full_to_swa_index_mapping", None) if key.swa_pool \
             else None  # (an SWAKVPool's: the graph reads it)
         if key.swa_pool and (mapping is None or mapping.dim() != 1 or mapping.device != self.device):
             return
         r = graph_tables.TableRefresh(key, self.step, rows, lens, r2t, capacity, self.mosaic_path.config, spec,
-                                      mask, loc, mapping)
+                                      mask, loc, mapping, encoder_lens)
         if r.verify():
             self.step.refresh = r
             self.refreshes[(mode, bs)] = r
@@ -480,7 +483,7 @@ class StepPlanner:
         spec = self.spec(spec_info, mode)  # same checks as capture (topk, steps)
         r = self.recorded(mode, bs)
         if r is not None:  # the graph recomputes the tables from its input buffers
-            self.take_recorded(r, req_pool_indices, seq_lens, spec_info, out_cache_loc)
+            self.take_recorded(r, req_pool_indices, seq_lens, spec_info, out_cache_loc, encoder_lens)
             return
         self.bucket(key, spec, req_pool_indices, seq_lens, encoder_lens, spec_info, out_cache_loc)
 
@@ -490,14 +493,14 @@ class StepPlanner:
         return r if r is not None and r.recorded else None
 
     def take_recorded(self, r: "graph_tables.TableRefresh", req_pool_indices, seq_lens, spec_info,
-                      out_cache_loc=None) -> None:
+                      out_cache_loc=None, encoder_lens=None) -> None:
         """The replay hook of a bucket whose graph recomputes its tables (``r``, as ``recorded`` returned it): the
         step's inputs into the buffers the graph reads, no planner."""
         if r.r2t is not self.model_runner.req_to_token_pool.req_to_token:
             raise ValueError(f"{r.key.mode.name} bucket bs={r.key.batch_size}: req_to_token_pool.req_to_token is not "
                              "the tensor its graph was captured with; capture the graphs again after reallocating it")
         self.step = r.take(req_pool_indices, seq_lens, custom_mask(spec_info) if r.tree else None,
-                           out_cache_loc if r.draft else None)
+                           out_cache_loc if r.draft else None, encoder_lens)
         if r.planner_too:
             self.fresh(self.step)
 

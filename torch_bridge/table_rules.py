@@ -110,13 +110,13 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
     tile (``starts``)."""
     b, n, s = batch, num_tiles, max_splits
     dev, i32 = lens.device, torch.int32
-    if not isinstance(q_len, torch.Tensor):
-        q_len = torch.full((b,), q_len, dtype=torch.int64, device=dev)
+    if not isinstance(q_len, torch.Tensor):  # (in the lengths' type: int32 sums wrap as the planner's do)
+        q_len = torch.full((b,), q_len, dtype=lens.dtype, device=dev)
     qb = torch.div(q_len + (block_q - 1), block_q, rounding_mode="floor")
     if s == 1:
         splits = torch.ones(b, dtype=i32, device=dev)
     else:  # the split heuristic over the step's query blocks
-        by_len = torch.div(lens + (min_kv_per_split - 1), min_kv_per_split, rounding_mode="floor")
+        by_len = -torch.div(-lens, min_kv_per_split, rounding_mode="floor")  # (the planner's cdiv, wraps and all)
         blocks = (qb.sum() * programs).clamp(min=1)
         want = torch.where(blocks >= num_sms, 1,
                            torch.div(num_sms * split_waves, blocks, rounding_mode="floor").clamp(min=1))
@@ -226,8 +226,10 @@ def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_s
                           block_q=rows_per_tile, programs=heads, num_sms=config.num_sms,
                           split_waves=config.split_waves, min_kv_per_split=config.min_kv_per_split)
     order, splits = t["order"], t["splits"]
-    ragged = isinstance(q_len, torch.Tensor)
-    cu = offsets(q_len) if ragged else torch.arange(batch + 1, dtype=torch.int64, device=dev) * q_len
+    if isinstance(q_len, torch.Tensor):
+        cu = offsets(q_len)
+    else:
+        cu = torch.arange(batch + 1, dtype=torch.int64, device=dev) * q_len
     info = tile_info(t, lens if max_keys is None else lens.clamp(max=max_keys), cu, rows_per_tile)
     n = order.shape[0]
     place = torch.empty_like(order).scatter_(0, order, torch.arange(n, dtype=order.dtype, device=order.device))
@@ -236,7 +238,7 @@ def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_s
     stride = heads * rows_per_tile  # a tile's LSE rows
     ok = (s < splits[None, :])[:, :, None] & (pattern >= 0)[None, None, :]  # [S, B, entries of a sequence]
     value = at[:, :, None] * stride + pattern[None, None, :]
-    if not ragged:
+    if not isinstance(q_len, torch.Tensor):
         return info, torch.where(ok, value, -1).reshape(max_splits, -1).to(torch.int32)
     # each row's entries (token-major: token j's query heads) at its tokens' places in the step's token axis
     e = torch.arange(pattern.shape[0], dtype=torch.int64, device=dev)
