@@ -393,10 +393,11 @@ def test_recorded_bucket_replays_without_the_planner(name, page, split, monkeypa
     refuses_new_table_and_flags_bad_input(runner, backend, bs, rows, lens, mode, spec, runs, r)
 
 
-REPLAY_KINDS = [("swa_pool", "decode"), ("local", "decode"), ("local", "verify")]
+REPLAY_KINDS = [("swa_pool", "decode"), ("local", "decode"), ("local", "verify"), ("encoder", "decode"),
+                ("encoder", "verify")]
 
 
-@pytest.mark.parametrize("kind, name", REPLAY_KINDS + [("encoder", "decode"), ("encoder", "verify")])
+@pytest.mark.parametrize("kind, name", REPLAY_KINDS)
 @pytest.mark.parametrize("page", [16, 1])
 def test_recorded_bucket_replays_equal_eager_steps(kind, name, page, monkeypatch):
     """A decode bucket recorded (a capture simulated on the CPU) over an ``SWAKVPool`` (a full layer and a
