@@ -221,8 +221,10 @@ class TableRefresh:
             self._rows = torch.zeros(b, dtype=torch.int64, device=dev)
             self._lens = torch.full((b,), jbatch.SEQ_LEN_FILL_VALUE, dtype=torch.int64, device=dev)
             self._enc = torch.zeros(b, dtype=torch.int64, device=dev)  # (padding requests: no encoder tokens)
-            # cross attention: the encoder positions [1, E] each request's encoder slots are read at
+            # cross attention: the encoder positions [1, E], and the columns they are read at (clipped into the
+            # request table's width as a JAX gather clamps its indices)
             self.enc_pos = torch.arange(key.max_encoder_len, dtype=torch.int64, device=dev)[None, :]
+            self.enc_cols = self.enc_pos.clamp(max=req_to_token.shape[1] - 1)
             # tree verify: the flat mask bytes the planner reads (``mask_bytes``), filled by the replay hook
             self.mask = torch.zeros(mask_bytes(key, capacity), dtype=torch.bool, device=dev) if self.tree else None
             # tree draft decode: every draft step's slots ``[B, topk, num_steps]``, filled by the replay hook
@@ -299,10 +301,9 @@ class TableRefresh:
             enc = enc.to(torch.int64).clamp(INT32_MIN, INT32_MAX)  # (narrowed as the planner's input is)
             width = self.r2t.shape[1]
             pos = wrap32(self.first_pos + enc[:, None]).clamp(0, width - 1)  # [B, P]
-            # plan_key.guard_plan's per-row capacity
-            cap = torch.minimum(wrap32(width - enc), torch.tensor(self.capacity, device=enc.device)).to(torch.int32)
+            cap = wrap32(width - enc).clamp(max=self.capacity).to(torch.int32)  # plan_key.guard_plan's, per row
             enc = enc.to(torch.int32)
-            eslots = self.r2t[rows[:, None], self.enc_pos.clamp(max=width - 1)]  # [B, E] (a gather clamps, as JAX's)
+            eslots = self.r2t[rows[:, None], self.enc_cols]  # [B, E]
             cross = (torch.where(self.enc_pos < enc[:, None], eslots, 0), enc,
                      torch.full_like(enc, key.q_len_per_req))
         slots = self.r2t[rows[:, None], pos]  # [B, P]
@@ -353,7 +354,8 @@ class TableRefresh:
 
     def _split(self, heads: TableKey, tables: Tables, parts: Parts) -> Tuple[torch.Tensor, torch.Tensor]:
         """The Mosaic split kernel's tile table and the merge's LSE index (``table_rules.mosaic_split_tables``), of
-        the step's sequences or (``LOCAL_TABLES``) of its local virtual batch's rows."""
+        the step's sequences or of a pass planned apart from them (``_ragged``: the local virtual batch's rows, the
+        encoder tokens)."""
         latent, row_heads = bool(key_flags(heads) & LATENT_TABLES), self._row_heads(heads, tables)
         ragged = bool(key_flags(heads) & (LOCAL_TABLES | CROSS_TABLES))
         local = bool(key_flags(heads) & LOCAL_TABLES)
