@@ -218,9 +218,10 @@ def mosaic_split_tables(lens: torch.Tensor, *, batch: int, num_tiles: int, max_s
     bucket whose sequences fit one row block (``q_len * pack <= rows_per_tile``): its tile table
     ``i32[N, TILE_INFO_WORDS]`` (``tile_table``) and ``mosaic_split.lse_index`` ``i32[S, T * Hq]``.
     ``heads``: the row view's heads; ``pattern``: ``lse_pattern`` of one sequence of the most queries a sequence
-    holds; ``config``: the ``MosaicConfig``. ``q_len`` a tensor (a local virtual batch: each row's queries, in
-    the order of the step's ``num_tokens`` tokens of ``q_heads`` query heads): a row's LSE entries follow its
-    query offset; ``max_keys`` clips the tile table's keys (the plan's page table)."""
+    holds; ``config``: the ``MosaicConfig``. ``q_len`` a tensor (a pass planned apart from the step's sequences:
+    each row's queries, in the order of the step's ``num_tokens`` tokens of ``q_heads`` query heads; a local
+    virtual batch, an encoder-decoder step's encoder rows): a row's LSE entries follow its query offset;
+    ``max_keys`` clips the tile table's keys (the pass's page table)."""
     dev = lens.device
     t = _uniform_schedule(lens, batch=batch, num_tiles=num_tiles, max_splits=max_splits, q_len=q_len * pack,
                           block_q=rows_per_tile, programs=heads, num_sms=config.num_sms,
