@@ -71,7 +71,7 @@ def paged_view(buf: jax.Array, page_size: int) -> jax.Array:
     return buf.reshape(num_slots // page_size, page_size, *buf.shape[1:])
 
 
-def _store(buf, loc, x, scale, layer_index):
+def _store(buf, loc, unique, x, scale, layer_index):
     if x.shape[1:] != buf.shape[-2:]:
         raise ValueError(f"{x.shape=} must be [num_tokens, *{buf.shape[-2:]}] to be written into the pool")
     if is_fp8(buf.dtype):
@@ -80,26 +80,26 @@ def _store(buf, loc, x, scale, layer_index):
             x = x / jnp.asarray(scale, jnp.float32)
         finfo = jnp.finfo(buf.dtype)
         x = jnp.clip(x, float(finfo.min), float(finfo.max))
-    loc, unique = _distinct_slots(loc, buf.shape[-3])
     if layer_index is None:
         return buf.at[loc].set(x.astype(buf.dtype), mode="drop", unique_indices=unique)
     return buf.at[layer_index, loc].set(x.astype(buf.dtype), mode="drop", unique_indices=unique)
 
 
 def _distinct_slots(loc: jax.Array, num_slots: int):
-    """``(slots, unique)``: padded tokens all target the reserved slot 0; they are sent past the pool instead,
-    each to its own slot (``num_slots + i``), where the write drops them, so the scatter's indices are distinct
-    and XLA may store them without first sorting them (``unique``). Out-of-range slots are dropped either way;
-    slot 0 then keeps its value. Two real tokens on one slot (an engine bug) leave that slot unspecified, as
-    XLA says nothing of which write wins, and with the promise a mix of their rows is possible. On an H200
-    (16 layers of K writes, 8 / 128 heads, bf16, 2026-11-29) one write of 64 tokens took 1.3 us instead of
-    1.9, of 512 tokens 1.5 instead of 6.4. Where ``num_slots + T`` would pass int32 the
-    slots stay as they are and the scatter is not told they are distinct."""
+    """``(slots, unique)``: the slots a write uses. A negative slot writes nothing (never the pool's last slots),
+    and padded tokens all target the reserved slot 0: both are sent past the pool, each to its own slot
+    (``num_slots + i``), where the write drops them, so the scatter's indices are distinct and XLA may store
+    them without first sorting them (``unique``). Slot 0 then keeps its value. Two real tokens on one slot (an
+    engine bug) leave that slot unspecified, as XLA says nothing of which write wins, and with the promise a mix
+    of their rows is possible. On an H200 (16 layers of K writes, 8 / 128 heads, bf16, 2026-11-29) one write of
+    64 tokens took 1.3 us instead of 1.9, of 512 tokens 1.5 instead of 6.4. Where ``num_slots + T`` would pass
+    int32, negative slots go to ``num_slots``, slot 0 is written, and the scatter is not told they are
+    distinct."""
     n = loc.shape[0]
     if num_slots + n > INT32_MAX:
-        return loc, False
+        return jnp.where(loc < 0, num_slots, loc), False
     past = jnp.asarray(num_slots, loc.dtype) + jnp.arange(n, dtype=loc.dtype)
-    return jnp.where(loc == 0, past, loc), True
+    return jnp.where(loc <= 0, past, loc), True
 
 
 def set_kv_buffer(
@@ -135,12 +135,13 @@ def set_kv_buffer(
     # A slot outside the pool writes nothing (never another slot); validate_out_cache_loc reports it.
     if pool.stacked != (layer_index is not None):
         raise ValueError(f"{pool.k.shape=}: a layer-stacked pool needs layer_index, a single pool must not get one")
-    loc = jnp.where(out_cache_loc < 0, pool.num_slots, out_cache_loc)
+    loc, unique = _distinct_slots(out_cache_loc, pool.num_slots)
     if pool.v is None:  # an MLA latent pool: ``k`` holds the whole row (latent, then rope); no values
         if v is not None:
             raise ValueError("an MLA latent pool (KVPool.mla) takes k only: [T, 1, kv_lora_rank + rope], v=None")
-        return KVPool(_store(pool.k, loc, k, k_scale, layer_index), None)
-    return KVPool(_store(pool.k, loc, k, k_scale, layer_index), _store(pool.v, loc, v, v_scale, layer_index))
+        return KVPool(_store(pool.k, loc, unique, k, k_scale, layer_index), None)
+    return KVPool(_store(pool.k, loc, unique, k, k_scale, layer_index),
+                  _store(pool.v, loc, unique, v, v_scale, layer_index))
 
 
 def validate_out_cache_loc(out_cache_loc, num_slots: int) -> None:

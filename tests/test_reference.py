@@ -235,6 +235,11 @@ def test_distinct_slots_keeps_slots_that_would_pass_int32():
     assert not unique and np.array_equal(np.asarray(got), [3, 0, 0])
     got, unique = _distinct_slots(loc, 10)
     assert unique and np.array_equal(np.asarray(got), [3, 11, 12])
+    bad = jnp.array([3, -1, 0], jnp.int32)  # a negative slot goes past the pool too (never the last slots)
+    got, unique = _distinct_slots(bad, 10)
+    assert unique and np.array_equal(np.asarray(got), [3, 11, 12])
+    got, unique = _distinct_slots(bad, 2**31 - 3)
+    assert not unique and np.array_equal(np.asarray(got), [3, 2**31 - 3, 0])
 
 
 def test_set_kv_buffer_rejects_and_drops_bad_input():
