@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from jax_attn.kernels.config import DEFAULT_CONFIG as TRITON_CONFIG
-from jax_attn.kernels.config import kv_heads_per_program
+from jax_attn.kernels.config import cdiv, kv_heads_per_program
 from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, tile_rows
 from jax_attn.kernels.mosaic_split import stored_rows
 
@@ -112,11 +112,11 @@ def _uniform_schedule(lens: torch.Tensor, *, batch: int, num_tiles: int, max_spl
     dev, i32 = lens.device, torch.int32
     if not isinstance(q_len, torch.Tensor):  # (in the lengths' type: int32 sums wrap as the planner's do)
         q_len = torch.full((b,), q_len, dtype=lens.dtype, device=dev)
-    qb = torch.div(q_len + (block_q - 1), block_q, rounding_mode="floor")
+    qb = cdiv(q_len, block_q)  # (the planner's ceiling division, int32 wraps and all)
     if s == 1:
         splits = torch.ones(b, dtype=i32, device=dev)
     else:  # the split heuristic over the step's query blocks
-        by_len = -torch.div(-lens, min_kv_per_split, rounding_mode="floor")  # (the planner's cdiv, wraps and all)
+        by_len = cdiv(lens, min_kv_per_split)
         blocks = (qb.sum() * programs).clamp(min=1)
         want = torch.where(blocks >= num_sms, 1,
                            torch.div(num_sms * split_waves, blocks, rounding_mode="floor").clamp(min=1))
