@@ -438,7 +438,7 @@ class TableRefresh:
         b, qpr, flags, dev = self.key.batch_size, self.key.q_len_per_req, key_flags(heads), parts.table.device
         # tables this bucket's refresh writes too
         extra = self.pool_flag | (LOCAL_TABLES if self.chunk else 0) | (CROSS_TABLES if self.enc is not None else 0)
-        if tables.layout is not None:  # the Triton-lowered kernel's: plain tables only (not encoder / ...)
+        if tables.layout is not None:  # the Triton-lowered kernel's, of a kind this bucket writes (``extra``)
             lay, (lens, _, per) = tables.layout, self._pass(heads, parts)
             rows = lens.shape[0]
             tokens, q = (self.key.num_tokens, min(self.key.q_len_per_req, self.chunk)) if isinstance(
@@ -449,7 +449,7 @@ class TableRefresh:
             cu = torch.arange(rows + 1, dtype=torch.int32, device=dev) * q  # fixed within the bucket
             return _same(tables.args, [cu if x is None else x for x in self._triton(heads, tables, parts)])
         latent = bool(flags & LATENT_TABLES)  # (an MLA latent cache's tiles: one block of rows each)
-        if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # encoder tables
+        if (flags & ~(LATENT_TABLES | extra) != MOSAIC_FLAGS[self.cascade]  # a kind this bucket does not write
                 or (latent and self.cascade) or qpr * tables.pack > tile_rows(self.block_q, latent)):
             return False  # (several row blocks per sequence)
         if flags & (LOCAL_TABLES | CROSS_TABLES):  # the local virtual batch, the encoder tokens
