@@ -30,8 +30,9 @@ host (default): host overhead per variant. Per variant:
               with new input buffers (same values) every call
   and, from the optimized HLO (``step_analysis.hlo_counts``): copy / slice / dynamic-slice
   instructions, fusions rooted in a slice, MB written per step by kernels that only copy or slice
-  (total and the largest one: a copied KV pool or weight stack shows here), command buffers and
-  kernels launched outside them.
+  (total and the largest one: a copied KV pool or weight stack shows here), command buffers the HLO
+  holds and kernels it launches outside them. jax 0.11.2's XLA forms its command buffers from the
+  thunks, after the HLO, so there the HLO holds none and every kernel counts as outside.
 timeline (GPU; CUPTI through torch.profiler): ``StepRunner.replay`` blocking on the result every step,
   each step's wall time split into host to first GPU work, GPU busy, GPU idle inside and tail; the
   largest idle gaps with the activities on either side; the host time of CUDA driver/runtime calls by

@@ -205,13 +205,14 @@ DECODE_POINTS = [("1x32768x16", 1, 32768, 16, "split"), ("8x8192x16", 8, 8192, 1
 
 
 def _split(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
-    return KernelConfig(split_block_k=bk, split_num_warps=warps, split_num_stages=stages, **kw)
+    # (the forced tile over fp8 KV too)
+    return KernelConfig(split_block_k=bk, split_num_warps=warps, split_num_stages=stages, fp8_split_tile=None, **kw)
 
 
 def _decode(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
-    # (the forced tile everywhere: no many-program tile at page 1)
+    # (the forced tile everywhere: no many-program tile at page 1, over fp8 KV too)
     return KernelConfig(decode_block_k=bk, decode_num_warps=warps, decode_num_stages=stages, many_decode_tile=None,
-                        **kw)
+                        fp8_decode_tile=None, **kw)
 
 
 SPLIT_CONFIGS = [
@@ -227,6 +228,9 @@ SPLIT_CONFIGS = [
     ("t128/4/3", _split(128, 4, 3)),
     ("t128/8/2", _split(128, 8, 2)),
     ("t256/8/2", _split(256, 8, 2)),
+    ("t256/4/2", _split(256, 4, 2)),
+    ("no fp8 tile", KernelConfig(fp8_split_tile=None)),
+    ("fp8 before", KernelConfig(fp8_split_tile=None, fp8_f16_dots=False)),
     ("t64/4/2 ms64 w8", _split(64, 4, 2, max_splits=64, split_waves=8)),
     ("t64/4/3 ms64 w8", _split(64, 4, 3, max_splits=64, split_waves=8)),
     ("t64/4/4 ms64", _split(64, 4, 4, max_splits=64)),
@@ -248,6 +252,10 @@ DECODE_CONFIGS = [
     ("d128/4/4", _decode(128, 4, 4)),
     ("d256/8/2", _decode(256, 8, 2)),
     ("d256/8/3", _decode(256, 8, 3)),
+    ("d256/4/2", _decode(256, 4, 2)),
+    ("no fp8 tile", KernelConfig(fp8_decode_tile=None)),
+    ("fp8 before", KernelConfig(fp8_decode_tile=None, fp8_f16_dots=False)),
+    ("fp8 128/4/3", KernelConfig(fp8_decode_tile=(128, 4, 3))),
     ("prefetch", KernelConfig(prefetch_pages=True)),
 ]
 
@@ -309,13 +317,25 @@ def host_time_us(fn, calls: int) -> float:
 _reference = jax.jit(paged_attention_reference, static_argnames=("page_size", "causal"))
 
 
-def make_point(batch: int, ctx: int, page_size: int):
-    """(q, k, v, md, ref f32[T, Hq, D], kv bytes); page 0 (owned by no sequence) holds NaN."""
+FP8_SCALES = (0.37, 0.61)  # k / v descales of --kv-dtype fp8 (not 1: a dropped descale shows in the error)
+
+
+def make_point(batch: int, ctx: int, page_size: int, kv_dtype: str = "bf16"):
+    """(q, k, v, md, ref f32[T, Hq, D], kv bytes, descales); page 0 (owned by no sequence) holds NaN (bf16) or
+    e4m3's NaN (fp8: K and V stored as ``x / scale`` in float8_e4m3fn, descaled by the kernel)."""
     q, k, v, md = common.triton_problem(batch, ctx, 1, page_size)
     k, v = k.at[0].set(jnp.nan), v.at[0].set(jnp.nan)
-    ref = _reference(q, k, v, md.cache_seqlens, md.cu_seqlens_q, md.page_table, page_size=page_size, causal=True)
+    descales, itemsize = {}, 2
+    if kv_dtype == "fp8":
+        ks, vs = FP8_SCALES
+        k, v = (k.astype(jnp.float32) / ks).astype(jnp.float8_e4m3fn), (v.astype(jnp.float32) / vs).astype(jnp.float8_e4m3fn)
+        descales, itemsize = dict(k_descale=jnp.float32(ks), v_descale=jnp.float32(vs)), 1
+        kr, vr = (k.astype(jnp.float32) * ks).astype(jnp.bfloat16), (v.astype(jnp.float32) * vs).astype(jnp.bfloat16)
+    else:
+        kr, vr = k, v
+    ref = _reference(q, kr, vr, md.cache_seqlens, md.cu_seqlens_q, md.page_table, page_size=page_size, causal=True)
     ref = jax.block_until_ready(ref.astype(jnp.float32))
-    return q, k, v, md, ref, 2 * batch * ctx * HKV * D * 2
+    return q, k, v, md, ref, 2 * batch * ctx * HKV * D * itemsize, descales
 
 
 @jax.jit
@@ -325,14 +345,14 @@ def _rel_err(out, ref):
     return jnp.where(jnp.all(jnp.isfinite(out)), err, jnp.inf)
 
 
-def launch_shape(cfg: KernelConfig, sched, num_sms: int):
+def launch_shape(cfg: KernelConfig, sched, num_sms: int, itemsize: int = 2):
     """(tile, pack, programs, estimated KiB in flight per SM) of the attention launch."""
     split = sched.max_splits > 1
-    tile = cfg.tile_params(decode=True, split=split)
     pack = kv_heads_per_program(cfg, HKV, decode=True, split=split)
+    tile = cfg.tile_params(decode=True, split=split, kv_itemsize=itemsize, kv_pack=pack)
     programs = int(sched.num_tiles) * (HKV // pack)
     bk, warps, stages = tile
-    step = bk * pack * 2 * D * 2  # K and V rows of one loop step, bf16
+    step = bk * pack * 2 * D * itemsize  # K and V rows of one loop step
     fit = min(SMEM_PER_SM // (max(stages, 1) * step), WARPS_PER_SM // warps)
     resident = min(fit, -(-programs // num_sms))
     return tile, pack, programs, resident * max(stages - 1, 1) * step / 1024
@@ -340,15 +360,15 @@ def launch_shape(cfg: KernelConfig, sched, num_sms: int):
 
 def run_config(point: str, name: str, cfg: KernelConfig, data, calls: int, num_sms: int) -> Result:
     """Plans, compiles, checks against the reference, then times one config at one point."""
-    q, k, v, md, ref, kv_bytes = data
+    q, k, v, md, ref, kv_bytes, descales = data
     res = Result(point, name)
     try:
         sched = jax.block_until_ready(jax.jit(functools.partial(
             plan_schedule, num_q_heads=HQ, num_kv_heads=HKV, config=cfg))(md))
         res.splits = sched.max_splits
-        res.tile, res.pack, res.programs, res.kb_per_sm = launch_shape(cfg, sched, num_sms)
+        res.tile, res.pack, res.programs, res.kb_per_sm = launch_shape(cfg, sched, num_sms, k.dtype.itemsize)
         md_s = dataclasses.replace(md, schedule=sched)
-        fn = jax.jit(functools.partial(paged_attention, causal=True, config=cfg))
+        fn = jax.jit(functools.partial(paged_attention, causal=True, config=cfg, **descales))
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(q, k, v, md_s))
         res.compile_s = time.perf_counter() - t0
@@ -375,15 +395,16 @@ TINY_POINTS = [("1x2048x16", 1, 2048, 16, "split"), ("1x2048x1", 1, 2048, 1, "sp
 TINY_CONFIGS = ("default", "pack4 t32/4/3 ms64", "t64/4/3 ms64 w8 prefetch", "prefetch")
 
 
-def configs_for(point, args, results: list[Result]):
-    """The (name, config) list to run at ``point``: page-1 split twins get the page-16 leaders."""
+def configs_for(point, args, results: list[Result], suffix: str = ""):
+    """The (name, config) list to run at ``point``: page-1 split twins get the page-16 leaders (of the same KV
+    dtype: ``suffix``)."""
     name, batch, ctx, ps, group = point
     pool = SPLIT_CONFIGS if group == "split" else DECODE_CONFIGS
     wanted = [s for s in args.only.split(",") if s] or (TINY_CONFIGS if args.tiny else None)
     pool = [(n, c) for n, c in pool if wanted is None or n in wanted]
     if args.full or group != "split" or ps != 1:
         return pool
-    twin = [r for r in results if r.point == f"{batch}x{ctx}x16" and r.status == "ok"]
+    twin = [r for r in results if r.point == f"{batch}x{ctx}x16{suffix}" and r.status == "ok"]
     if not twin:
         return pool
     lead = [r.config for r in sorted(twin, key=lambda r: -r.tbps)[: args.top]]
@@ -418,14 +439,22 @@ def print_table(results: list[Result]) -> None:
             best = max(ok, key=lambda r: r.tbps)
             ratio = common.fmt(best.tbps / base, ".2f")
             print(f"best at {point}: {best.config} {best.tbps:.2f} TB/s ({ratio}x default {common.fmt(base, '.2f')})")
+            bf16 = next((r for r in results if f"{r.point}-fp8" == point and r.config == "default" and r.status == "ok"),
+                        None)
+            if bf16 is not None:  # an fp8 point beside its bf16 twin: time against bf16's default
+                default = next((r for r in ok if r.config == "default"), None)
+                print(f"  fp8 time / bf16 default time: default {common.fmt(default.total_us / bf16.total_us, '.3f') if default else '-'}"
+                      f", best {best.total_us / bf16.total_us:.3f}")
 
 
 def sweep(args, points, num_sms: int, t_start: float) -> list[Result]:
     results: list[Result] = []
-    for point in points:
+    for kv_dtype, point in [(t, p) for t in args.kv_dtype.split(",") for p in points]:
+        suffix = "" if kv_dtype == "bf16" else f"-{kv_dtype}"
         pname, batch, ctx, ps, _ = point
-        todo = configs_for(point, args, results)
-        data = make_point(batch, ctx, ps)
+        pname += suffix
+        todo = configs_for(point, args, results, suffix)
+        data = make_point(batch, ctx, ps, kv_dtype)
         base = math.nan
         for name, cfg in todo:
             if time.perf_counter() - t_start > args.budget_s:
@@ -485,6 +514,8 @@ def parse_args(argv=None):
     ap_t.add_argument("--calls", type=int, default=20, help="profiled back-to-back calls per config")
     ap_t.add_argument("--budget-s", type=float, default=200.0, help="start no new config after this many seconds")
     ap_t.add_argument("--tiny", action="store_true", help="CPU smoke run: small contexts, 3 configs, interpreter")
+    ap_t.add_argument("--kv-dtype", default="bf16", help="bf16, fp8 (float8_e4m3fn pools with k/v descales) or "
+                                                          "bf16,fp8 (both, the fp8 points timed against bf16's)")
     args = ap.parse_args(argv)
     if args.sweep is None and not args.smoke:
         ap.error("name a sub-sweep (mosaic, triton-decode) or pass --smoke")
@@ -494,7 +525,7 @@ def parse_args(argv=None):
 SMOKE = {  # sub-sweep: its arguments at toy points (a CPU interprets the kernels)
     "mosaic": ["mosaic", "--points", "decode_1x32", "--variants", "default", "--rounds", "1", "--calls", "2"],
     "triton-decode": ["triton-decode", "--tiny", "--points", "1x2048x16,32x256x16", "--only", "default,prefetch",
-                      "--calls", "2"],
+                      "--calls", "2", "--kv-dtype", "bf16,fp8"],
 }
 
 

@@ -140,6 +140,37 @@ def test_many_decode_tile_only_where_measured_and_never_batch_invariant():
         KernelConfig(many_decode_tile=(48, 4, 3))
 
 
+def test_fp8_kv_decode_tile_and_f16_dots():
+    """Over fp8 KV with 16-bit q the dots run in f16 (e4m3 -> f16 is one instruction per two values, -> bf16
+    three) and every decode tile, split or not, batch invariant or not, is ``fp8_decode_tile``; prefill tiles,
+    2-byte KV, float32 q and head dims over 128 keep their tiles and dot types. Would catch the rule reaching
+    2-byte pools or prefill tiles, or the f16 dots reverting to bf16 (the H200's slower fp8 decode)."""
+    kw = dict(num_tokens=64, num_q_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, page_size=16,
+              max_pages=256, max_q_len=1, block_q=1, max_splits=1, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
+              causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, has_sinks=False,
+              has_k_descale=True, has_v_descale=True, latent=False, config=KernelConfig(), interpret=False)
+
+    def statics(**over):
+        st, knobs = kernel_statics(**{**kw, **over})
+        return (st.block_k, *knobs), st.compute_dtype
+
+    fp8_tile, fp8_split = KernelConfig().fp8_decode_tile, KernelConfig().fp8_split_tile
+    assert (fp8_tile, fp8_split) == ((64, 2, 4), (128, 4, 3))
+    for over in ({}, dict(batch_invariant=True), dict(page_size=1, num_tokens=256), dict(dtype=jnp.float16)):
+        assert statics(**over) == (fp8_tile, jnp.float16), over
+    assert statics(max_splits=4) == (fp8_split, jnp.float16)
+    assert statics(kv_dtype=jnp.bfloat16) == ((128, 4, 2), jnp.bfloat16)  # 2-byte KV: as before
+    assert statics(dtype=jnp.float32) == (fp8_tile, jnp.float32)
+    assert statics(config=KernelConfig(fp8_f16_dots=False))[1] == jnp.bfloat16
+    assert statics(max_q_len=16, block_q=4)[0] == (64, 4, 3)  # a prefill tile
+    assert statics(head_dim=256, head_dim_v=256)[0] == (128, 4, 2)  # over 128: the 2-byte decode tile
+    packed = KernelConfig(split_kv_heads=4, split_block_k=32)  # kv heads packed into split tiles: their own tile
+    assert statics(max_splits=4, config=packed)[0] == (32, 4, 2)
+    assert statics(config=KernelConfig(fp8_decode_tile=None))[0] == (128, 4, 2)
+    with pytest.raises(ValueError, match="fp8_split_tile"):
+        KernelConfig(fp8_split_tile=(96, 4, 3))
+
+
 @pytest.mark.parametrize("num_splits", [None, 1])
 def test_many_decode_tile_runs_right_and_only_without_batch_invariance(num_splits):
     """The many-program decode tile (64 keys, 3 stages; here from 8 programs on) against the reference over

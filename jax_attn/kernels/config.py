@@ -91,6 +91,21 @@ class KernelConfig:
         programs) 254.1 against 262.0 us, 128 x 2048 (1024) 252.1 against 255.7, 64 x 4096 (512) 252.5 against
         251.5; page 16 256 x 1024 269.3 against 256.2 (so larger pages keep the decode tile).
       many_decode_programs / many_decode_max_page: see ``many_decode_tile``.
+      fp8_decode_tile / fp8_split_tile: ``(block_k, num_warps, num_stages)`` of unsplit / split-KV decode tiles
+        (any batch) over 1-byte (fp8) KV at (padded) head dims up to 128 with one kv head a program
+        (``split_kv_heads`` packs more into split tiles, whose own tile then holds); None: the 2-byte KV tiles.
+        Such a tile converts each K/V element in registers before its dot, so it is bound by that work more than
+        by bytes. H200, 32/8 heads, d 128, f16 dots, CUPTI time per call, one run of ``tune.py triton-decode
+        --kv-dtype bf16,fp8`` (thirty-eighth session, ``benchmarks/RESULTS.md``), against the 2-byte tile 128/4/2:
+        page 16 64 x 4096 64/2/4 165.1 us, 128/4/3 175.3, 128/4/2 187.6; 8 x 8192 (4 splits) 128/4/3 52.5,
+        128/4/2 55.7 (64/2/4: 71.5 in an earlier run); page 1 256 x 1024 64/2/4 178.1, 128/4/3 194.5, 128/4/2
+        210.3. Longer key blocks or more warps were slower (256/8/2: 296.1 us at 64 x 4096).
+      fp8_f16_dots: over fp8 KV with 16-bit q, the dots run in f16 (q converted once a tile), not in q's
+        dtype. Every e4m3 value is exact in both 16-bit types, and q's bf16 values are exact in f16 between
+        2**-14 and 65504 (beyond it f16 overflows to inf and the row turns NaN, never silently wrong); e4m3 ->
+        f16 is one conversion instruction per two values on sm89+, e4m3 -> bf16 goes through f16 and f32. Same
+        run, 64 x 4096 decode at page 16 with the 2-byte tile: 187.6 us against 246.6 (bf16 KV: 244.2); causal
+        prefill B4 S4096 took 1908 us either way in another run that session (bf16 KV: 1482).
       max_tile_elements: most float32 accumulator elements (rows x value block) of one program; a
         query-head group whose tile holds more is split over programs (MLA's 128 heads x 512 latent
         columns), each with at least 8 warps and key blocks of at most 64.
@@ -120,6 +135,9 @@ class KernelConfig:
     many_decode_tile: tuple[int, int, int] | None = (64, 4, 3)
     many_decode_programs: int = 1024
     many_decode_max_page: int = 1
+    fp8_decode_tile: tuple[int, int, int] | None = (64, 2, 4)
+    fp8_split_tile: tuple[int, int, int] | None = (128, 4, 3)
+    fp8_f16_dots: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "num_warps", "merge_block_rows", "merge_num_warps", "merge_row_num_warps"):
@@ -144,21 +162,27 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be >= 1")
         if self.max_splits < 1:
             raise ValueError(f"{self.max_splits=} must be >= 1")
-        if self.many_decode_tile is not None:
-            bk, warps, stages = self.many_decode_tile
-            if not (_is_pow2(bk) and bk >= 16 and _is_pow2(warps) and stages >= 1):
-                raise ValueError(f"{self.many_decode_tile=} must be (block_k, num_warps, num_stages): powers of 2 "
+        for name in ("many_decode_tile", "fp8_decode_tile", "fp8_split_tile"):
+            tile = getattr(self, name)
+            if tile is not None and not (_is_pow2(tile[0]) and tile[0] >= 16 and _is_pow2(tile[1]) and tile[2] >= 1):
+                raise ValueError(f"{name}={tile} must be (block_k, num_warps, num_stages): powers of 2 "
                                  "(block_k >= 16) and stages >= 1, e.g. (64, 4, 3); or None")
         if self.min_kv_per_split < 1 or self.num_sms < 1 or self.split_waves < 1:
             raise ValueError(f"{self.min_kv_per_split=}, {self.num_sms=} and {self.split_waves=} must be >= 1")
 
     def tile_params(self, decode: bool, split: bool = False, *, programs: int = 0, page_size: int = 0,
-                    head_dim: int = 0, batch_invariant: bool = False) -> tuple[int, int, int]:
+                    head_dim: int = 0, batch_invariant: bool = False, kv_itemsize: int = 2,
+                    kv_pack: int = 1) -> tuple[int, int, int]:
         """(block_k, num_warps, num_stages) for multi-token tiles, decode tiles or split-KV decode tiles; unsplit
         decode tiles of a launch of ``programs`` (token, kv head) programs over pages of ``page_size`` rows at
-        (padded) ``head_dim`` may get ``many_decode_tile`` (never when ``batch_invariant``)."""
+        (padded) ``head_dim`` may get ``many_decode_tile`` (never when ``batch_invariant``); decode tiles over
+        ``kv_itemsize`` 1 (fp8) of one kv head a program (``kv_pack``) get ``fp8_decode_tile`` /
+        ``fp8_split_tile``."""
         if not decode:
             return self.block_k, self.num_warps, self.num_stages
+        fp8_tile = self.fp8_split_tile if split else self.fp8_decode_tile
+        if kv_itemsize == 1 and kv_pack == 1 and fp8_tile is not None and head_dim <= 128:
+            return fp8_tile
         if (not split and not batch_invariant and self.many_decode_tile is not None
                 and programs >= self.many_decode_programs and 0 < page_size <= self.many_decode_max_page
                 and 0 < head_dim <= 128):

@@ -541,14 +541,17 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     split_mode = max_splits > 1
     if prior and split_mode:
         raise ValueError("a prior partial merges into unsplit tiles only (plan the pass with one kv split)")
-    block_k, num_warps, num_stages = config.tile_params(
-        decode, split_mode, programs=num_tokens * num_kv_heads, page_size=page_size,
-        head_dim=max(head_dim_block(head_dim), head_dim_block(head_dim_v)), batch_invariant=batch_invariant)
-    # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
-    block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
     hq, hkv = num_q_heads, num_kv_heads
     pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
+    block_k, num_warps, num_stages = config.tile_params(
+        decode, split_mode, programs=num_tokens * num_kv_heads, page_size=page_size,
+        head_dim=max(head_dim_block(head_dim), head_dim_block(head_dim_v)), batch_invariant=batch_invariant,
+        kv_itemsize=jnp.dtype(kv_dtype).itemsize, kv_pack=pack)
+    # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
+    block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
     compute_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+    if jnp.dtype(kv_dtype).itemsize == 1 and compute_dtype != jnp.float32 and config.fp8_f16_dots:
+        compute_dtype = jnp.float16  # KernelConfig.fp8_f16_dots
     split = head_split(block_q, hq // hkv, pack, head_dim_v, config.max_tile_elements)
     if split > 1:  # a wide value block: more warps for the accumulator, shorter key blocks for shared memory
         block_k, num_warps = min(block_k, 64), max(num_warps, 8)
