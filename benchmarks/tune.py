@@ -231,6 +231,9 @@ SPLIT_CONFIGS = [
     ("t256/4/2", _split(256, 4, 2)),
     ("no fp8 tile", KernelConfig(fp8_split_tile=None)),
     ("fp8 before", KernelConfig(fp8_split_tile=None, fp8_f16_dots=False)),
+    ("fp8 64/4/4", KernelConfig(fp8_split_tile=(64, 4, 4))),
+    ("fp8 128/4/4", KernelConfig(fp8_split_tile=(128, 4, 4))),
+    ("fp8 64/2/3", KernelConfig(fp8_split_tile=(64, 2, 3))),
     ("t64/4/2 ms64 w8", _split(64, 4, 2, max_splits=64, split_waves=8)),
     ("t64/4/3 ms64 w8", _split(64, 4, 3, max_splits=64, split_waves=8)),
     ("t64/4/4 ms64", _split(64, 4, 4, max_splits=64)),
@@ -256,6 +259,11 @@ DECODE_CONFIGS = [
     ("no fp8 tile", KernelConfig(fp8_decode_tile=None)),
     ("fp8 before", KernelConfig(fp8_decode_tile=None, fp8_f16_dots=False)),
     ("fp8 128/4/3", KernelConfig(fp8_decode_tile=(128, 4, 3))),
+    ("fp8 32/2/4", KernelConfig(fp8_decode_tile=(32, 2, 4))),
+    ("fp8 64/2/3", KernelConfig(fp8_decode_tile=(64, 2, 3))),
+    ("fp8 64/2/5", KernelConfig(fp8_decode_tile=(64, 2, 5))),
+    ("fp8 64/1/4", KernelConfig(fp8_decode_tile=(64, 1, 4))),
+    ("fp8 128/2/3", KernelConfig(fp8_decode_tile=(128, 2, 3))),
     ("prefetch", KernelConfig(prefetch_pages=True)),
 ]
 

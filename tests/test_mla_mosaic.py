@@ -18,7 +18,7 @@ import pytest
 
 from jax_attn.attention import attention, call_of
 from jax_attn.kernel_policy import mosaic_covers
-from jax_attn.kernels.mosaic_paged import latent_unsupported, paged_attention_mosaic
+from jax_attn.kernels.mosaic_paged import MosaicConfig, latent_unsupported, paged_attention_mosaic
 from tests.attention_cases import Case, build_inputs, compare_per_sequence, reference_by_sequence
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -172,8 +172,9 @@ def test_torch_bridge_mla_mosaic_launch(device, page, split, monkeypatch):
     """An MLA model through the bridge on the Mosaic launch path (the latent kernel launched from torch; on
     the CPU interpreted): two decode steps (the second reuses the bound launch), the write lands only at the
     step's slots (NaN in every unused slot), the output equals the float32 reference per sequence. Three
-    sequences cannot fill the GPU: ``split`` runs the split kernel and its merge (on the GPU: 2 splits of
-    the 1024-key bound; on the CPU a config that cuts the 96-key bound into 3), else one tile per sequence."""
+    sequences cannot fill the GPU: ``split`` runs the split kernel and its merge (on the GPU: the 1024-key bound
+    in splits of the default ``min_kv_per_split`` keys, 8 of 128 since the thirty-seventh session, as three CTAs
+    leave the SMs idle; on the CPU a config that cuts the 96-key bound into 3), else one tile per sequence."""
     import torch
 
     from tests.paging import shuffled_table
@@ -197,7 +198,6 @@ def test_torch_bridge_mla_mosaic_launch(device, page, split, monkeypatch):
                          ModelConfig(max_ctx, attention_arch="MLA"), page_size=page, device=device)
     path = None
     if device == "cpu":
-        from jax_attn.kernels.mosaic_paged import MosaicConfig
         from tests.test_triton_launch import InterpretedTriton
 
         config = MosaicConfig(min_kv_per_split=32 if split else 512)
@@ -225,8 +225,8 @@ def test_torch_bridge_mla_mosaic_launch(device, page, split, monkeypatch):
         want = _latent_decode_reference(buf, table, rows, committed + 1, q, page, max_ctx, latent, 0.09)
         compare_per_sequence(out.float().cpu().numpy().reshape(3, hq, latent), want, np.arange(4, dtype=np.int32),
                              tol=3e-2, what=f"step {step}")
-        assert backend.step.tables[(hq, 1, mosaic_path.LATENT_TABLES)].num_splits == (
-            (3 if device == "cpu" else 2) if split else 1)
+        splits = 3 if device == "cpu" else max_ctx // MosaicConfig().min_kv_per_split
+        assert backend.step.tables[(hq, 1, mosaic_path.LATENT_TABLES)].num_splits == (splits if split else 1)
     assert len(backend.runner.hits) == 1
     assert isinstance(backend.runner.hits[0].call, mosaic_path.LayerCall)  # the Mosaic kernel's launch
     if device == "cpu":
@@ -332,7 +332,6 @@ def test_latent_graph_bucket_refreshes_its_tables_in_the_graph(name, bs, split, 
     from tests.test_graph_tables import MAX_CTX, MODES, REQS, refresh_trials
     from tests.test_triton_launch import InterpretedTriton
     from torch_bridge import FlashAttentionBackend, MLATokenToKVPool, ModelConfig, ModelRunner, ReqToTokenPool
-    from jax_attn.kernels.mosaic_paged import MosaicConfig
     from torch_bridge.mosaic_path import LATENT_TABLES, MosaicPath
 
     hq, page = 8, 16

@@ -155,7 +155,7 @@ def test_fp8_kv_decode_tile_and_f16_dots():
         return (st.block_k, *knobs), st.compute_dtype
 
     fp8_tile, fp8_split = KernelConfig().fp8_decode_tile, KernelConfig().fp8_split_tile
-    assert (fp8_tile, fp8_split) == ((64, 2, 4), (128, 4, 3))
+    assert (fp8_tile, fp8_split) == ((64, 2, 5), (128, 4, 3))
     for over in ({}, dict(batch_invariant=True), dict(page_size=1, num_tokens=256), dict(dtype=jnp.float16)):
         assert statics(**over) == (fp8_tile, jnp.float16), over
     assert statics(max_splits=4) == (fp8_split, jnp.float16)

@@ -95,11 +95,13 @@ class KernelConfig:
         (any batch) over 1-byte (fp8) KV at (padded) head dims up to 128 with one kv head a program
         (``split_kv_heads`` packs more into split tiles, whose own tile then holds); None: the 2-byte KV tiles.
         Such a tile converts each K/V element in registers before its dot, so it is bound by that work more than
-        by bytes. H200, 32/8 heads, d 128, f16 dots, CUPTI time per call, one run of ``tune.py triton-decode
-        --kv-dtype bf16,fp8`` (thirty-eighth session, ``benchmarks/RESULTS.md``), against the 2-byte tile 128/4/2:
-        page 16 64 x 4096 64/2/4 165.1 us, 128/4/3 175.3, 128/4/2 187.6; 8 x 8192 (4 splits) 128/4/3 52.5,
-        128/4/2 55.7 (64/2/4: 71.5 in an earlier run); page 1 256 x 1024 64/2/4 178.1, 128/4/3 194.5, 128/4/2
-        210.3. Longer key blocks or more warps were slower (256/8/2: 296.1 us at 64 x 4096).
+        by bytes: a deeper ring of short key blocks over two warps helps, longer key blocks or more warps do not.
+        H200, 32/8 heads, d 128, f16 dots, CUPTI time per call, ``tune.py triton-decode --kv-dtype fp8``
+        (thirty-eighth session, ``benchmarks/RESULTS.md``), one run: page 16 64 x 4096 64/2/5 148.7 us, 64/2/4
+        166.6, 64/2/3 166.5, 32/2/4 219.1, 64/1/4 294.1, 128/2/3 396.9; page 1 256 x 1024 64/2/5 166.0, 64/2/4
+        179.2; 8 x 8192 (4 splits) 128/4/3 and 128/4/4 52.8, 64/4/4 68.4, 64/2/3 71.2. An earlier run: the
+        2-byte tile 128/4/2 187.6 us at 64 x 4096 and 55.7 at 8 x 8192, 128/4/3 175.3 at 64 x 4096, 256/8/2
+        296.1.
       fp8_f16_dots: over fp8 KV with 16-bit q, the dots run in f16 (q converted once a tile), not in q's
         dtype. Every e4m3 value is exact in both 16-bit types, and q's bf16 values are exact in f16 between
         2**-14 and 65504 (beyond it f16 overflows to inf and the row turns NaN, never silently wrong); e4m3 ->
@@ -135,7 +137,7 @@ class KernelConfig:
     many_decode_tile: tuple[int, int, int] | None = (64, 4, 3)
     many_decode_programs: int = 1024
     many_decode_max_page: int = 1
-    fp8_decode_tile: tuple[int, int, int] | None = (64, 2, 4)
+    fp8_decode_tile: tuple[int, int, int] | None = (64, 2, 5)
     fp8_split_tile: tuple[int, int, int] | None = (128, 4, 3)
     fp8_f16_dots: bool = True
 
