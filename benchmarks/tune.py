@@ -336,9 +336,9 @@ def make_point(batch: int, ctx: int, page_size: int, kv_dtype: str = "bf16"):
     descales, itemsize = {}, 2
     if kv_dtype == "fp8":
         ks, vs = FP8_SCALES
-        k, v = (k.astype(jnp.float32) / ks).astype(jnp.float8_e4m3fn), (v.astype(jnp.float32) / vs).astype(jnp.float8_e4m3fn)
+        k, v = ((x.astype(jnp.float32) / s).astype(jnp.float8_e4m3fn) for x, s in ((k, ks), (v, vs)))
         descales, itemsize = dict(k_descale=jnp.float32(ks), v_descale=jnp.float32(vs)), 1
-        kr, vr = (k.astype(jnp.float32) * ks).astype(jnp.bfloat16), (v.astype(jnp.float32) * vs).astype(jnp.bfloat16)
+        kr, vr = ((x.astype(jnp.float32) * s).astype(jnp.bfloat16) for x, s in ((k, ks), (v, vs)))
     else:
         kr, vr = k, v
     ref = _reference(q, kr, vr, md.cache_seqlens, md.cu_seqlens_q, md.page_table, page_size=page_size, causal=True)
@@ -447,12 +447,12 @@ def print_table(results: list[Result]) -> None:
             best = max(ok, key=lambda r: r.tbps)
             ratio = common.fmt(best.tbps / base, ".2f")
             print(f"best at {point}: {best.config} {best.tbps:.2f} TB/s ({ratio}x default {common.fmt(base, '.2f')})")
-            bf16 = next((r for r in results if f"{r.point}-fp8" == point and r.config == "default" and r.status == "ok"),
-                        None)
+            bf16 = next((r for r in results
+                         if f"{r.point}-fp8" == point and r.config == "default" and r.status == "ok"), None)
             if bf16 is not None:  # an fp8 point beside its bf16 twin: time against bf16's default
                 default = next((r for r in ok if r.config == "default"), None)
-                print(f"  fp8 time / bf16 default time: default {common.fmt(default.total_us / bf16.total_us, '.3f') if default else '-'}"
-                      f", best {best.total_us / bf16.total_us:.3f}")
+                vs_default = common.fmt(default.total_us / bf16.total_us, ".3f") if default else "-"
+                print(f"  fp8 time / bf16 default time: default {vs_default}, best {best.total_us / bf16.total_us:.3f}")
 
 
 def sweep(args, points, num_sms: int, t_start: float) -> list[Result]:
