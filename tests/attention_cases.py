@@ -82,6 +82,9 @@ CPU_CASES = [
     _c("softcap", [(1, 60), (15, 30)], softcap=5.0),
     _c("sinks", [(1, 60), (15, 30), (1, 1)], sinks=True, heads=(8, 2)),
     _c("fp8_descale", [(1, 60), (6, 44)], fp8=True, dtype="bfloat16"),
+    # fp8 with every other knob: one-row pages, split decode (the fp8 split tile), a window, a softcap, a scale
+    _c("fp8_page1_split_window_softcap", [(1, 70), (1, 40), (4, 33)], fp8=True, dtype="bfloat16", page_size=1,
+       heads=(8, 2), num_splits=2, window=(25, 0), softcap=5.0, softmax_scale=0.3),
     _c("dv_differs", [(1, 50), (8, 20)], head_dim=32, head_dim_v=64),
     _c("split3", [(1, 90), (5, 70), (1, 2)], num_splits=3, softmax_scale=0.4),
     _c("split3_sinks_window", [(1, 90), (9, 70)], num_splits=3, sinks=True, window=(20, 0)),
