@@ -215,6 +215,14 @@ def _decode(bk: int, warps: int, stages: int, **kw) -> KernelConfig:
                         fp8_decode_tile=None, **kw)
 
 
+def _fp8_variants(field: str, tiles) -> list:
+    """fp8 KV variants of one tile knob (``fp8_decode_tile`` / ``fp8_split_tile``): none (the 2-byte tile, f16 dots),
+    the tile before f16 dots as well, and each of ``tiles`` (named ``fp8 BK/W/S``); bf16 KV ignores them."""
+    return [("no fp8 tile", KernelConfig(**{field: None})),
+            ("fp8 before", KernelConfig(**{field: None}, fp8_f16_dots=False)),
+            *((f"fp8 {'/'.join(map(str, t))}", KernelConfig(**{field: t})) for t in tiles)]
+
+
 SPLIT_CONFIGS = [
     ("default", KernelConfig()),
     ("w4", KernelConfig(split_waves=4)),
@@ -229,11 +237,7 @@ SPLIT_CONFIGS = [
     ("t128/8/2", _split(128, 8, 2)),
     ("t256/8/2", _split(256, 8, 2)),
     ("t256/4/2", _split(256, 4, 2)),
-    ("no fp8 tile", KernelConfig(fp8_split_tile=None)),
-    ("fp8 before", KernelConfig(fp8_split_tile=None, fp8_f16_dots=False)),
-    ("fp8 64/4/4", KernelConfig(fp8_split_tile=(64, 4, 4))),
-    ("fp8 128/4/4", KernelConfig(fp8_split_tile=(128, 4, 4))),
-    ("fp8 64/2/3", KernelConfig(fp8_split_tile=(64, 2, 3))),
+    *_fp8_variants("fp8_split_tile", [(64, 4, 4), (128, 4, 4), (64, 2, 3)]),
     ("t64/4/2 ms64 w8", _split(64, 4, 2, max_splits=64, split_waves=8)),
     ("t64/4/3 ms64 w8", _split(64, 4, 3, max_splits=64, split_waves=8)),
     ("t64/4/4 ms64", _split(64, 4, 4, max_splits=64)),
@@ -256,14 +260,7 @@ DECODE_CONFIGS = [
     ("d256/8/2", _decode(256, 8, 2)),
     ("d256/8/3", _decode(256, 8, 3)),
     ("d256/4/2", _decode(256, 4, 2)),
-    ("no fp8 tile", KernelConfig(fp8_decode_tile=None)),
-    ("fp8 before", KernelConfig(fp8_decode_tile=None, fp8_f16_dots=False)),
-    ("fp8 128/4/3", KernelConfig(fp8_decode_tile=(128, 4, 3))),
-    ("fp8 32/2/4", KernelConfig(fp8_decode_tile=(32, 2, 4))),
-    ("fp8 64/2/3", KernelConfig(fp8_decode_tile=(64, 2, 3))),
-    ("fp8 64/2/5", KernelConfig(fp8_decode_tile=(64, 2, 5))),
-    ("fp8 64/1/4", KernelConfig(fp8_decode_tile=(64, 1, 4))),
-    ("fp8 128/2/3", KernelConfig(fp8_decode_tile=(128, 2, 3))),
+    *_fp8_variants("fp8_decode_tile", [(128, 4, 3), (32, 2, 4), (64, 2, 3), (64, 2, 4), (64, 1, 4), (128, 2, 3)]),
     ("prefetch", KernelConfig(prefetch_pages=True)),
 ]
 

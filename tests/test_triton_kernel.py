@@ -117,18 +117,23 @@ def test_split_knobs_choose_tiles_and_splits():
             KernelConfig(**bad)
 
 
+def decode_statics(**over):
+    """``((block_k, num_warps, num_stages), dot dtype)`` that ``kernel_statics`` gives a 32/8-head, d 128 decode
+    launch (bf16, unsplit) with ``over`` changed."""
+    kw = dict(num_tokens=128, num_q_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, page_size=16,
+              max_pages=4096, max_q_len=1, block_q=1, max_splits=1, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+              causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, has_sinks=False,
+              has_k_descale=False, has_v_descale=False, latent=False, config=KernelConfig(), interpret=False)
+    st, knobs = kernel_statics(**{**kw, **over})
+    return (st.block_k, *knobs), st.compute_dtype
+
+
 def test_many_decode_tile_only_where_measured_and_never_batch_invariant():
     """``KernelConfig.many_decode_tile``: unsplit decode over one-row pages in a launch of at least 1024 (token, kv
     head) programs at head dims up to 128; a batch-invariant call (``num_splits=1``, deterministic mode) keeps the
     decode tile, or a request's bits would depend on how many others share its batch."""
-    kw = dict(num_tokens=128, num_q_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, page_size=1,
-              max_pages=4096, max_q_len=1, block_q=1, max_splits=1, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
-              causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, has_sinks=False,
-              has_k_descale=False, has_v_descale=False, latent=False, config=KernelConfig(), interpret=False)
-
     def tile(**over):
-        st, knobs = kernel_statics(**{**kw, **over})
-        return (st.block_k, *knobs)
+        return decode_statics(**{"page_size": 1, **over})[0]
 
     assert tile() == (64, 4, 3)  # 1024 programs
     assert tile(head_dim=80, head_dim_v=80) == (64, 4, 3)  # a 128 block
@@ -145,14 +150,9 @@ def test_fp8_kv_decode_tile_and_f16_dots():
     three) and every decode tile, split or not, batch invariant or not, is ``fp8_decode_tile``; prefill tiles,
     2-byte KV, float32 q and head dims over 128 keep their tiles and dot types. Would catch the rule reaching
     2-byte pools or prefill tiles, or the f16 dots reverting to bf16 (the H200's slower fp8 decode)."""
-    kw = dict(num_tokens=64, num_q_heads=32, num_kv_heads=8, head_dim=128, head_dim_v=128, page_size=16,
-              max_pages=256, max_q_len=1, block_q=1, max_splits=1, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn,
-              causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None, has_sinks=False,
-              has_k_descale=True, has_v_descale=True, latent=False, config=KernelConfig(), interpret=False)
-
     def statics(**over):
-        st, knobs = kernel_statics(**{**kw, **over})
-        return (st.block_k, *knobs), st.compute_dtype
+        return decode_statics(**{**dict(num_tokens=64, kv_dtype=jnp.float8_e4m3fn, has_k_descale=True,
+                                        has_v_descale=True), **over})
 
     fp8_tile, fp8_split = KernelConfig().fp8_decode_tile, KernelConfig().fp8_split_tile
     assert (fp8_tile, fp8_split) == ((64, 2, 5), (128, 4, 3))
