@@ -350,11 +350,14 @@ def _rel_err(out, ref):
     return jnp.where(jnp.all(jnp.isfinite(out)), err, jnp.inf)
 
 
-def launch_shape(cfg: KernelConfig, sched, num_sms: int, itemsize: int = 2):
-    """(tile, pack, programs, estimated KiB in flight per SM) of the attention launch."""
+def launch_shape(cfg: KernelConfig, sched, num_sms: int, itemsize: int = 2, *, num_tokens: int = 0,
+                 page_size: int = 0):
+    """(tile, pack, programs, estimated KiB in flight per SM) of the attention launch (its tile as
+    ``triton_paged.kernel_statics`` picks it for ``num_tokens`` decode tokens over pages of ``page_size``)."""
     split = sched.max_splits > 1
     pack = kv_heads_per_program(cfg, HKV, decode=True, split=split)
-    tile = cfg.tile_params(decode=True, split=split, kv_itemsize=itemsize, kv_pack=pack)
+    tile = cfg.tile_params(decode=True, split=split, programs=num_tokens * HKV, page_size=page_size, head_dim=D,
+                           kv_itemsize=itemsize, kv_pack=pack)
     programs = int(sched.num_tiles) * (HKV // pack)
     bk, warps, stages = tile
     step = bk * pack * 2 * D * itemsize  # K and V rows of one loop step
@@ -371,7 +374,8 @@ def run_config(point: str, name: str, cfg: KernelConfig, data, calls: int, num_s
         sched = jax.block_until_ready(jax.jit(functools.partial(
             plan_schedule, num_q_heads=HQ, num_kv_heads=HKV, config=cfg))(md))
         res.splits = sched.max_splits
-        res.tile, res.pack, res.programs, res.kb_per_sm = launch_shape(cfg, sched, num_sms, k.dtype.itemsize)
+        res.tile, res.pack, res.programs, res.kb_per_sm = launch_shape(
+            cfg, sched, num_sms, k.dtype.itemsize, num_tokens=q.shape[0], page_size=md.page_size)
         md_s = dataclasses.replace(md, schedule=sched)
         fn = jax.jit(functools.partial(paged_attention, causal=True, config=cfg, **descales))
         t0 = time.perf_counter()
