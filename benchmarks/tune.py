@@ -533,7 +533,7 @@ def parse_args(argv=None):
 
 SMOKE = {  # sub-sweep: its arguments at toy points (a CPU interprets the kernels)
     "mosaic": ["mosaic", "--points", "decode_1x32", "--variants", "default", "--rounds", "1", "--calls", "2"],
-    "triton-decode": ["triton-decode", "--tiny", "--points", "1x2048x16,32x256x16", "--only", "default,prefetch",
+    "triton-decode": ["triton-decode", "--tiny", "--points", "1x2048x16,32x256x16", "--only", "default",
                       "--calls", "2", "--kv-dtype", "bf16,fp8"],
 }
 
