@@ -147,9 +147,10 @@ def test_many_decode_tile_only_where_measured_and_never_batch_invariant():
 
 def test_fp8_kv_decode_tile_and_f16_dots():
     """Over fp8 KV with 16-bit q the dots run in f16 (e4m3 -> f16 is one instruction per two values, -> bf16
-    three) and every decode tile, split or not, batch invariant or not, is ``fp8_decode_tile``; prefill tiles,
-    2-byte KV, float32 q and head dims over 128 keep their tiles and dot types. Would catch the rule reaching
-    2-byte pools or prefill tiles, or the f16 dots reverting to bf16 (the H200's slower fp8 decode)."""
+    three); every unsplit decode tile, batch invariant or not, is ``fp8_decode_tile`` and every split one
+    ``fp8_split_tile``; prefill tiles, 2-byte KV, float32 q, head dims over 128 and split tiles packing kv heads keep
+    their tiles and dot types. Would catch the rule reaching 2-byte pools, prefill or packed split tiles, or the f16
+    dots reverting to bf16 (the H200's slower fp8 decode)."""
     def statics(**over):
         return decode_statics(**{**dict(num_tokens=64, kv_dtype=jnp.float8_e4m3fn, has_k_descale=True,
                                         has_v_descale=True), **over})
