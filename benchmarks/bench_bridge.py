@@ -21,6 +21,10 @@ verify: a ``--layers``-layer target-verify step, batch ``--verify-batch``, 8 dra
   context ``--ctx``: an EAGLE tree of topk 4 (prefix pass, expand pass and merge per layer) against chain
   verify (topk 1) of the same tokens, eager and in a CUDA graph, and the host time of one layer call and
   of the replay hook of each.
+hostgrid: issue 36's "every configuration" host rows: per configuration (page 16 and 1, split-KV, head dims 96 and
+  256, fp8 KV, sinks with a window, softcap, deterministic mode; chain and tree target verify), one layer's host
+  time per call without and with its KV write, and its bucket's replay hook after a real graph capture; which
+  call ran (``GRID``).
 profile: cProfile of the bridge's host path: the replay hook, the eager plan and one layer call, at
   page 1 (JAX path) and 16, each repeated ``--profile-iters`` times.
 launcher: host cost of launching the Mosaic GPU KV-write kernel (``tests/kv_write_kernel.py``) from
@@ -35,6 +39,7 @@ launcher: host cost of launching the Mosaic GPU KV-write kernel (``tests/kv_writ
 
     PYTHONPATH=. python3 benchmarks/bench_bridge.py [--batch 64 --ctx 4096 --layers 32 --page-size 16]
     PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts verify [--verify-batch 16 --ctx 4096]
+    PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts hostgrid [--host-iters 2000]
     PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts profile [--profile-iters 300]
     PYTHONPATH=. python3 benchmarks/bench_bridge.py --parts launcher [--tokens 64 --slots 4096 --heads 8 \
         --head-dim 128 --layers 32 --host-iters 2000]
@@ -111,14 +116,14 @@ def host(fn, iters: int, wait=sync, rounds: int = 10) -> float:
     return best
 
 
-def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int):
+def make_runner(cfg, batch: int, ctx: int, page_size: int, num_layers: int, dtype=torch.bfloat16):
     """Contiguous slots per request (page order does not change the work); row 0 / page 0 reserved."""
     r2t = torch.zeros(batch + 1, ctx, dtype=torch.int32, device=DEVICE)
     r2t[1:] = (page_size + torch.arange(batch * ctx, dtype=torch.int32, device=DEVICE)).view(batch, ctx)
     pool = MHATokenToKVPool.create(page_size + batch * ctx, num_layers, cfg.n_kv_heads, cfg.head_dim,
-                                   torch.bfloat16, DEVICE)
+                                   dtype, DEVICE)
     for b in pool.k_buffer + pool.v_buffer:
-        b.normal_()
+        b.copy_(torch.randn(b.shape, device=DEVICE))  # (fp8 pools have no normal_)
     return ModelRunner(ReqToTokenPool(r2t), pool, ModelConfig(ctx), page_size=page_size, device=DEVICE)
 
 
@@ -526,6 +531,135 @@ def bench_verify(cfg, batch: int, ctx: int, page_size: int, iters: int, host_ite
         print(f"{name:44s} {1e6 * s:8.1f}")
 
 
+# ---- --parts hostgrid: host time of a layer call and of the replay hook, per configuration ---------------
+@dataclasses.dataclass(frozen=True)
+class GridCase:
+    """One configuration of ``--parts hostgrid``: a decode bucket of ``batch`` requests at ``ctx``."""
+
+    name: str
+    heads: tuple = (32, 8)  # query / kv heads
+    head_dim: int = 128
+    page: int = 16
+    batch: int = 8
+    ctx: int = 4096
+    kv_dtype: str = "bfloat16"
+    sinks: bool = False
+    deterministic: bool = False
+    layer: tuple = ()  # RadixAttention attributes, (name, value) pairs
+
+
+GRID = (
+    GridCase("Llama 32/8 d128, page 16"),
+    GridCase("page 1", page=1),
+    GridCase("page 16, B1 ctx 32768 (split)", batch=1, ctx=32768),
+    GridCase("page 1, B1 ctx 32768 (split)", page=1, batch=1, ctx=32768),
+    GridCase("Phi-3 32/32 d96, page 16", heads=(32, 32), head_dim=96),
+    GridCase("Gemma 16/8 d256, page 16", heads=(16, 8), head_dim=256),
+    GridCase("fp8 KV (scales 0.5 / 0.7), page 16", kv_dtype="float8_e4m3fn",
+             layer=(("k_scale_float", 0.5), ("v_scale_float", 0.7))),
+    GridCase("gpt-oss 64/8 d64 + sinks, window 128, page 16", heads=(64, 8), head_dim=64, sinks=True,
+             layer=(("sliding_window_size", 127),)),
+    GridCase("softcap 30, page 1", page=1, layer=(("logit_cap", 30.0),)),
+    GridCase("deterministic, page 16", deterministic=True),
+)
+
+
+def grid_calls(case: GridCase) -> dict:
+    """One configuration's timed calls (a layer call without and with its KV write, the replay hook of its
+    decode bucket captured in a CUDA graph; on the CPU the eager plan) and what ran."""
+    hq, hkv = case.heads
+    cfg = types.SimpleNamespace(n_heads=hq, n_kv_heads=hkv, head_dim=case.head_dim)
+    runner = make_runner(cfg, case.batch, case.ctx, case.page, 1, getattr(torch, case.kv_dtype))
+    runner.server_args.enable_deterministic_inference = case.deterministic
+    name_heads(runner, cfg)
+    backend = FlashAttentionBackend(runner)
+    layer = RadixAttention(hq, case.head_dim, case.head_dim**-0.5, hkv, 0, **dict(case.layer))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(case.batch, hq * case.head_dim, device=DEVICE, generator=g).to(torch.bfloat16)
+    k = torch.randn(case.batch, hkv * case.head_dim, device=DEVICE, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(hq, device=DEVICE, generator=g) if case.sinks else None
+    static = StaticBatch(runner, backend, case.batch, case.ctx)
+    capture(backend, case.batch, static)
+    graph = None
+    if DEVICE == "cuda" and static.graphs:
+        graph = graph_step(lambda: backend.forward(q, k, k, layer, static.fb, sinks=sinks))
+    fb = static.replay()
+    return _grid_entry(backend, graph, static.replay,
+                       lambda: backend.forward(q, None, None, layer, fb, save_kv_cache=False, sinks=sinks),
+                       lambda: backend.forward(q, k, k, layer, fb, sinks=sinks))
+
+
+def _grid_entry(backend, graph, hook, call, call_kv) -> dict:
+    call()
+    hit = getattr(backend.runner.hits.get(0), "call", None)
+    ran = "JAX executable" if hit is None else type(hit).__name__ + (
+        " + merge" if getattr(hit, "merge", None) is not None else "")
+    # the hook first: the first layer call after it refreshes the tables once (untimed, ``bench_host_grid``)
+    return {"fns": {"replay hook": hook, "call, no KV write": call, "call + KV write": call_kv},
+            "ran": ran, "bucket": "captured" if graph is not None else "eager", "keep": (backend, graph)}
+
+
+def verify_calls(cfg, batch: int, ctx: int) -> dict:
+    """``grid_calls`` for target verify (8 draft tokens a request): chain, and trees at pages 16 and 1."""
+    entries = {}
+    for name, topk, page in (("chain verify, page 16", 1, 16), ("tree verify topk 4, page 16", 4, 16),
+                             ("tree verify topk 4, page 1", 4, 1)):
+        runner = make_runner(cfg, batch, ctx + 8, page, 1)
+        name_heads(runner, cfg)
+        backend = FlashAttentionBackend(runner, topk=topk)
+        vb = VerifyBatch(runner, backend, batch, ctx, 8, topk)
+        layer = RadixAttention(cfg.n_heads, cfg.head_dim, cfg.head_dim**-0.5, cfg.n_kv_heads, 0)
+        q = torch.randn(batch * 8, cfg.n_heads * cfg.head_dim, device=DEVICE).to(torch.bfloat16)
+        k = torch.randn(batch * 8, cfg.n_kv_heads * cfg.head_dim, device=DEVICE).to(torch.bfloat16)
+        graph = None
+        if DEVICE == "cuda":
+            graph = graph_step(lambda b=backend, v=vb: b.forward(q, k, k, layer, v.fb), vb.replay)
+        fb = vb.replay()
+        entries[f"{name}, B{batch} ctx {ctx}"] = _grid_entry(
+            backend, graph, vb.replay,
+            lambda b=backend, f=fb, q=q: b.forward(q, None, None, layer, f, save_kv_cache=False),
+            lambda b=backend, f=fb, q=q, k=k: b.forward(q, k, k, layer, f))
+    return entries
+
+
+def bench_host_grid(cfg, iters: int, smoke: bool = False):
+    """Issue 36's "every configuration" rows: per configuration, the host time of one layer call (no KV write;
+    with it: the step's safe slots, recomputed by each call here as by a step's first layer, and the pool's
+    ``set_kv_buffer``) and of its bucket's replay hook. Every configuration is built first, then the calls are
+    timed round-robin, ``iters / rounds`` calls a turn, and each figure is its fastest turn: host speed on a
+    shared machine drifts for seconds at a time, and round-robin turns see the same drift."""
+    rounds = 4 if smoke else 40
+    cases = [dataclasses.replace(c, batch=2, ctx=64) for c in GRID[:2]] if smoke else GRID
+    entries = {}
+    for case in cases:
+        name = f"{case.name}, B{case.batch} ctx {case.ctx}"
+        try:
+            entries[name] = grid_calls(case)
+        except Exception as e:  # a configuration this device cannot run: said in its row
+            entries[name] = {"fns": {}, "ran": f"failed: {type(e).__name__}: {e}"[:160]}
+    entries.update(verify_calls(cfg, *((2, 64) if smoke else (16, 4096))))
+    best = {(n, m): float("inf") for n, e in entries.items() for m in e["fns"]}
+    n = max(1, iters // rounds)
+    for _ in range(rounds):
+        for name, e in entries.items():
+            for metric, fn in e["fns"].items():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best[name, metric] = min(best[name, metric], (time.perf_counter() - t0) / n)
+                if metric == "replay hook":
+                    e["fns"]["call, no KV write"]()  # the step's table refresh, after a hook (once a step)
+    sync()
+    print(f"\n## host time per call (us), one layer; {rounds} round-robin turns of {n} calls, the fastest turn")
+    print("| configuration | call, no KV write | call + KV write | replay hook | ran | bucket |")
+    print("|---|---|---|---|---|---|")
+    for name, e in entries.items():
+        us = [f"{1e6 * best[name, m]:.1f}" if (name, m) in best else "-"
+              for m in ("call, no KV write", "call + KV write", "replay hook")]
+        print(f"| {name} | {' | '.join(us)} | {e['ran']} | {e.get('bucket', '-')} |")
+
+
 # ---- --parts profile: cProfile of the host path ----------------------------------------------------
 def profile(name, fn, iters):
     """cProfile of ``iters`` calls of ``fn`` (after one), the 18 largest by own time."""
@@ -727,7 +861,7 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
     if smoke:
         DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
         config, parts, batch, ctx, layers, iters, host_iters, profile_iters, verify_batch = (
-            "tiny", "profile,launcher,host,decode,kernels,verify", 2, 64, 2, 2, 20, 3, 2)
+            "tiny", "profile,launcher,host,decode,kernels,verify,hostgrid", 2, 64, 2, 2, 20, 3, 2)
     else:
         assert torch.cuda.is_available(), "bench_bridge needs a CUDA GPU (or --smoke)"
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run: numbers meaningless)"
@@ -752,13 +886,15 @@ def main(batch=64, ctx=4096, layers=32, page_size=16, iters=10, host_iters=2000,
             print("smoke: kernels part skipped on the CPU (a CUDA profile)")
     if "verify" in todo:
         bench_verify(cfg, verify_batch, ctx, page_size, iters, host_iters)
+    if "hostgrid" in todo:
+        bench_host_grid(cfg, host_iters, smoke)
     return 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="host,decode",
-                    help="comma-separated: host, decode, kernels, verify, profile, launcher")
+                    help="comma-separated: host, decode, kernels, verify, hostgrid, profile, launcher")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=32, help="decode: model layers; launcher: launches in the graph")

@@ -380,6 +380,56 @@ def test_checked_layer_calls_are_reused_only_while_they_still_hold():
     assert backend.runner.hits[0] is not outs[0]
 
 
+class ViewingPool(MHATokenToKVPool):
+    """SGLang's fp8 pools: the buffers are stored in another dtype (``store_dtype``) and every
+    ``get_key_buffer`` / ``get_value_buffer`` call hands out a new ``view(dtype)`` of them. Here int32
+    storage viewed as float32."""
+
+    def get_key_buffer(self, layer_id):
+        return self.k_buffer[layer_id].view(torch.float32)
+
+    def get_value_buffer(self, layer_id):
+        return self.v_buffer[layer_id].view(torch.float32)
+
+    def get_kv_buffer(self, layer_id):
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+
+def test_checked_layer_call_reused_over_a_pool_that_hands_out_new_views(monkeypatch):
+    """A pool whose buffer getters return a new view object each call (SGLang's fp8 pools) still reuses the
+    checked layer call, and reads right; a view of other memory (a reallocated buffer) is not reused.
+
+    Bug caught: the reuse test comparing buffer objects only, so every layer call over an SGLang fp8 pool
+    redid the checks (and on the launch path looked up its launch again)."""
+    from torch_bridge import layer_runner
+
+    rng = np.random.default_rng(12)
+    runner, table = make_runner(8, 4, seed=6)
+    plain = runner.token_to_kv_pool
+    pool = ViewingPool([b.view(torch.int32) for b in plain.k_buffer], [b.view(torch.int32) for b in plain.v_buffer])
+    runner.token_to_kv_pool = pool
+    checked = []
+    real_check = layer_runner.check_layer
+    monkeypatch.setattr(layer_runner, "check_layer", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
+    backend = FlashAttentionBackend(runner)
+    lay = layer()
+    hits = []
+    for step, committed in enumerate(([9, 4, 21], [13, 30, 2])):
+        rows = np.array([[1, 3, 6], [2, 5, 7]][step], np.int32)
+        fb, q_lens, start = make_batch("decode", rows, np.array(committed, np.int64), table, rng, runner)
+        fill_committed(runner, table, rows, start, rng)
+        q, k, v = rand_qkv(rng, 3)
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, lay, fb).numpy()
+        np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+        hits.append(backend.runner.hits[0])
+    assert hits[0] is hits[1] and len(checked) == 1, "the second step should reuse the checked call"
+    pool.k_buffer[0] = (pool.get_key_buffer(0) * 3.0).view(torch.int32)  # new memory, the same shape
+    out = backend.forward(q, None, None, lay, fb, save_kv_cache=False).numpy()
+    np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+    assert backend.runner.hits[0] is not hits[0] and len(checked) == 2
+
+
 def test_errors_leave_cache_unchanged():
     rng = np.random.default_rng(2)
     runner, table = make_runner(4, 1, seed=0)
@@ -428,7 +478,7 @@ def test_forward_inside_cuda_graph_capture_raises(monkeypatch):
     backend = FlashAttentionBackend(runner)
     fb, q_lens, _ = make_batch("decode", np.array([1], np.int32), np.array([3], np.int64), table, rng, runner)
     backend.init_forward_metadata(fb)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="outside the captured region"):
         backend.forward(*rand_qkv(rng, 1), layer(), fb)

@@ -247,6 +247,15 @@ def layer_buffers(pool, layer_id: int, mla: bool):
     return (pool.get_key_buffer(layer_id), None) if mla else pool.get_kv_buffer(layer_id)
 
 
+def same_memory(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Whether two tensors (or Nones) read the very same elements: same address, dtype, shape, strides and
+    device."""
+    if a is None or b is None:
+        return a is b
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
 def pool_launch_reason(k_buf: torch.Tensor, v_buf: Optional[torch.Tensor]) -> Optional[str]:
     """None when a layer's pool buffers can be read by a kernel launched from torch, else why not (the
     launch binds raw pointers: contiguous buffers, one dtype for K and V)."""
@@ -369,9 +378,14 @@ class CheckedLayer:
 
     def same(self, layer, q, forward_batch) -> bool:
         """Same layer object, token count, pool and pool buffers as the checked call."""
-        return (self.layer is layer and q.shape[0] == self.t and q.numel() == self.numel[0]
-                and forward_batch.token_to_kv_pool is self.pool
-                and all(a is b for a, b in zip(layer_buffers(self.pool, layer.layer_id, self.lp.mla), self.buffers)))
+        if (self.layer is not layer or q.shape[0] != self.t or q.numel() != self.numel[0]
+                or forward_batch.token_to_kv_pool is not self.pool):
+            return False
+        k_buf, v_buf = layer_buffers(self.pool, layer.layer_id, self.lp.mla)
+        if k_buf is self.buffers[0] and v_buf is self.buffers[1]:
+            return True
+        # SGLang's fp8 pools store uint8 and hand out a new ``view(dtype)`` per call: the same memory
+        return same_memory(k_buf, self.buffers[0]) and same_memory(v_buf, self.buffers[1])
 
     def write(self, k, v, loc) -> None:
         """Torch KV write at ``loc`` (None: no write; the pool translates an SWA layer's), checked first."""

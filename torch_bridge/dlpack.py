@@ -44,8 +44,10 @@ _CPU_ALIGN = 64
 
 
 def capturing() -> bool:
-    """Whether torch's current CUDA stream is capturing a CUDA graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether torch's current CUDA stream is capturing a CUDA graph. A capture needs CUDA initialized, and
+    ``torch.cuda.is_initialized`` costs a tenth of ``is_available`` (which reads the environment: about 1.7
+    µs a call on an H200 host, paid by every layer of an eager step over a graph bucket)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_not_capturing() -> None:

@@ -489,9 +489,11 @@ class TableRefresh:
         """Called before each attention layer of a step of this bucket (``forward``: the layer runner's count
         of forwards): the first layer after a replay hook, and the first layer of each forward inside a
         capture, write the tables (inside a capture: into the graph)."""
+        if not self.verified:
+            return
         cap = capturing()
         state = (self.serial, cap, forward if cap else None)
-        if state == self.done or not self.verified:
+        if state == self.done:
             return
         parts = self.compute()
         for heads in self.verified:

@@ -657,8 +657,13 @@ class LayerHit(CheckedLayer):
 
     def matches(self, layer, step, q, forward_batch, sinks) -> bool:
         # q's dtype too: the kernel was compiled for it, and a launch reads only q's pointer
-        return (q.dtype is self.dtype and all(step.tables.get(h) is t for h, t in self.reads)
-                and (sinks is None) == self.no_sinks and self.same(layer, q, forward_batch))
+        if q.dtype is not self.dtype or (sinks is None) != self.no_sinks:
+            return False
+        tables = step.tables
+        for h, t in self.reads:
+            if tables.get(h) is not t:
+                return False
+        return self.same(layer, q, forward_batch)
 
     def __call__(self, q, k, v, loc, sinks, step=None):
         """The KV write, then the launch (over the step tables it was bound to: ``step`` is not read)."""
