@@ -243,7 +243,7 @@ def bench_graph_hook(cfg, iters: int, rounds: int = 5, page: int = 16) -> dict:
         if backend.mosaic_path is None:
             return {}
         if name == "planner per hook":
-            backend.planner.make_refresh = lambda *a: None
+            backend.planner.make_refresh = lambda *a, **kw: None
         static = StaticBatch(runner, backend, 1, 256)
         capture(backend, 1, static)
         step = graph_step(lambda b=backend, s=static: b.forward(q, k, k, layer, s.fb))
@@ -338,7 +338,7 @@ def bridge_variant(name, path, runner, model, tokens, qkv, cfg, batch: int, ctx:
     if name == "bridge, planner per hook":  # the launch tables from the planner at each replay hook
         if DEVICE != "cuda":
             return False
-        backend.planner.make_refresh = lambda *a: None
+        backend.planner.make_refresh = lambda *a, **kw: None
     static = StaticBatch(runner, backend, batch, ctx)
     capture(backend, batch, static)
     if path is not False and DEVICE == "cuda":  # captured right after the capture hook, in SGLang's order (a
