@@ -592,7 +592,7 @@ def grid_calls(case: GridCase) -> dict:
 def _grid_entry(backend, graph, hook, call, call_kv) -> dict:
     call()
     hit = getattr(backend.runner.hits.get(0), "call", None)
-    ran = "JAX executable" if hit is None else type(hit).__name__ + (
+    ran = "JAX executable" if hit is None else type(hit).__module__.rsplit(".", 1)[-1] + "." + type(hit).__name__ + (
         " + merge" if getattr(hit, "merge", None) is not None else "")
     # the hook first: the first layer call after it refreshes the tables once (untimed, ``bench_host_grid``)
     return {"fns": {"replay hook": hook, "call, no KV write": call, "call + KV write": call_kv},

@@ -344,6 +344,23 @@ def _bits(t):
     return t.view(torch.int32).clone()
 
 
+def decode_steps(runner, table, backend, lay, rng, committed, rows):
+    """Decode steps (one per ``committed`` / ``rows`` pair, page size 4) through ``backend``, each checked
+    against the reference. Returns layer 0's checked call after each step and the last step's
+    ``(fb, q_lens, q, k, v)``."""
+    hits = []
+    for done, r in zip(committed, rows):
+        r = np.array(r, np.int32)
+        fb, q_lens, start = make_batch("decode", r, np.array(done, np.int64), table, rng, runner)
+        fill_committed(runner, table, r, start, rng)
+        q, k, v = rand_qkv(rng, len(r))
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, lay, fb).numpy()
+        np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
+        hits.append(backend.runner.hits[0])
+    return hits, (fb, q_lens, q, k, v)
+
+
 def test_checked_layer_calls_are_reused_only_while_they_still_hold():
     """A layer checked once on the JAX path (``JaxLayerHit``) skips the checks on later calls: across
     steps of one plan key it reads each step's own plan, a bad call still raises before any write, and a
@@ -355,16 +372,8 @@ def test_checked_layer_calls_are_reused_only_while_they_still_hold():
     runner, table = make_runner(8, 4, seed=5)
     backend = FlashAttentionBackend(runner)
     lay = layer()  # the engine's layer object, the same every step
-    outs = []
-    for step, committed in enumerate(([7, 20, 3], [30, 2, 11])):
-        rows = np.array([[1, 4, 6], [2, 5, 7]][step], np.int32)
-        fb, q_lens, start = make_batch("decode", rows, np.array(committed, np.int64), table, rng, runner)
-        fill_committed(runner, table, rows, start, rng)
-        q, k, v = rand_qkv(rng, 3)
-        backend.init_forward_metadata(fb)
-        out = backend.forward(q, k, v, lay, fb).numpy()
-        np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
-        outs.append(backend.runner.hits[0])
+    outs, (fb, q_lens, q, k, v) = decode_steps(runner, table, backend, lay, rng, ([7, 20, 3], [30, 2, 11]),
+                                               ([1, 4, 6], [2, 5, 7]))
     assert outs[0] is outs[1], "the second step's call should reuse the checked call"
     before = [_bits(b) for b in runner.token_to_kv_pool.k_buffer + runner.token_to_kv_pool.v_buffer]
     for bq, bk, bv in [(q, k[:, :-2], v), (q, k, v[:-1]), (q, k, v[:, :-1])]:
@@ -413,16 +422,8 @@ def test_checked_layer_call_reused_over_a_pool_that_hands_out_new_views(monkeypa
     monkeypatch.setattr(layer_runner, "check_layer", lambda *a, **kw: checked.append(1) or real_check(*a, **kw))
     backend = FlashAttentionBackend(runner)
     lay = layer()
-    hits = []
-    for step, committed in enumerate(([9, 4, 21], [13, 30, 2])):
-        rows = np.array([[1, 3, 6], [2, 5, 7]][step], np.int32)
-        fb, q_lens, start = make_batch("decode", rows, np.array(committed, np.int64), table, rng, runner)
-        fill_committed(runner, table, rows, start, rng)
-        q, k, v = rand_qkv(rng, 3)
-        backend.init_forward_metadata(fb)
-        out = backend.forward(q, k, v, lay, fb).numpy()
-        np.testing.assert_allclose(out, reference(runner, table, fb, q_lens, q, "decode", 4), rtol=1e-4, atol=1e-4)
-        hits.append(backend.runner.hits[0])
+    hits, (fb, q_lens, q, _, _) = decode_steps(runner, table, backend, lay, rng, ([9, 4, 21], [13, 30, 2]),
+                                               ([1, 3, 6], [2, 5, 7]))
     assert hits[0] is hits[1] and len(checked) == 1, "the second step should reuse the checked call"
     pool.k_buffer[0] = (pool.get_key_buffer(0) * 3.0).view(torch.int32)  # new memory, the same shape
     out = backend.forward(q, None, None, lay, fb, save_kv_cache=False).numpy()

@@ -18,7 +18,7 @@ import torch
 
 from tests.test_bridge_launch import (HKV, HQ, D, InterpretedKernel, captured_decode_replays, fill, same_bytes, setup,
                                       step)
-from torch_bridge import ForwardBatch, ForwardMode, RadixAttention
+from torch_bridge import FlashAttentionBackend, ForwardBatch, ForwardMode, RadixAttention
 from torch_bridge.mosaic_path import TRITON_TABLES, LayerHit, MosaicPath
 from torch_bridge.triton_path import (MAX_REGISTERS, MAX_REGISTERS_Q_LEN, Kernels, Layout, Spec, capped,
                                       kernel_fns, layout_of, part_shapes)
@@ -179,6 +179,36 @@ def test_triton_launch_fp8_pool(page, case):
     before = InterpretedTriton.calls
     step(runner, table, backend, [2, 5, 1][:len(q_lens)], kv_lens, q_lens, rng, layer=layer)
     assert InterpretedTriton.calls > before
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_triton_launch_fp8_over_sglangs_pool(page):
+    """SGLang's own fp8 pool (the contract suite's ``MHATokenToKVPool``: uint8 storage, a new ``view(float8)``
+    from every getter call): decode steps equal the reference over the scaled pool, write K/V through the pool's
+    uint8 storage, and later steps of the same layer reuse its checked launch.
+
+    Bugs caught: the checked call compared pool buffers by object, so over SGLang's fp8 pools every layer call
+    redid its checks (a new binding each call); a write or read that skipped the uint8 storage's view."""
+    from tests.sglang_contract.engine import MHATokenToKVPool as SglangPool
+
+    rng = np.random.default_rng(60 + page)
+    runner, table, _ = setup(60 + page, page=page, path=triton_path_for_tests(), dtype=torch.float8_e4m3fn)
+    slots = runner.token_to_kv_pool.k_buffer[0].shape[0]
+    pool = SglangPool(slots - page, page, torch.float8_e4m3fn, HKV, D, 1, "cpu", False)
+    assert pool.k_buffer[0].dtype == torch.uint8 and pool.get_key_buffer(0) is not pool.get_key_buffer(0)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.fill_(0x7F)  # e4m3 NaN wherever a step neither writes nor reads
+        buf[0] = 0
+    runner.token_to_kv_pool = pool
+    backend = FlashAttentionBackend(runner, mosaic_path=triton_path_for_tests())
+    layer = RadixAttention(HQ, D, D**-0.5, HKV, 0, k_scale_float=0.5, v_scale_float=2.0)
+    step(runner, table, backend, [1, 2], [20, 30], [1, 1], rng, layer=layer)
+    first = backend.runner.hits[0]
+    assert isinstance(first, LayerHit)  # launched, not a JAX executable
+    written = pool.k_buffer[0][torch.from_numpy(table[[1, 2], [19, 29]].astype(np.int64))]
+    assert written.dtype == torch.uint8 and not (written == 0x7F).all()
+    step(runner, table, backend, [1, 2], [22, 33], [1, 1], rng, layer=layer)
+    assert backend.runner.hits[0] is first, "later steps should reuse the checked launch"
 
 
 def test_triton_kernel_plan_matches_the_compiled_parameters(monkeypatch):

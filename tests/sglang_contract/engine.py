@@ -213,27 +213,32 @@ class ReqToTokenPool:
 
 class MHATokenToKVPool:
     """``mem_cache/memory_pool.MHATokenToKVPool``: per layer ``[size + page_size, head_num, head_dim]``
-    K and V buffers (page 0 reserved for padded tokens)."""
+    K and V buffers (page 0 reserved for padded tokens). fp8 pools store uint8 (``store_dtype``), and
+    every getter call hands out a new ``view(dtype)`` of the storage, as SGLang's do."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str, enable_memory_saver: bool, v_head_dim: Optional[int] = None,
                  start_layer: Optional[int] = None, end_layer: Optional[int] = None):
-        self.size, self.page_size, self.dtype, self.store_dtype = size, page_size, dtype, dtype
+        self.size, self.page_size, self.dtype = size, page_size, dtype
+        self.store_dtype = torch.uint8 if dtype in (torch.float8_e5m2, torch.float8_e4m3fn) else dtype
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.layer_num, self.device = layer_num, device
         self.start_layer = start_layer or 0
         self.end_layer = end_layer or layer_num - 1
         rows = size + page_size
-        self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=device)
+        store = self.store_dtype
+        self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=store, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros((rows, head_num, self.v_head_dim), dtype=store, device=device)
                          for _ in range(layer_num)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id - self.start_layer]
+        buf = self.k_buffer[layer_id - self.start_layer]
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id - self.start_layer]
+        buf = self.v_buffer[layer_id - self.start_layer]
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
 
     def get_kv_buffer(self, layer_id: int):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -248,6 +253,8 @@ class MHATokenToKVPool:
             if v_scale is not None:
                 cache_v.div_(v_scale)
             cache_k, cache_v = cache_k.to(self.dtype), cache_v.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k, cache_v = cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)
         k_buf, v_buf = self.k_buffer[layer_id - self.start_layer], self.v_buffer[layer_id - self.start_layer]
         k_buf[loc] = cache_k.view(-1, self.head_num, self.head_dim)
         v_buf[loc] = cache_v.view(-1, self.head_num, self.v_head_dim)
