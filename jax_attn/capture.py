@@ -253,7 +253,7 @@ class StepRunner:
         if self.backend.validate:  # validation mode: host checks and the plan's error flag, before any write
             self.backend.plan(padded)
         # one host-to-device copy for the plan inputs and the host token inputs
-        _, packed, tokens = self.pack(padded, _pad_tokens(token_inputs, padded.num_tokens))
+        _, packed, tokens = self.pack(padded, _pad_tokens(token_inputs, padded.num_tokens), with_layout=False)
         if self.static_buffers:
             bufs = self.buffers[key]
             bufs[0] = self._stage(bufs[0], (packed, tokens))  # written in place: same addresses
@@ -271,9 +271,9 @@ class StepRunner:
         layout, packed, tokens = self.pack(batch, token_inputs)
         return self._eager_jit(key, layout, self.backend.req_to_token, packed, tokens, *args)
 
-    def pack(self, batch: ForwardBatch, token_inputs):
+    def pack(self, batch: ForwardBatch, token_inputs, with_layout: bool = True):
         """``pack_step`` of a batch (padded for a bucket) and its token inputs."""
-        return pack_step(batch_arrays(batch), token_inputs, self._device_zeros)
+        return pack_step(batch_arrays(batch), token_inputs, self._device_zeros, with_layout)
 
     def _device_zeros(self, shape) -> jax.Array:
         hit = self._zeros.get(shape)
@@ -323,11 +323,15 @@ def _write_into(old, new):
                         old, new)
 
 
-def pack_int32(arrays):
-    """Host int/bool arrays (``None`` allowed) -> (static layout, one i32 vector)."""
-    layout = tuple(None if a is None else (a.shape, a.dtype.char) for a in arrays)  # (dtype.char: cheap on the host)
-    parts = [np.asarray(a, np.int32).ravel() for a in arrays if a is not None]
-    return layout, (np.concatenate(parts) if parts else np.zeros((0,), np.int32))
+def pack_int32(arrays, with_layout: bool = True):
+    """Host int/bool arrays (``None`` allowed) -> (static layout, one i32 vector); ``with_layout=False``: the
+    layout is None (a replay, whose executable has its layout already, skips making it)."""
+    parts = [a.reshape(-1) for a in arrays if a is not None]
+    # one pass: converted to int32 while concatenated (bool and int64 fields as np.asarray(a, np.int32) would)
+    vector = np.concatenate(parts, dtype=np.int32, casting="unsafe") if parts else np.zeros((0,), np.int32)
+    if not with_layout:
+        return None, vector
+    return tuple(None if a is None else (a.shape, a.dtype.char) for a in arrays), vector  # (dtype.char: cheap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +358,7 @@ class StepLayout:
         return parts[:self.num_plan], jax.tree.unflatten(self.tokens, leaves)
 
 
-def pack_step(arrays, token_inputs, zeros: Callable):
+def pack_step(arrays, token_inputs, zeros: Callable, with_layout: bool = True):
     """A step's inputs as ``(StepLayout, packed int32 host vector, token arguments)``: one host-to-device
     transfer for the batch fields (``plan_key.batch_arrays``) and the token inputs that are host int32
     arrays.
@@ -364,16 +368,22 @@ def pack_step(arrays, token_inputs, zeros: Callable):
     device array of zeros (``zeros(shape)``); a device array (ids sampled on the device) is the argument,
     and its slot holds zeros. The layout therefore does not depend on where a leaf lives: a bucket
     captured with host positions replays with device ones, and the other way round. Other leaves are
-    arguments."""
+    arguments. ``with_layout=False`` (a replay): the layout is None."""
     leaves, tree = jax.tree.flatten(token_inputs)
-    slots = tuple(np.dtype(x.dtype) == np.int32 for x in leaves)
-    host = [s and isinstance(x, np.ndarray) for x, s in zip(leaves, slots)]  # sent in the vector
-    parts = [x if h else np.zeros(x.shape, np.int32) for x, s, h in zip(leaves, slots, host) if s]
-    if parts:
-        parts.append(np.array([h for s, h in zip(slots, host) if s], np.int32))
-    args = [zeros(x.shape) if h else x for x, h in zip(leaves, host)]
-    arrays_layout, vector = pack_int32(list(arrays) + parts)
-    return StepLayout(arrays_layout, len(arrays), tree, slots), vector, args
+    slots, parts, sources, args = [], list(arrays), [], []
+    for x in leaves:
+        slot = x.dtype == np.int32
+        host = slot and isinstance(x, np.ndarray)  # sent in the vector
+        slots.append(slot)
+        if slot:
+            parts.append(x if host else np.zeros(x.shape, np.int32))
+            sources.append(host)
+        args.append(zeros(x.shape) if host else x)
+    if sources:
+        parts.append(np.array(sources, np.int32))
+    arrays_layout, vector = pack_int32(parts, with_layout)
+    layout = StepLayout(arrays_layout, len(arrays), tree, tuple(slots)) if with_layout else None
+    return layout, vector, args
 
 
 def unpack_int32(packed, layout):
