@@ -104,7 +104,7 @@ from jax_attn.local import local_pages, max_virtual_rows
 from jax_attn.safety import INT32_MAX, INT32_MIN
 from torch_bridge.checks import plans_local
 from torch_bridge.dlpack import capturing
-from torch_bridge.launcher import copy_front, zero_range
+from torch_bridge.launcher import FrontBuffer
 from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES,
                                       SWA_TABLES, TREE_SWA_TABLES, TRITON_TABLES, TableKey, Tables, key_flags)
 from torch_bridge.table_rules import (expand_parts, guarded, local_parts, lse_pattern, mosaic_split_tables,
@@ -231,6 +231,8 @@ class TableRefresh:
             self.loc = (torch.zeros(b * key.topk * key.num_steps, dtype=torch.int64, device=dev) if self.draft
                         else None)
         self.mask_size = 0 if self.mask is None else int(self.mask.shape[0])
+        self._mask_front = None if self.mask is None else FrontBuffer(self.mask)
+        self._loc_front = None if self.loc is None else FrontBuffer(self.loc)
         self.mask_len = 0  # bytes of ``mask`` the last load wrote (the rest are 0)
         self.spec_info = types.SimpleNamespace(custom_mask=self.mask) if self.tree else None  # a planner call's
         p, page, width = key.max_pages, key.page_size, req_to_token.shape[1]
@@ -511,8 +513,9 @@ class TableRefresh:
         if mask is not None:
             m = mask if mask.dim() == 1 else mask.reshape(-1)
             n = min(int(m.shape[0]), self.mask_size)
-            copy_front(self.mask, m, n)
-        zero_range(self.mask, n, self.mask_len)
+            self._mask_front.load(m, n)
+        if n < self.mask_len:
+            self._mask_front.zero(n, self.mask_len)
         self.mask_len = n
 
     def load_loc(self, loc: Optional[torch.Tensor]) -> None:
@@ -524,8 +527,8 @@ class TableRefresh:
         if loc is not None:
             m = loc.reshape(-1)
             n = min(int(m.shape[0]), int(self.loc.shape[0]))
-            copy_front(self.loc, m, n)
-        zero_range(self.loc, n, int(self.loc.shape[0]))
+            self._loc_front.load(m, n)
+        self._loc_front.zero(n, int(self.loc.shape[0]))
 
     def take(self, rows: torch.Tensor, lens: torch.Tensor, mask: Optional[torch.Tensor] = None,
              loc: Optional[torch.Tensor] = None, encoder_lens: Optional[torch.Tensor] = None):

@@ -563,29 +563,35 @@ def _raw_zero(dst: int, stream, nbytes: int) -> None:
         raise RuntimeError(f"cuMemsetD8Async failed with CUDA error {err}")
 
 
-def copy_front(dst, src, n: int) -> None:
-    """``dst[:n] = src[:n]`` for 1-D tensors on torch's current stream. Tensors of one CUDA device and dtype,
-    contiguous, take one ``cuMemcpyDtoDAsync`` (a replay hook's copy: a torch ``copy_`` costs several times
-    its host time); others a torch copy (dtype conversions included)."""
-    if n <= 0:
-        return
-    if (dst.is_cuda and src.device == dst.device and src.dtype == dst.dtype and src.is_contiguous()
-            and dst.is_contiguous()):
-        _device_run(dst.device.index)(_raw_copy, dst.data_ptr(), (src.data_ptr(), n * dst.element_size()))
-    else:
-        dst[:n].copy_(src[:n])
+class FrontBuffer:
+    """A fixed 1-D tensor that a replay hook refills on torch's current stream: ``load(src, n)`` is
+    ``dst[:n] = src[:n]`` and ``zero(start, stop)`` is ``dst[start:stop] = 0``. On a contiguous CUDA tensor a load
+    from a contiguous tensor of its device and dtype is one ``cuMemcpyDtoDAsync`` (a torch ``copy_`` costs several
+    times its host time) and a zero one ``cuMemsetD8Async``; others are torch ops (dtype conversions included).
+    What depends on the destination alone (its address, element size, device launcher) is read once."""
 
+    def __init__(self, dst):
+        self.dst = dst
+        self._raw = dst.is_cuda and dst.is_contiguous()
+        if self._raw:
+            self._run, self._ptr, self._size = _device_run(dst.device.index), dst.data_ptr(), dst.element_size()
+            self._device, self._dtype = dst.device, dst.dtype
 
-def zero_range(dst, start: int, stop: int) -> None:
-    """``dst[start:stop] = 0`` for a 1-D tensor on torch's current stream (one ``cuMemsetD8Async`` for a
-    contiguous CUDA tensor)."""
-    if stop <= start:
-        return
-    if dst.is_cuda and dst.is_contiguous():
-        size = dst.element_size()
-        _device_run(dst.device.index)(_raw_zero, dst.data_ptr() + start * size, (stop - start) * size)
-    else:
-        dst[start:stop].zero_()
+    def load(self, src, n: int) -> None:
+        if n <= 0:
+            return
+        if self._raw and src.dtype == self._dtype and src.device == self._device and src.is_contiguous():
+            self._run(_raw_copy, self._ptr, (src.data_ptr(), n * self._size))
+        else:
+            self.dst[:n].copy_(src[:n])
+
+    def zero(self, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        if self._raw:
+            self._run(_raw_zero, self._ptr + start * self._size, (stop - start) * self._size)
+        else:
+            self.dst[start:stop].zero_()
 
 
 class TorchKernel:
