@@ -4,7 +4,9 @@ XLA's host device count is fixed when JAX starts, and this process already has 1
 run in a subprocess with ``--xla_force_host_platform_device_count=2`` (``tests/tp_check.py``). They use
 the persistent compilation cache like the rest of the suite: about 30 s here when warm, about 140 s cold.
 ``test_tp2_matches_tp1_on_two_gpus`` (``gpu``) runs the same checks on the first 2 GPUs, in float32 and
-bfloat16: no host devices, JAX not preallocating.
+bfloat16: no host devices, JAX not preallocating. ``test_tp2_over_two_processes_matches_tp1`` runs the model
+check in two processes joined by ``jax.distributed`` (CPU, one device each): ``docs/models.md``'s several-hosts
+recipe.
 
 ``test_tp2_matches_tp1`` checks two things:
 
@@ -72,6 +74,47 @@ def test_tp2_matches_tp1_on_two_gpus():
     if gpus < 2:
         pytest.skip(f"needs 2 CUDA GPUs; torch sees {gpus}")
     _check(_run("all", platform="gpu", dtypes="float32,bfloat16"), ["float32", "bfloat16"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def test_tp2_over_two_processes_matches_tp1():
+    """``docs/models.md``'s several-hosts recipe, run: two processes joined by ``jax.distributed.initialize``
+    (CPU, gloo collectives, one host device each), each running the example's prefill and captured decode steps
+    with ``tp=2`` over the global mesh and with ``tp=1`` on its own device. Both processes give tp=1's greedy
+    tokens and its logits to float32 rounding, and the same figures.
+
+    Catches: host inputs (the packed plan vector, the request table, sampled ids) that a multi-process step does
+    not take as replicated arrays, weights or pools placed only on the first process's devices, a step that
+    differs between processes."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)  # one host device per process
+    coordinator = f"localhost:{_free_port()}"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "tp_check.py"), "model", "--platform", "cpu",
+           "--processes", "2", "--coordinator", coordinator, "--process-id"]
+    procs = [subprocess.Popen(cmd + [str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=400)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    cases = []
+    for rc, out, err in outs:
+        mine = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert rc == 0 and len(mine) == 1 and mine[0]["ok"], f"rc={rc}\n{out}\n{err[-4000:]}"
+        cases.append(mine[0])
+    assert cases[0] == cases[1], cases  # the same step in both processes
+    assert cases[0]["same_tokens"]
 
 
 def test_tp_config_errors_name_the_flag():

@@ -4,6 +4,7 @@ on 2 GPUs. One code path for both; only the devices differ:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu python tests/tp_check.py attention
     XLA_PYTHON_CLIENT_PREALLOCATE=false python tests/tp_check.py all --platform gpu --dtypes float32,bfloat16
+    JAX_PLATFORMS=cpu python tests/tp_check.py model --processes 2 --process-id I --coordinator localhost:PORT
 
 ``attention``: one layer's ``backend.forward`` (KV write + paged attention) per shard, on its heads and its
 half of the pool, under the one plan of the step, against the whole layer: outputs and pools bitwise
@@ -12,7 +13,10 @@ equal, for a prefill then decode steps, page sizes 1 and 16. ``model``: ``decode
 dtype's rounding (float32: 1e-5 relative, its GEMMs at full precision so a GPU's TF32 default does not hide
 a bug; bfloat16: 2e-2, a few bf16 ulps: each row-parallel ``psum`` adds bf16 partial outputs that tp=1 sums
 in float32 inside one GEMM). ``--dtypes``: the model and attention dtypes (default float32). ``--platform``:
-fail unless JAX runs there. Prints one JSON line per case.
+fail unless JAX runs there. ``--processes N`` (with ``--process-id`` and ``--coordinator``): one of N processes
+joined by ``jax.distributed.initialize`` (on the CPU with gloo collectives, one host device each), every one
+running the same cases over the global mesh, as ``docs/models.md`` describes for several hosts; ``model`` then
+runs one case (page 1, ``list`` layout). Prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -140,7 +144,13 @@ def check_model(page_size: int, layout: str, n_kv_heads: int = 2, dtype: str = "
                 ok=mismatches == 0 and rel < tol)
 
 
-def main(which: str = "all", dtypes=("float32",), platform=None) -> int:
+def main(which: str = "all", dtypes=("float32",), platform=None, processes: int = 1, process_id: int = 0,
+         coordinator=None) -> int:
+    if processes > 1:  # before any use of JAX's devices
+        if os.environ.get("JAX_PLATFORMS") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=processes, process_id=process_id,
+                                   initialization_timeout=120)
     devices = jax.devices()
     print(f"tp_check: {len(devices)} {devices[0].platform} devices ({devices[0].device_kind})", file=sys.stderr)
     if platform is not None and devices[0].platform != platform:
@@ -154,7 +164,9 @@ def main(which: str = "all", dtypes=("float32",), platform=None) -> int:
     for dtype in dtypes:
         if which in ("attention", "all"):
             runs += [functools.partial(check_attention, p, dtype) for p in (1, 16)]
-        if which in ("model", "all"):
+        if which == "model" and processes > 1:
+            runs += [functools.partial(check_model, 1, "list", dtype=dtype)]
+        elif which in ("model", "all"):
             runs += [functools.partial(check_model, 1, "list", dtype=dtype),
                      functools.partial(check_model, 16, "scan", dtype=dtype),
                      functools.partial(check_model, 16, "fused", n_kv_heads=1, dtype=dtype)]
@@ -171,5 +183,9 @@ if __name__ == "__main__":
     ap.add_argument("which", nargs="?", default="all", choices=("attention", "model", "all"))
     ap.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
     ap.add_argument("--platform", choices=("cpu", "gpu"), help="exit 2 unless JAX's devices are of this platform")
+    ap.add_argument("--processes", type=int, default=1, help="processes joined by jax.distributed.initialize")
+    ap.add_argument("--process-id", type=int, default=0)
+    ap.add_argument("--coordinator", help="host:port of process 0's coordinator (with --processes)")
     args = ap.parse_args()
-    sys.exit(main(args.which, tuple(d for d in args.dtypes.split(",") if d), args.platform))
+    sys.exit(main(args.which, tuple(d for d in args.dtypes.split(",") if d), args.platform, args.processes,
+                  args.process_id, args.coordinator))
