@@ -102,7 +102,7 @@ from jax_attn.kernels.mosaic_kernel import TILE_INFO_COLUMNS, TILE_INFO_WORDS, t
 from jax_attn.kernels.mosaic_paged import MosaicConfig
 from jax_attn.local import local_pages, max_virtual_rows
 from jax_attn.safety import INT32_MAX, INT32_MIN
-from torch_bridge.checks import plans_local
+from torch_bridge.checks import plans_local, same_memory
 from torch_bridge.dlpack import capturing
 from torch_bridge.launcher import FrontBuffer
 from torch_bridge.mosaic_path import (CROSS_TABLES, EXPAND_TABLES, LATENT_TABLES, LOCAL_TABLES, PREFIX_TABLES,
@@ -544,8 +544,7 @@ class TableRefresh:
                 raise ValueError(f"{self.key.mode.name} bucket was captured with encoder_lens; pass them")
             inputs.append((encoder_lens, self.enc, 0))
         for src, dst, fill in inputs:
-            if src is dst or (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape
-                              and src.stride() == dst.stride()):
+            if src is dst or same_memory(src, dst):
                 continue
             m = min(n, dst.shape[0])
             dst[:m].copy_(src[:m])

@@ -542,15 +542,17 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
     if prior and split_mode:
         raise ValueError("a prior partial merges into unsplit tiles only (plan the pass with one kv split)")
     hq, hkv = num_q_heads, num_kv_heads
+    kv_bytes = jnp.dtype(kv_dtype).itemsize
+    fp8_kv = kv_bytes == 1
     pack = kv_heads_per_program(config, hkv, decode=decode, split=split_mode)
     block_k, num_warps, num_stages = config.tile_params(
         decode, split_mode, programs=num_tokens * num_kv_heads, page_size=page_size,
         head_dim=max(head_dim_block(head_dim), head_dim_block(head_dim_v)), batch_invariant=batch_invariant,
-        kv_itemsize=jnp.dtype(kv_dtype).itemsize, kv_pack=pack)
+        kv_itemsize=kv_bytes, kv_pack=pack)
     # a key block never outgrows the plan's static key bound (a tree step's expand pass: at most its draft tokens)
     block_k = min(block_k, max(16, next_pow2(max_pages * page_size)))
     compute_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
-    if jnp.dtype(kv_dtype).itemsize == 1 and compute_dtype != jnp.float32 and config.fp8_f16_dots:
+    if fp8_kv and compute_dtype != jnp.float32 and config.fp8_f16_dots:
         compute_dtype = jnp.float16  # KernelConfig.fp8_f16_dots
     split = head_split(block_q, hq // hkv, pack, head_dim_v, config.max_tile_elements)
     if split > 1:  # a wide value block: more warps for the accumulator, shorter key blocks for shared memory
@@ -564,7 +566,7 @@ def kernel_statics(*, num_tokens: int, num_q_heads: int, num_kv_heads: int, head
         softcap=float(softcap), scale=float(head_dim**-0.5 if softmax_scale is None else softmax_scale),
         has_sinks=has_sinks, has_k_descale=has_k_descale, has_v_descale=has_v_descale,
         compute_dtype=jnp.dtype(compute_dtype), fast_exp2=config.fast_exp2 and not interpret,
-        fp8_kv=jnp.dtype(kv_dtype).itemsize == 1, latent=latent, prior=prior,
+        fp8_kv=fp8_kv, latent=latent, prior=prior,
     )
     return st, (num_warps, num_stages)
 
